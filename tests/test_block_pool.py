@@ -1,0 +1,142 @@
+"""Block pool and KV cache manager: exact block ids, LRU eviction order, invariants."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tieredkv.cache.block_pool import BlockPool
+from tieredkv.cache.manager import KVCacheManager
+from tieredkv.sampling import SamplingParams
+from tieredkv.sequence import Sequence
+
+BS = 4
+
+
+def make_seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=4, temperature=0.0))
+
+
+def run_prefill(kv: KVCacheManager, seq: Sequence) -> list[int]:
+    """Admit a sequence the way the scheduler does and mark its prompt computed."""
+    prefix = kv.match_prefix(seq)
+    assert kv.allocate(seq, seq.num_tokens - prefix.num_tokens(BS), prefix) is not None
+    seq.num_computed_tokens = seq.num_tokens
+    kv.commit(seq)
+    return kv.block_table(seq)
+
+
+def test_allocate_takes_blocks_in_order_and_fails_without_side_effects():
+    pool = BlockPool(4)
+    assert [b.block_id for b in pool.allocate(3)] == [0, 1, 2]
+    assert pool.allocate(2) is None
+    assert pool.num_free == 1
+
+
+def test_uncached_blocks_are_reused_before_cached_ones():
+    kv = KVCacheManager(num_blocks=6, block_size=BS, root_hash=7)
+    a = make_seq("a", list(range(10)))  # 2 full blocks + 1 partial
+    assert run_prefill(kv, a) == [0, 1, 2]
+    kv.free(a)
+    # the partial block 2 has no hash: it goes to the front; full blocks 1 then 0 go to the back
+    assert list(kv.pool.free_queue) == [2, 3, 4, 5, 1, 0]
+    b = make_seq("b", [100 + i for i in range(12)])
+    assert run_prefill(kv, b) == [2, 3, 4]
+    assert kv.pool.num_cached == 5  # a's two blocks and b's three
+
+
+def test_prefix_hits_and_lru_eviction_order():
+    kv = KVCacheManager(num_blocks=5, block_size=BS, root_hash=7)
+    shared = [9, 8, 7, 6, 5, 4, 3, 2]  # two full blocks
+    a = make_seq("a", shared + [1, 1])
+    assert run_prefill(kv, a) == [0, 1, 2]
+    b = make_seq("b", shared + [2, 2, 2])
+    assert run_prefill(kv, b) == [0, 1, 3]  # two blocks reused from a
+    assert b.num_cached_tokens == 8 and kv.prefix_hit_tokens == 8
+    assert kv.pool.blocks[0].ref_count == 2
+    kv.free(a)
+    kv.free(b)
+    # b released last: its tail block 3 (partial, unhashed) jumps to the front
+    assert list(kv.pool.free_queue) == [3, 2, 4, 1, 0]
+    # a new 12-token sequence with no shared prefix needs 3 blocks: 3, 2, 4 are uncached
+    c = make_seq("c", [50 + i for i in range(12)])
+    assert run_prefill(kv, c) == [3, 2, 4]
+    assert kv.pool.num_evictions == 0
+    # one more block must evict the least recently used cached block: block 1 (shared tail)
+    d = make_seq("d", [70, 71])
+    assert run_prefill(kv, d) == [1]
+    assert kv.pool.num_evictions == 1
+    # the shared prefix now matches one block only
+    e = make_seq("e", shared + [3])
+    assert kv.match_prefix(e).blocks == (kv.pool.blocks[0],)
+
+
+def test_full_match_leaves_one_token_to_compute():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, root_hash=7)
+    a = make_seq("a", list(range(8)))
+    run_prefill(kv, a)
+    b = make_seq("b", list(range(8)))
+    assert kv.match_prefix(b).num_tokens(BS) == 4
+
+
+def test_hash_collision_is_not_a_hit():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, root_hash=7)
+    a = make_seq("a", [1, 2, 3, 4, 5])
+    run_prefill(kv, a)
+    block = kv.pool.blocks[0]
+    # pretend another token run had the same hash: the token comparison must reject it
+    other = make_seq("b", [4, 3, 2, 1, 5])
+    other.block_hashes = [block.block_hash]
+    assert kv.match_prefix(other).blocks == ()
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 5), st.integers(1, 9)), max_size=60
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_block_accounting_invariants(script):
+    kv = KVCacheManager(num_blocks=12, block_size=BS, root_hash=3)
+    live: dict[str, Sequence] = {}
+    for n, (op, who, amount) in enumerate(script):
+        rid = f"s{who}"
+        if op == "add" and rid not in live:
+            # few distinct token values so that prefixes are shared often
+            seq = make_seq(rid, [(who * amount + i) % 3 for i in range(amount + who)])
+            prefix = kv.match_prefix(seq)
+            if kv.allocate(seq, seq.num_tokens - prefix.num_tokens(BS), prefix) is not None:
+                seq.num_computed_tokens = seq.num_tokens
+                kv.commit(seq)
+                live[rid] = seq
+        elif op == "grow" and rid in live:
+            seq = live[rid]
+            if kv.allocate(seq, amount) is not None:
+                seq.token_ids += [n % 3] * amount
+                seq.num_computed_tokens = seq.num_tokens
+                kv.commit(seq)
+        elif op == "free" and rid in live:
+            kv.free(live.pop(rid))
+        check_invariants(kv, live)
+    for seq in live.values():
+        kv.free(seq)
+    check_invariants(kv, {})
+    assert kv.pool.num_free == kv.num_blocks
+    assert all(b.ref_count == 0 for b in kv.pool.blocks)
+
+
+def check_invariants(kv: KVCacheManager, live: dict[str, Sequence]) -> None:
+    owners: dict[int, int] = {}
+    for seq in live.values():
+        table = kv.block_table(seq)
+        assert len(table) == kv.blocks_needed(seq.num_tokens)
+        for block_id in table:
+            owners[block_id] = owners.get(block_id, 0) + 1
+    for block in kv.pool.blocks:
+        assert block.ref_count == owners.get(block.block_id, 0)
+        in_free = block.block_id in kv.pool.free_queue
+        assert in_free == (block.ref_count == 0), f"block {block.block_id} free and owned"
+        if block.block_hash is not None:
+            assert kv.pool.cached[block.block_hash] is block
+    assert len(kv.pool.cached) == sum(b.block_hash is not None for b in kv.pool.blocks)

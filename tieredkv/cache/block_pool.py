@@ -1,0 +1,111 @@
+"""The GPU block pool: ids of the blocks in the one KV tensor, their ref counts and hashes.
+
+Operations (all O(1) per block):
+- `allocate(n)`: take n blocks from the front of the free queue (evicting cached ones);
+  `None` when there are not enough.
+- `touch(block)`: take a cached block out of the free queue for a new owner.
+- `release(blocks)`: drop one reference each; blocks that reach zero join the back of the
+  free queue (cached ones stay findable until they are evicted).
+- `cache(block, ...)` / `lookup(hash, ...)`: the prefix-cache hash map.
+
+The free queue is in LRU order: the front is evicted first. Never-hashed blocks go to the
+front (nothing to lose), cached blocks to the back.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+
+@dataclass(eq=False)
+class Block:
+    """One block of `block_size` token slots in the GPU KV tensor."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+    def reset_hash(self) -> None:
+        self.block_hash = self.parent_hash = self.token_ids = None
+
+
+EvictCallback = Callable[[Block], None]
+
+
+class BlockPool:
+    """Free queue, ref counts and hash map of `num_blocks` blocks.
+
+    `on_evict` is called with a cached block just before its hash is dropped, while its KV is
+    still intact: the CPU tier uses it to demote the block.
+    """
+
+    def __init__(self, num_blocks: int, on_evict: EvictCallback | None = None) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, Block] = {}
+        self.on_evict = on_evict
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now (free or cached with no owner)."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
+
+    def allocate(self, n: int) -> list[Block] | None:
+        if n > len(self.free_queue):
+            return None
+        taken = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, block: Block) -> None:
+        """Add an owner to a block found in the prefix cache."""
+        if block.ref_count == 0:
+            del self.free_queue[block.block_id]
+        block.ref_count += 1
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block, in the given order (the first reaches the
+        free queue first, so it is evicted first)."""
+        for block in blocks:
+            assert block.ref_count > 0, f"block {block.block_id} released more often than owned"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = block
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block.block_id, last=False)
+
+    def lookup(self, block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> Block | None:
+        """The cached block with exactly this content, if any."""
+        block = self.cached.get(block_hash)
+        if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def cache(self, block: Block, block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> None:
+        """Make a full, computed block findable. A hash already taken keeps its block."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
+        self.cached[block_hash] = block
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is None:
+            return
+        if self.on_evict is not None:
+            self.on_evict(block)
+        del self.cached[block.block_hash]
+        block.reset_hash()
+        self.num_evictions += 1

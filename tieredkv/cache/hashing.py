@@ -1,0 +1,36 @@
+"""Chained block hashes.
+
+    h_0 = xxh3_64(root ‖ tokens_0),  h_i = xxh3_64(h_{i-1} ‖ tokens_i)
+
+The root is a model fingerprint, so KV from another model, dtype or block size never matches.
+Only full blocks are hashed. A hash is a key, not a proof: hits are confirmed by comparing
+token ids (and the parent hash).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+import xxhash
+
+
+def model_fingerprint(model_config: dict[str, Any], dtype: str, block_size: int) -> int:
+    """A 64-bit id of everything that changes the KV bytes of a block."""
+    text = json.dumps({"model": model_config, "dtype": dtype, "block_size": block_size}, sort_keys=True, default=str)
+    return xxhash.xxh3_64_intdigest(text.encode())
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """The hash of one full block whose predecessor hashes to `parent_hash`."""
+    payload = parent_hash.to_bytes(8, "little") + np.asarray(token_ids, dtype=np.int64).tobytes()
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, root: int) -> list[int]:
+    """Append to `hashes` the hashes of full blocks of `token_ids` not hashed yet."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[i - 1] if i else root
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
+    return hashes

@@ -1,0 +1,211 @@
+"""Typed engine configuration.
+
+Operations:
+- `parse_size("4GiB")` turns a size string or int into bytes.
+- `EngineConfig.from_kwargs(**flat)` builds a config from `LLM(...)` keywords.
+- `EngineConfig.from_dict(nested)` builds it from a YAML document (sections `cache`,
+  `scheduler`, `workload`, ...).
+
+Every invalid value raises `ValueError` naming the key, the bad value and what is allowed;
+an unknown key names the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+Device = Literal["cpu", "cuda"]
+DType = Literal["float32", "float16", "bfloat16"]
+IOBackend = Literal["uring", "aiofiles", "sync"]
+Preemption = Literal["auto", "swap", "recompute"]
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str, key: str = "size") -> int:
+    """Bytes from an int or a string such as "512MiB", "4GiB", "1.5GB"."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected a size such as 4GiB or an integer number of bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{key}: a size cannot be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _SIZE_UNITS:
+            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    raise ValueError(
+        f"{key}: cannot read {value!r} as a size; use an integer number of bytes or a number "
+        f"with a unit ({', '.join(u for u in ('KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB'))}), e.g. '4GiB'"
+    )
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
+
+
+def _check_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
+        maximum is not None and value > maximum
+    ):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{key}: expected an integer {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model runs where."""
+
+    model: str = "tiny-llama"
+    device: Device = "cpu"
+    dtype: DType = "float32"
+    seed: int = 0
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model: expected a preset name or a model directory, got {self.model!r}")
+        _check_choice("device", self.device, get_args(Device))
+        _check_choice("dtype", self.dtype, get_args(DType))
+        _check_int("seed", self.seed, 0)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Sizes of the KV tiers. `num_gpu_blocks=None` sizes the GPU tier from
+    `gpu_memory_utilization` (CUDA) or uses 256 blocks (CPU)."""
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_cache_bytes: int = 0
+    nvme_path: str | None = None
+    nvme_bytes: int = 0
+    io_backend: IOBackend = "uring"
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1, 1024)
+        if self.num_gpu_blocks is not None:
+            _check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization: expected a fraction in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        object.__setattr__(self, "cpu_cache_bytes", parse_size(self.cpu_cache_bytes, "cpu_cache_bytes"))
+        object.__setattr__(self, "nvme_bytes", parse_size(self.nvme_bytes, "nvme_bytes"))
+        _check_choice("io_backend", self.io_backend, get_args(IOBackend))
+        if self.nvme_bytes and not self.nvme_path:
+            raise ValueError("nvme_bytes: set nvme_path (a directory for the block store) to use an NVMe tier")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits and the preemption policy."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption: Preemption = "recompute"
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_choice("preemption", self.preemption, get_args(Preemption))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `LLM(...)` takes, grouped by section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from the flat keywords of `LLM(...)`; `cache=` / `scheduler=` dicts also work."""
+        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        for key, value in kwargs.items():
+            if key in ("cache", "scheduler"):
+                sections[key].update(_check_section(key, value, SECTION_TYPES[key]))
+            elif key in FLAT_KEYS:
+                sections[FLAT_KEYS[key]][key] = value
+            else:
+                raise ValueError(_unknown_key(key, [*FLAT_KEYS, "cache", "scheduler"]))
+        return cls(
+            model=ModelConfig(**sections["model"]),
+            cache=CacheConfig(**sections["cache"]),
+            scheduler=SchedulerConfig(**sections["scheduler"]),
+        )
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], extra_sections: tuple[str, ...] = ()) -> EngineConfig:
+        """Build from a YAML document. Sections in `extra_sections` (e.g. `workload`) are
+        allowed and ignored here; the caller reads them."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"config: expected a mapping of keys to values at the top level, got {type(doc).__name__}")
+        flat: dict[str, Any] = {}
+        top_keys = [*_fields(ModelConfig), "cache", "scheduler", *extra_sections]
+        for key, value in doc.items():
+            if key in extra_sections:
+                continue
+            if key not in top_keys:
+                raise ValueError(_unknown_key(str(key), top_keys))
+            flat[key] = value
+        return cls.from_kwargs(**flat)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def _fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+FLAT_KEYS: dict[str, str] = {key: name for name, cls in SECTION_TYPES.items() for key in _fields(cls)}
+
+
+def _check_section(name: str, value: Any, cls: type) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a mapping of keys to values, got {value!r}")
+    allowed = _fields(cls)
+    for key in value:
+        if key not in allowed:
+            raise ValueError(_unknown_key(f"{name}.{key}", [f"{name}.{k}" for k in allowed]))
+    return value
+
+
+def _unknown_key(key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(allowed)}"
+    return f"unknown key {key!r}: {hint}"
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    """Parse a YAML experiment file; errors name the file and what is wrong."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config: file {path!r} does not exist") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"config: {path} is not valid YAML: {err}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"config: {path} must hold a mapping of keys (model, cache, scheduler, workload, ...)")
+    return doc

@@ -1,0 +1,237 @@
+"""The engine loop and the public `LLM` API.
+
+Operations:
+- `LLMEngine.add_request(prompt, params)`: validate and queue a request (ValueError if it can
+  never run).
+- `LLMEngine.step()`: schedule, run one packed forward pass, sample, retire finished requests.
+- `LLM.generate(prompts, params)`: run a batch to completion with a progress bar.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from tieredkv.cache.hashing import model_fingerprint
+from tieredkv.cache.manager import KVCacheManager
+from tieredkv.config import EngineConfig, read_yaml
+from tieredkv.model.runner import ModelRunner
+from tieredkv.outputs import RequestMetrics, RequestOutput
+from tieredkv.policy import make_policy
+from tieredkv.sampling import Sampler, SamplingParams
+from tieredkv.scheduler import Scheduler
+from tieredkv.sequence import Sequence as Seq
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+DEFAULT_CPU_GPU_BLOCKS = 256
+
+
+class LLMEngine:
+    """Scheduler + KV cache manager + model runner, stepped by the caller."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config.model)
+        block_size = config.cache.block_size
+        num_blocks = self._num_gpu_blocks()
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+        hf_config = self.runner.model.config.to_dict()
+        root = model_fingerprint(hf_config, config.model.dtype, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, root)
+        self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config))
+        self.sampler = Sampler()
+        self.seqs: dict[str, Seq] = {}
+        self._ids = itertools.count()
+        self._counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0}
+
+    @property
+    def tokenizer(self):
+        return self.runner.tokenizer
+
+    def _num_gpu_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
+        if self.runner.device.type != "cuda":
+            return DEFAULT_CPU_GPU_BLOCKS
+        free, total = torch.cuda.mem_get_info(self.runner.device)
+        budget = free - (1 - cache.gpu_memory_utilization) * total
+        num = int(budget // self.runner.kv_spec.block_bytes(cache.block_size))
+        if num < 1:
+            raise ValueError("gpu_memory_utilization: leaves no memory for the KV cache; raise it or set num_gpu_blocks")
+        return num
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request; raise ValueError (saying what to change) if it can never run."""
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.seqs:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._check_fits(len(token_ids), params.max_tokens)
+        seq = Seq(request_id, token_ids, params, self.runner.eos_token_id, self._generator(params))
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: a string prompt needs a tokenizer in the model directory; pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt: is empty; give at least one token")
+        vocab = self.runner.model.config.vocab_size
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return token_ids
+
+    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        total = num_prompt_tokens + max_tokens
+        if total > self.runner.max_model_len:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens + max_tokens {max_tokens} = {total} exceeds the model's "
+                f"maximum length {self.runner.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        blocks = self.kv.blocks_needed(total)
+        if blocks > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens + max_tokens {max_tokens} need {blocks} KV blocks but the GPU "
+                f"tier has {self.kv.num_blocks}; raise num_gpu_blocks or shorten the request"
+            )
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        seed = params.seed if params.seed is not None else self.config.model.seed * 1_000_003 + len(self.seqs)
+        return torch.Generator(device=self.runner.device).manual_seed(seed)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free everything it holds."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            seq.finish("abort")
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and forward pass; outputs of the requests that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return []
+        sampling = [s.seq for s in batch.scheduled if s.samples]
+        tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
+        logits = self.runner.execute(batch.scheduled, tables)
+        tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        for item in batch.scheduled:
+            seq = item.seq
+            kind = "decode_tokens" if seq.num_computed_tokens >= seq.num_prompt_tokens else "prefill_tokens"
+            self._counters[kind] += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.commit(seq)
+        self._counters["steps"] += 1
+        outputs = []
+        for seq, token in zip(sampling, tokens):
+            seq.append_token(token)
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+                self._counters["requests_finished"] += 1
+                del self.seqs[seq.request_id]
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _output(self, seq: Seq) -> RequestOutput:
+        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer and seq.is_finished else None
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            text=text,
+            metrics=RequestMetrics(
+                seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_prompt_tokens, seq.num_cached_tokens
+            ),
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Blocks per tier, prefix-cache hits, preemptions by kind, tokens computed."""
+        return {
+            **self.kv.stats(),
+            "preemptions": dict(self.scheduler.num_preemptions),
+            **self._counters,
+            "requests_waiting": len(self.scheduler.waiting),
+            "requests_running": len(self.scheduler.running),
+        }
+
+
+class LLM(LLMEngine):
+    """Synchronous batch API: `LLM(model=..., **keywords).generate(prompts, params)`."""
+
+    def __init__(self, model: str = "tiny-llama", **kwargs: Any) -> None:
+        super().__init__(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    @classmethod
+    def from_yaml(cls, path: str) -> LLM:
+        """An engine built from a YAML experiment file (its `workload` section is ignored)."""
+        config = EngineConfig.from_dict(read_yaml(path), extra_sections=("workload", "name", "variants"))
+        engine = cls.__new__(cls)
+        LLMEngine.__init__(engine, config)
+        return engine
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order. A prompt that can
+        never run gets an output with `error` set; the others still complete."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts; give one or one per prompt")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params):
+            try:
+                order.append(self.add_request(prompt, p))
+            except ValueError as err:
+                logger.warning("request rejected: %s", err)
+                order.append(rid := f"rejected-{next(self._ids)}")
+                results[rid] = RequestOutput(rid, [], [], True, "error", error=str(err))
+        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
+            bar.update(len(results))
+            while self.has_unfinished():
+                for out in self.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in order]
+
+    def close(self) -> None:
+        """Release the KV cache (and flush slower tiers)."""
+        self.runner.kv_cache = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

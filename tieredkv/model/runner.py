@@ -1,0 +1,145 @@
+"""The model runner: a transformers causal LM driven through our paged KV cache.
+
+Operations:
+- `ModelRunner(model_config)`: load a model directory or build a preset; register paged attention.
+- `allocate_kv_cache(num_blocks, block_size)`: the one KV tensor of the GPU tier.
+- `execute(scheduled, block_tables)`: one packed forward pass; logits of the last token of
+  every sequence that samples this step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from tieredkv.config import ModelConfig
+from tieredkv.model import attention
+from tieredkv.model.presets import PRESETS, build_preset
+from tieredkv.scheduler import ScheduledSeq
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape of the KV of one token in one layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block, all layers, K and V."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Build a preset or load a local directory, with our paged attention installed."""
+    attention.register()
+    dtype = getattr(torch, config.dtype)
+    if config.model in PRESETS:
+        model = build_preset(config.model, config.seed, dtype, config.device, attention.ATTN_IMPLEMENTATION)
+        return model, None
+    if not os.path.isdir(config.model):
+        raise ValueError(
+            f"model: {config.model!r} is neither a preset ({', '.join(PRESETS)}) nor a local model directory"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        config.model, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
+    )
+    if model.config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model: architecture {model.config.model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    has_tokenizer = any(
+        os.path.exists(os.path.join(config.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    )
+    tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
+    return model.to(config.device).eval(), tokenizer
+
+
+class ModelRunner:
+    """Runs packed batches of sequences through the model and the paged KV cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model, self.tokenizer = load_model(config)
+        hf = self.model.config
+        self.kv_spec = KVSpec(
+            num_layers=hf.num_hidden_layers,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            dtype=getattr(torch, config.dtype),
+        )
+        self.max_model_len = config.max_model_len or hf.max_position_embeddings
+        self.ops = attention.attention_ops(self.device)
+        self.kv_cache: torch.Tensor | None = None
+        self.block_size = 0
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.model.config.eos_token_id
+        return eos[0] if isinstance(eos, list) else eos
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        s = self.kv_spec
+        shape = (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=s.dtype, device=self.device)
+        self.block_size = block_size
+        return self.kv_cache
+
+    @torch.inference_mode()
+    def execute(self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[list[int]]) -> torch.Tensor:
+        """Run the new tokens of every scheduled sequence; return `[n, vocab]` float32 logits
+        for the n sequences whose chunk reaches their last token."""
+        assert self.kv_cache is not None, "allocate_kv_cache() before execute()"
+        input_ids, positions, ctx, logits_indices = self._prepare(scheduled, block_tables)
+        with attention.forward_context(ctx, self.ops):
+            out = self.model(
+                input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                use_cache=False, logits_to_keep=logits_indices,
+            )
+        return out.logits[0].float()
+
+    def _prepare(
+        self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, attention.ForwardContext, torch.Tensor]:
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens = [0]
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        for item, table in zip(scheduled, block_tables):
+            start = item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            tokens += item.seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += (table[p // bs] * bs + p % bs for p in range(start, end))
+            cu_seqlens.append(len(tokens))
+            context_lens.append(end)
+            if item.samples:
+                logits_indices.append(len(tokens) - 1)
+        max_blocks = max(len(t) for t in block_tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        ctx = attention.ForwardContext(
+            kv_cache=self.kv_cache,
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(padded, torch.int32),
+            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+        )
+        return tensor(tokens, torch.int64), tensor(positions, torch.int64), ctx, tensor(logits_indices, torch.int64)
