@@ -10,4 +10,4 @@ from tieredkv.engine import LLM, LLMEngine
 from tieredkv.outputs import RequestMetrics, RequestOutput
 from tieredkv.sampling import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "RequestMetrics", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]

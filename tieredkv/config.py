@@ -49,12 +49,12 @@ def parse_size(value: int | str, key: str = "size") -> int:
     )
 
 
-def _check_choice(key: str, value: Any, choices: tuple) -> None:
+def check_choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
 
 
-def _check_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+def check_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
         maximum is not None and value > maximum
     ):
@@ -75,11 +75,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model: expected a preset name or a model directory, got {self.model!r}")
-        _check_choice("device", self.device, get_args(Device))
-        _check_choice("dtype", self.dtype, get_args(DType))
-        _check_int("seed", self.seed, 0)
+        check_choice("device", self.device, get_args(Device))
+        check_choice("dtype", self.dtype, get_args(DType))
+        check_int("seed", self.seed, 0)
         if self.max_model_len is not None:
-            _check_int("max_model_len", self.max_model_len, 1)
+            check_int("max_model_len", self.max_model_len, 1)
 
 
 @dataclass(frozen=True)
@@ -96,16 +96,16 @@ class CacheConfig:
     io_backend: IOBackend = "uring"
 
     def __post_init__(self) -> None:
-        _check_int("block_size", self.block_size, 1, 1024)
+        check_int("block_size", self.block_size, 1, 1024)
         if self.num_gpu_blocks is not None:
-            _check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
+            check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization: expected a fraction in (0, 1], got {self.gpu_memory_utilization!r}"
             )
         object.__setattr__(self, "cpu_cache_bytes", parse_size(self.cpu_cache_bytes, "cpu_cache_bytes"))
         object.__setattr__(self, "nvme_bytes", parse_size(self.nvme_bytes, "nvme_bytes"))
-        _check_choice("io_backend", self.io_backend, get_args(IOBackend))
+        check_choice("io_backend", self.io_backend, get_args(IOBackend))
         if self.nvme_bytes and not self.nvme_path:
             raise ValueError("nvme_bytes: set nvme_path (a directory for the block store) to use an NVMe tier")
 
@@ -119,9 +119,9 @@ class SchedulerConfig:
     preemption: Preemption = "recompute"
 
     def __post_init__(self) -> None:
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_choice("preemption", self.preemption, get_args(Preemption))
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_choice("preemption", self.preemption, get_args(Preemption))
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class EngineConfig:
             elif key in FLAT_KEYS:
                 sections[FLAT_KEYS[key]][key] = value
             else:
-                raise ValueError(_unknown_key(key, [*FLAT_KEYS, "cache", "scheduler"]))
+                raise ValueError(unknown_key(key, [*FLAT_KEYS, "cache", "scheduler"]))
         return cls(
             model=ModelConfig(**sections["model"]),
             cache=CacheConfig(**sections["cache"]),
@@ -161,7 +161,7 @@ class EngineConfig:
             if key in extra_sections:
                 continue
             if key not in top_keys:
-                raise ValueError(_unknown_key(str(key), top_keys))
+                raise ValueError(unknown_key(str(key), top_keys))
             flat[key] = value
         return cls.from_kwargs(**flat)
 
@@ -185,11 +185,11 @@ def _check_section(name: str, value: Any, cls: type) -> dict[str, Any]:
     allowed = _fields(cls)
     for key in value:
         if key not in allowed:
-            raise ValueError(_unknown_key(f"{name}.{key}", [f"{name}.{k}" for k in allowed]))
+            raise ValueError(unknown_key(f"{name}.{key}", [f"{name}.{k}" for k in allowed]))
     return value
 
 
-def _unknown_key(key: str, allowed: list[str]) -> str:
+def unknown_key(key: str, allowed: list[str]) -> str:
     close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
     hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(allowed)}"
     return f"unknown key {key!r}: {hint}"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm

@@ -64,9 +64,7 @@ class Sequence:
             self.first_token_time = now
         self.token_ids.append(token_id)
         p = self.params
-        if token_id in p.stop_token_ids:
-            self.finish("stop")
-        elif token_id == self.eos_token_id and not p.ignore_eos:
+        if token_id in p.stop_token_ids or token_id == self.eos_token_id and not p.ignore_eos:
             self.finish("stop")
         elif len(self.output_token_ids) >= p.max_tokens:
             self.finish("length")

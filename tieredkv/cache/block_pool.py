@@ -15,8 +15,8 @@ front (nothing to lose), cached blocks to the back.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 
 @dataclass(eq=False)

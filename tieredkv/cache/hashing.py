@@ -10,7 +10,8 @@ token ids (and the parent hash).
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import xxhash

@@ -13,8 +13,9 @@ their plain-torch references elsewhere.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -49,10 +50,12 @@ class AttentionOps(NamedTuple):
 def attention_ops(device: torch.device | str) -> AttentionOps:
     """Triton kernels on CUDA, plain-torch references elsewhere."""
     if torch.device(device).type == "cuda":
-        from tieredkv.kernels import paged_attention, store_kv
+        from tieredkv.kernels.kv_store import store_kv
+        from tieredkv.kernels.paged_attention import paged_attention
 
         return AttentionOps(store_kv, paged_attention)
-    from tieredkv.kernels import paged_attention_ref, store_kv_ref
+    from tieredkv.kernels.kv_store import store_kv_ref
+    from tieredkv.kernels.paged_attention import paged_attention_ref
 
     return AttentionOps(store_kv_ref, paged_attention_ref)
 

@@ -1,0 +1,101 @@
+"""Triton building blocks shared by the decode and prefill attention kernels.
+
+- `find_seq`: which sequence owns a query tile (binary search over cu_seqlens_q, no host sync);
+- `attend_tiles`: online-softmax over a range of key positions read through a block table.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def find_seq(cu_q_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """Return the sequence b owning query tile `pid` when sequence b's tiles start at
+    `cu_q[b] // BLOCK_Q + b` (a strictly increasing number, so a binary search finds it).
+
+        cu_q = [0, 5, 5, 7], BLOCK_Q = 4     seq 0: 5 rows, seq 1: empty, seq 2: 2 rows
+        tile starts  0 // 4 + 0 = 0,  5 // 4 + 1 = 2,  5 // 4 + 2 = 3
+        tiles        0 1 -> seq 0     2 -> seq 1 (exits early)     3 -> seq 2
+
+    Each sequence gets ceil(q_len / BLOCK_Q) tiles or one more, so T // BLOCK_Q + B programs
+    cover every batch.
+    """
+    lo = pid * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(start <= pid, mid, lo)
+        hi = tl.where(start <= pid, hi, mid)
+    return lo
+
+
+@triton.jit
+def attend_tiles(
+    q,
+    m,
+    l,
+    acc,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    head_offset,
+    pos,
+    start,
+    end,
+    window,
+    scale_log2,
+    stride_kb,
+    stride_kt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Fold keys [start, end) into the running softmax state (m, l, acc) of rows `q`.
+
+    q: [M, HEAD_DIM]; pos: [M] position of each row; m, l: [M] running max (log2 units) and
+    sum; acc: [M, HEAD_DIM] float32. With MASKED=False every key in range must be visible to
+    every row and (end - start) a multiple of BLOCK_N. Key j sits at
+
+        k_ptr + block_table[j // BLOCK_SIZE] * stride_kb + (j % BLOCK_SIZE) * stride_kt
+              + head_offset + d
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            col_ok = cols < end
+            block = tl.load(table_ptr + cols // BLOCK_SIZE, mask=col_ok, other=0)
+        else:
+            block = tl.load(table_ptr + cols // BLOCK_SIZE)
+        kv_offset = block.to(tl.int64) * stride_kb + (cols % BLOCK_SIZE) * stride_kt + head_offset
+        if MASKED:
+            k = tl.load(k_ptr + kv_offset[None, :] + dims[:, None], mask=col_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_offset[None, :] + dims[:, None])
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        if MASKED:
+            keep = col_ok[None, :] & (cols[None, :] <= pos[:, None])
+            if USE_WINDOW:
+                keep = keep & (cols[None, :] > pos[:, None] - window)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptr + kv_offset[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + kv_offset[:, None] + dims[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return m, l, acc

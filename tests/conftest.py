@@ -1,0 +1,25 @@
+"""Shared fixtures: reference outputs from transformers `generate`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.reference import hf_greedy
+from tieredkv.model.presets import build_preset
+
+
+@pytest.fixture(scope="session")
+def reference_outputs():
+    """`reference_outputs(preset, prompts, n)`: greedy tokens of the float32 preset model, cached."""
+    cache: dict[tuple, list[list[int]]] = {}
+
+    def get(preset: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        key = (preset, tuple(map(tuple, prompts)), max_new_tokens)
+        if key not in cache:
+            model = build_preset(preset, seed=0)
+            with torch.inference_mode():
+                cache[key] = [hf_greedy(model, p, max_new_tokens) for p in prompts]
+        return cache[key]
+
+    return get

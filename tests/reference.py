@@ -1,0 +1,32 @@
+"""Reference prompts and transformers greedy outputs that the engine must reproduce."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Eight prompts of different lengths crossing block boundaries (4 and 16); several share
+    a long prefix, one is a prefix of another."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab_size) for _ in range(n)]
+
+    shared = tokens(37)
+    return [
+        tokens(1), tokens(5), tokens(16), shared + tokens(3),
+        shared + tokens(12), shared[:33], tokens(70), shared + tokens(28),
+    ]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy decoding, cut after EOS the way the engine stops."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()

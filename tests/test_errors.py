@@ -1,0 +1,103 @@
+"""Bad configuration and bad input get errors that name what to fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from tieredkv import LLM, SamplingParams
+from tieredkv.config import EngineConfig, parse_size
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="tiny-llama", block_size=4, num_gpu_blocks=16, max_model_len=48)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("512MiB", 512 * 2**20), ("4GiB", 4 * 2**30), ("1.5GB", 1_500_000_000), ("4096", 4096), (123, 123)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["4 gigs", "GiB", "-1MiB", "1.2.3GiB", True, -5])
+def test_bad_size_names_the_key(bad):
+    with pytest.raises(ValueError, match="cpu_cache_bytes"):
+        EngineConfig.from_kwargs(cpu_cache_bytes=bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"blok_size": 4}, "unknown key 'blok_size': did you mean 'block_size'"),
+        ({"cache": {"num_gpu_blok": 4}}, "did you mean 'cache.num_gpu_blocks'"),
+        ({"device": "tpu"}, "device: 'tpu' is not allowed; choose one of 'cpu', 'cuda'"),
+        ({"dtype": "fp8"}, "dtype: 'fp8' is not allowed"),
+        ({"block_size": 0}, r"block_size: expected an integer in \[1, 1024\], got 0"),
+        ({"preemption": "drop"}, "preemption: 'drop' is not allowed"),
+        ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization: expected a fraction in \(0, 1\]"),
+        ({"nvme_bytes": "1GiB"}, "set nvme_path"),
+    ],
+)
+def test_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_yaml_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: tiny-llama\ncache: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        LLM.from_yaml(str(bad))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("model: tiny-llama\nschedular:\n  max_num_seqs: 4\n")
+    with pytest.raises(ValueError, match="unknown key 'schedular': did you mean 'scheduler'"):
+        LLM.from_yaml(str(unknown))
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM.from_yaml(str(tmp_path / "missing.yaml"))
+
+
+def test_unknown_model():
+    with pytest.raises(ValueError, match="neither a preset"):
+        LLM(model="no-such-model")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens: expected an integer >= 1"),
+        ({"temperature": -1}, "temperature: expected a number >= 0"),
+        ({"top_p": 0}, r"top_p: expected a number in \(0, 1\]"),
+        ({"top_k": 0}, "top_k: expected an integer >= 1"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ],
+)
+def test_sampling_param_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([], "prompt: is empty"),
+        ([1, 2, 99999], r"token ids must be integers in \[0, 512\)"),
+        ("hello", "needs a tokenizer"),
+        (list(range(46)), "exceeds the model's maximum length 48"),
+    ],
+)
+def test_bad_request_is_rejected_alone(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.add_request(prompt, SamplingParams(max_tokens=10))
+    good = [5, 6, 7]
+    outs = llm.generate([good, prompt, good], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert outs[1].finish_reason == "error" and outs[1].error is not None
+    assert outs[1].token_ids == []
+    assert len(outs[0].token_ids) == len(outs[2].token_ids) == 4
+
+
+def test_request_larger_than_the_cache_is_rejected():
+    small = LLM(model="tiny-llama", block_size=4, num_gpu_blocks=4)
+    with pytest.raises(ValueError, match="need 5 KV blocks but the GPU tier has 4"):
+        small.add_request([1] * 12, SamplingParams(max_tokens=5))

@@ -1,0 +1,68 @@
+"""Greedy outputs equal transformers `generate(do_sample=False)` token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.reference import hf_greedy, make_prompts
+from tieredkv import LLM, SamplingParams
+from tieredkv.model.presets import build_preset
+
+NEW_TOKENS = 40
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+def longest_request_blocks(prompts: list[list[int]], block_size: int) -> int:
+    return -(-(max(map(len, prompts)) + NEW_TOKENS) // block_size)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("pressure", [False, True], ids=["large-cache", "tiny-cache"])
+def test_greedy_matches_transformers(preset, block_size, pressure, reference_outputs):
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs(preset, prompts, NEW_TOKENS)
+    # under pressure: room for the longest request plus a little, and small prefill chunks
+    num_blocks = longest_request_blocks(prompts, block_size) + 2 if pressure else 512
+    llm = LLM(model=preset, block_size=block_size, num_gpu_blocks=num_blocks,
+              max_num_batched_tokens=24 if pressure else 2048)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    stats = llm.stats()
+    if pressure:
+        # preempted requests come back and find their own full blocks in the cache
+        assert stats["preemptions"]["recompute"] > 0
+        assert stats["prefix_hit_tokens"] > 0
+    else:
+        assert stats["preemptions"]["recompute"] == 0
+    # every request finished: nothing but cached blocks is left
+    assert stats["gpu_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-mistral"])
+def test_model_directory_matches_transformers(preset, tmp_path):
+    build_preset(preset, seed=3).save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompts = make_prompts(vocab_size=512, seed=1)[:5]
+    with torch.inference_mode():
+        expected = [hf_greedy(reference, p, NEW_TOKENS) for p in prompts]
+    with LLM(model=str(tmp_path), block_size=8, num_gpu_blocks=24, max_num_batched_tokens=32) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.stats()["preemptions"]["recompute"] > 0
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_repeated_generate_reuses_prefix_and_stays_exact(reference_outputs):
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+    llm = LLM(model="tiny-llama", block_size=16, num_gpu_blocks=256)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    hits = llm.stats()["prefix_hit_tokens"]
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second] == expected
+    # second round: every prompt's full blocks (but never its last token) come from the cache
+    expected_hits = sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert llm.stats()["prefix_hit_tokens"] - hits == expected_hits
+    assert [o.metrics.num_cached_tokens for o in second] == [(len(p) - 1) // 16 * 16 for p in prompts]

@@ -1,0 +1,46 @@
+"""Command line: `tieredkv run [CONFIG]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_CONFIG = "configs/demo.yaml"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tieredkv",
+        description="Tiered KV cache offloading engine for LLM inference (GPU HBM, pinned CPU, NVMe).",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = commands.add_parser(
+        "run", help="run a YAML experiment and print its summary",
+        description="Build the engine from a YAML file, run its workload with a progress bar and print a "
+        "summary table (requests, tokens/s, TTFT p50/p99, prefix hit rate, preemptions).",
+    )
+    run.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"YAML file (default: {DEFAULT_CONFIG})")
+    run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        build_parser().print_help()
+        return 0
+    from tieredkv.experiment import format_summary, run_experiment
+
+    try:
+        summary = run_experiment(args.config, use_tqdm=not args.no_progress)
+    except ValueError as err:
+        print(f"tieredkv: error: {err}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

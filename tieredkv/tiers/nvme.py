@@ -1,0 +1,436 @@
+"""NVMe tier: a persistent store of CPU blocks in the fixed-size slots of one preallocated file.
+
+Two-phase API, one CPU block per job (a block is `block_bytes` contiguous bytes, e.g. `cpu_pool[i]`)::
+
+    store = NVMeStore(path, capacity_bytes, block_bytes, fingerprint, block_size, backend="uring")
+    job = store.submit_write(block_hash, parent_hash, token_ids, src)  # None: nothing started
+    job = store.submit_read(block_hash, dst, parent_hash, token_ids)   # None: not stored (a miss)
+    store.poll() -> [(job, ok), ...]       # jobs finished since the last poll/wait, each once
+    store.wait([job, ...]) -> {job: ok}    # blocks; `await store.wait_async(jobs)` under asyncio
+    store.contains(block_hash); store.stats(); store.close()   # or `with NVMeStore(...) as store:`
+
+`src`/`dst` must stay alive and untouched until their job is reported. `ok` is False when the
+I/O failed, came back short, or a read did not verify (header fields, header checksum, payload
+xxh3); the block then is not stored (the slot is discarded), `dst` holds garbage, the caller
+recomputes, and the cause is counted in `stats()`. Submits never raise for I/O trouble: faults
+come back as failed jobs (ValueError only for bad arguments).
+
+Writes take a free slot, else evict the least recently used stored block (reads and writes
+count as uses). Header and payload go out in one vectored write straight from the caller's
+memory when it is 4 KiB-aligned (else through an aligned bounce buffer). A crash mid-write can
+leave a torn slot, but the header's payload checksum then fails, so it is never served.
+Opening a store scans the slot headers: blocks written under the same fingerprint and format
+version are found again, in their old LRU order. If the file is deleted while open, the store
+starts an empty one (`files_lost` in stats). See slot_format.py for the layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from tieredkv.tiers.io_backends import (
+    BackendName,
+    BlockIO,
+    IOCompletion,
+    IOOp,
+    IORequest,
+    make_backend,
+)
+from tieredkv.tiers.slot_format import (
+    ALIGN,
+    MAX_U64,
+    SUPERBLOCK_BYTES,
+    SlotGeometry,
+    SlotHeader,
+    aligned_empty,
+    byte_view,
+    fingerprint_digest,
+    header_matches,
+    is_aligned,
+    pack_header,
+    pack_superblock,
+    parse_header,
+    parse_superblock,
+)
+from tieredkv.tiers.slot_index import SlotIndex
+
+logger = logging.getLogger(__name__)
+
+STORE_FILE_NAME = "tieredkv-blocks.slots"  # the file used when `path` is a directory
+_COUNTERS = (
+    "hits", "misses", "writes", "bytes_read", "bytes_written", "evictions", "write_rejected",
+    "corrupt", "io_errors", "enospc", "short_reads", "short_writes", "files_lost", "restored",
+)
+_POLL_S = 0.05  # how long the completion thread sleeps in reap() before checking for close()
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    op: IOOp
+    block_hash: int
+    parent_hash: int
+    token_ids: tuple[int, ...]
+    slot: int
+    generation: int  # which incarnation of the file the slot belongs to
+    header: torch.Tensor  # aligned, header_bytes
+    payload: torch.Tensor  # the caller's block, as uint8
+    bounce: torch.Tensor | None  # aligned payload_bytes copy, when the caller's memory can't be used
+    nbytes: int = 0  # bytes the request moves
+
+
+class _BufferPool:
+    """Reusable aligned buffers of one size (get and put may come from different threads)."""
+
+    def __init__(self, nbytes: int, keep: int = 64) -> None:
+        self.nbytes, self._keep, self._free = nbytes, keep, []
+
+    def get(self) -> torch.Tensor:
+        try:
+            return self._free.pop()
+        except IndexError:
+            return aligned_empty(self.nbytes)
+
+    def put(self, buf: torch.Tensor | None) -> None:
+        if buf is not None and len(self._free) < self._keep:
+            self._free.append(buf)
+
+
+class NVMeStore:
+    """Fixed-size slots of one file holding CPU blocks, verified on every read (module docstring)."""
+
+    def __init__(
+        self, path: str | os.PathLike, capacity_bytes: int, block_bytes: int, fingerprint: bytes | int,
+        block_size: int, backend: BackendName | BlockIO = "uring", queue_depth: int = 32,
+    ) -> None:
+        self.geometry = SlotGeometry.for_block(capacity_bytes, block_bytes, block_size)
+        self.path = os.fspath(path)
+        if os.path.isdir(self.path):
+            self.path = os.path.join(self.path, STORE_FILE_NAME)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._fingerprint = fingerprint_digest(fingerprint)
+        if isinstance(backend, str):
+            backend = make_backend(backend, queue_depth, os.path.dirname(os.path.abspath(self.path)))
+        self.backend: BlockIO = backend  # the fault-injection seam: wrap it before the first submit
+        self._cond = threading.Condition()
+        self._jobs: dict[int, _Job] = {}  # in flight
+        self._done: dict[int, bool] = {}  # finished, not reported yet
+        self._ids = itertools.count(1)
+        self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
+        self._headers = _BufferPool(self.geometry.header_bytes)
+        self._bounces = _BufferPool(self.geometry.payload_bytes)
+        self._generation, self._retired_fds, self._sequence = 0, [], 0
+        self._fd, self._file_id, self.o_direct = self._open_file()
+        self.index = SlotIndex(self.geometry.num_slots)
+        self._load_index()
+        self._closed = False
+        self._completer = threading.Thread(target=self._complete_loop, name="tieredkv-nvme", daemon=True)
+        self._completer.start()
+
+    @property
+    def num_slots(self) -> int:
+        return self.geometry.num_slots
+
+    # ---------------------------------------------------------------- public API
+
+    def contains(self, block_hash: int) -> bool:
+        """True if the block is stored (its write finished) and not evicted or discarded."""
+        with self._cond:
+            return self.index.lookup(block_hash) is not None
+
+    def submit_write(self, block_hash: int, parent_hash: int, token_ids: Sequence[int], src: torch.Tensor) -> int | None:
+        """Start storing the block in `src`; a job id, or None if no I/O was started.
+
+        None: the block is stored or being written already (it becomes most recently used), or
+        every slot has I/O in flight (`write_rejected`). Either way `src` is free at once.
+        """
+        payload, tokens = self._check_block(src, "src", token_ids), self._check_ids(block_hash, parent_hash, token_ids)
+        self._check_file()
+        with self._cond:
+            if self._closed or self.index.known(block_hash):
+                self.index.touch(block_hash)
+                return None
+            reservation = self.index.reserve(block_hash)
+            if reservation is None:
+                self._counts["write_rejected"] += 1
+                return None
+            self._counts["evictions"] += reservation.evicted is not None
+            self._sequence += 1
+            job = self._new_job("write", block_hash, parent_hash, tokens, reservation.slot, payload)
+        header = SlotHeader(block_hash, parent_hash, tokens, self.geometry.block_bytes,
+                            xxhash.xxh3_64_intdigest(byte_view(payload)), self._sequence, self._fingerprint)
+        pack_header(byte_view(job.header), header)
+        if job.bounce is not None:
+            job.bounce[: payload.numel()].copy_(payload)
+            job.bounce[payload.numel() :].zero_()
+        self._issue(job)
+        return job.id
+
+    def submit_read(self, block_hash: int, dst: torch.Tensor, parent_hash: int, token_ids: Sequence[int]) -> int | None:
+        """Start loading the block into `dst`; a job id, or None if it is not stored (a miss)."""
+        payload, tokens = self._check_block(dst, "dst", token_ids), self._check_ids(block_hash, parent_hash, token_ids)
+        self._check_file()
+        with self._cond:
+            slot = None if self._closed else self.index.pin(block_hash)
+            if slot is None:
+                self._counts["misses"] += 1
+                return None
+            job = self._new_job("read", block_hash, parent_hash, tokens, slot, payload)
+        self._issue(job)
+        return job.id
+
+    def poll(self) -> list[tuple[int, bool]]:
+        """(job id, ok) of every job finished since the last poll or wait, in finishing order."""
+        with self._cond:
+            done, self._done = list(self._done.items()), {}
+        return done
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]:
+        """Block until the jobs finished; {job id: ok}. They are not reported by poll() again."""
+        ids = list(job_ids)
+        with self._cond:
+            unknown = [i for i in ids if i not in self._jobs and i not in self._done]
+            if unknown:
+                raise KeyError(f"job ids {unknown} are unknown or were reported already")
+            if not self._cond.wait_for(lambda: all(i in self._done for i in ids), timeout):
+                raise TimeoutError(f"NVMe jobs {ids} not finished after {timeout} s")
+            return {i: self._done.pop(i) for i in ids}
+
+    async def wait_async(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]:
+        """`wait` for asyncio code: the blocking part runs on the loop's default executor."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.wait, list(job_ids), timeout)
+
+    def stats(self) -> dict[str, int | str | bool]:
+        """Counters (hits, misses, bytes, evictions, each kind of fault) and slot occupancy."""
+        with self._cond:
+            out: dict[str, int | str | bool] = dict(self._counts)
+            out.update(
+                slots_total=self.num_slots, slots_used=self.index.num_stored, slots_free=self.index.num_free,
+                in_flight=len(self._jobs), backend=self.backend.name, o_direct=self.o_direct,
+            )
+        return out
+
+    def close(self) -> None:
+        """Finish in-flight jobs, stop the I/O threads, sync and close the file (idempotent)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.wait_for(lambda: not self._jobs)
+        self._completer.join()
+        self.backend.close()
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            logger.warning("fsync of %s failed at close: %s", self.path, exc)
+        for fd in [self._fd, *self._retired_fds]:
+            os.close(fd)
+
+    def __enter__(self) -> NVMeStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- submitting
+
+    def _check_block(self, block: torch.Tensor, name: str, token_ids: Sequence[int]) -> torch.Tensor:
+        if block.device.type != "cpu" or not block.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor (a view of one CPU block)")
+        flat = block.reshape(-1).view(torch.uint8)
+        if flat.numel() != self.geometry.block_bytes:
+            raise ValueError(f"{name} holds {flat.numel()} bytes; this store's blocks are {self.geometry.block_bytes}")
+        if len(token_ids) > self.geometry.block_size:
+            raise ValueError(f"{len(token_ids)} token ids, more than block_size={self.geometry.block_size}")
+        return flat
+
+    @staticmethod
+    def _check_ids(block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> tuple[int, ...]:
+        for name, value in (("block_hash", block_hash), ("parent_hash", parent_hash)):
+            if not 0 <= value <= MAX_U64:
+                raise ValueError(f"{name}={value} is not an unsigned 64-bit hash")
+        tokens = tuple(int(t) for t in token_ids)
+        if any(not 0 <= t < 1 << 32 for t in tokens):
+            raise ValueError("token ids must lie in [0, 2**32)")
+        return tokens
+
+    def _new_job(self, op: IOOp, block_hash: int, parent_hash: int, tokens: tuple[int, ...], slot: int,
+                 payload: torch.Tensor) -> _Job:
+        """Register a job (lock held); its buffers are chosen here, filled by the caller."""
+        direct = self.geometry.block_bytes % ALIGN == 0 and (not self.o_direct or is_aligned(payload))
+        job = _Job(next(self._ids), op, block_hash, parent_hash, tokens, slot, self._generation,
+                   self._headers.get(), payload, None if direct else self._bounces.get())
+        self._jobs[job.id] = job
+        return job
+
+    def _issue(self, job: _Job) -> None:
+        body = job.payload if job.bounce is None else job.bounce
+        buffers = (byte_view(job.header), byte_view(body))
+        job.nbytes = sum(b.nbytes for b in buffers)
+        request = IORequest(job.id, job.op, self._fd_of(job), self.geometry.slot_offset(job.slot), buffers)
+        try:
+            self.backend.submit([request])
+        except OSError as exc:
+            self._finish(job, IOCompletion(job.id, -(exc.errno or errno.EIO)))
+
+    def _fd_of(self, job: _Job) -> int:
+        with self._cond:
+            return self._fd if job.generation == self._generation else -1
+
+    # ---------------------------------------------------------------- completing
+
+    def _complete_loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed and not self._jobs:
+                    return
+            for completion in self.backend.reap(_POLL_S):
+                with self._cond:
+                    job = self._jobs.get(completion.tag)
+                if job is None:
+                    logger.error("NVMe store: completion for unknown job %d ignored", completion.tag)
+                    continue
+                self._finish(job, completion)
+
+    def _outcome(self, job: _Job, result: int) -> str | None:
+        """None if the job succeeded, else the stats counter of its fault (verifies reads)."""
+        if result < 0:
+            return "enospc" if result == -errno.ENOSPC else "io_errors"
+        if result != job.nbytes:
+            return "short_reads" if job.op == "read" else "short_writes"
+        if job.op == "write":
+            return None
+        header = parse_header(byte_view(job.header), self.geometry.block_size)
+        if not header_matches(header, self._fingerprint, job.block_hash, job.parent_hash, job.token_ids,
+                              self.geometry.block_bytes):
+            return "corrupt"
+        body = job.payload if job.bounce is None else job.bounce[: job.payload.numel()]
+        if xxhash.xxh3_64_intdigest(byte_view(body)) != header.payload_checksum:
+            return "corrupt"
+        if job.bounce is not None:
+            job.payload.copy_(body)
+        return None
+
+    def _finish(self, job: _Job, completion: IOCompletion) -> None:
+        fault = self._outcome(job, completion.result)
+        with self._cond:
+            current = job.generation == self._generation
+            ok = fault is None and (current or job.op == "read")
+            if current and job.op == "write":
+                (self.index.commit if ok else self.index.abort)(job.block_hash)
+            elif current:
+                self.index.unpin(job.slot)
+                if not ok:
+                    self.index.discard(job.block_hash)
+            if fault is not None:
+                self._counts[fault] += 1
+                logger.debug("NVMe %s of block %#x failed: %s", job.op, job.block_hash, fault)
+            elif ok:
+                self._counts["hits" if job.op == "read" else "writes"] += 1
+                self._counts["bytes_read" if job.op == "read" else "bytes_written"] += job.nbytes
+            del self._jobs[job.id]
+            self._done[job.id] = ok
+            self._cond.notify_all()
+        self._headers.put(job.header)
+        self._bounces.put(job.bounce)
+
+    # ---------------------------------------------------------------- the file
+
+    def _open_file(self) -> tuple[int, tuple[int, int], bool]:
+        """Open (creating and preallocating) the store file: (fd, (dev, inode), O_DIRECT?)."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        try:
+            fd, direct = os.open(self.path, flags | os.O_DIRECT, 0o644), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            fd, direct = os.open(self.path, flags, 0o644), False
+            logger.warning("%s does not support O_DIRECT; the NVMe store uses buffered I/O "
+                           "(reads may come from the page cache)", os.path.dirname(os.path.abspath(self.path)))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            size = self.geometry.file_bytes
+            if os.fstat(fd).st_size > size:
+                os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(f"{self.path} is used by another NVMeStore; give each engine its own nvme_path") from None
+        except OSError:
+            os.close(fd)
+            raise
+        st = os.fstat(fd)
+        return fd, (st.st_dev, st.st_ino), direct
+
+    def _check_file(self) -> None:
+        """If the store file was deleted or replaced, forget its blocks and start a new one."""
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._file_id:
+                return
+        except OSError:
+            pass
+        with self._cond:
+            logger.warning("NVMe store file %s vanished; its blocks are lost, starting an empty file", self.path)
+            self._counts["files_lost"] += 1
+            self._retired_fds.append(self._fd)  # in-flight jobs may still use it
+            self._generation += 1
+            self._fd, self._file_id, self.o_direct = self._open_file()
+            self.index = SlotIndex(self.num_slots)
+            self._write_superblock()
+
+    def _load_index(self) -> None:
+        """Rebuild the index from the slot headers if the file holds slots of this geometry."""
+        buf = aligned_empty(SUPERBLOCK_BYTES)
+        n = os.preadv(self._fd, [byte_view(buf)], 0)
+        found = parse_superblock(byte_view(buf)) if n == SUPERBLOCK_BYTES else None
+        g = self.geometry
+        if found != (g.header_bytes, g.slot_bytes, g.block_bytes):
+            self._write_superblock()
+            return
+        blocks = self._scan_headers()  # {hash: (sequence, slot)}
+        order = sorted(blocks.items(), key=lambda item: item[1])
+        self.index.restore([(h, slot) for h, (_, slot) in order])
+        self._sequence = max((seq for seq, _ in blocks.values()), default=0)
+        self._counts["restored"] = len(order)
+
+    def _write_superblock(self) -> None:
+        buf = aligned_empty(SUPERBLOCK_BYTES)
+        pack_superblock(byte_view(buf), self.geometry)
+        os.pwritev(self._fd, [byte_view(buf)], 0)
+
+    def _scan_headers(self, batch: int = 64) -> dict[int, tuple[int, int]]:
+        """Valid headers of this fingerprint: {block hash: (sequence, slot)}, newest per hash."""
+        g, found = self.geometry, {}
+        bufs = [aligned_empty(g.header_bytes) for _ in range(min(batch, g.num_slots))]
+        for start in range(0, g.num_slots, batch):
+            slots = range(start, min(start + batch, g.num_slots))
+            self.backend.submit([IORequest(s, "read", self._fd, g.slot_offset(s), (byte_view(bufs[s - start]),))
+                                 for s in slots])
+            results: dict[int, int] = {}
+            while len(results) < len(slots):
+                results.update((c.tag, c.result) for c in self.backend.reap(1.0))
+            for slot in slots:
+                header = parse_header(byte_view(bufs[slot - start]), g.block_size)
+                if (results[slot] == g.header_bytes and header is not None and header.fingerprint == self._fingerprint
+                        and header.payload_bytes == g.block_bytes
+                        and header.sequence > found.get(header.block_hash, (-1, -1))[0]):
+                    found[header.block_hash] = (header.sequence, slot)
+        return found
