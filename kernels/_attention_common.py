@@ -38,7 +38,7 @@ def find_seq(cu_q_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 def attend_tiles(
     q,
     m,
-    l,
+    denom,
     acc,
     k_ptr,
     v_ptr,
@@ -58,9 +58,9 @@ def attend_tiles(
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Fold keys [start, end) into the running softmax state (m, l, acc) of rows `q`.
+    """Fold keys [start, end) into the running softmax state (m, denom, acc) of rows `q`.
 
-    q: [M, HEAD_DIM]; pos: [M] position of each row; m, l: [M] running max (log2 units) and
+    q: [M, HEAD_DIM]; pos: [M] position of each row; m, denom: [M] running max (log2 units) and
     sum; acc: [M, HEAD_DIM] float32. With MASKED=False every key in range must be visible to
     every row and (end - start) a multiple of BLOCK_N. Key j sits at
 
@@ -91,11 +91,11 @@ def attend_tiles(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_ptr + kv_offset[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + kv_offset[:, None] + dims[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    return m, l, acc
+    return m, denom, acc

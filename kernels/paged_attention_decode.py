@@ -7,8 +7,8 @@ Grid (query row, kv head, split). A program loads the GROUP query heads that sha
 [lo, pos], are cut into NUM_SPLITS ranges of whole BLOCK_N tiles, one per program:
 
     keys  lo ────────────────────────────── pos
-          | split 0   | split 1   | split 2 |      each writes (m, l, acc) partials
-                                                   _merge_splits_kernel: out = Σ w·acc / Σ w·l
+          | split 0   | split 1   | split 2 |      each writes (m, denom, acc) partials
+                                                   _merge_splits_kernel: out = Σ w·acc / Σ w·denom
 
 Correct for any q_len (each row is handled on its own); fast when rows are few and contexts long.
 """
@@ -66,22 +66,22 @@ def _decode_kernel(
         mask=head_ok[:, None], other=0.0,
     )
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     # The range [start, end) already respects the causal bound and the window.
-    m, l, acc = attend_tiles(
-        q, m, l, acc, k_ptr, v_ptr, table_ptr + b * stride_bt, kv_head * stride_kh,
+    m, denom, acc = attend_tiles(
+        q, m, denom, acc, k_ptr, v_ptr, table_ptr + b * stride_bt, kv_head * stride_kh,
         tl.zeros([GROUP_PAD], tl.int32) + pos, start, end, window, scale_log2,
         stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
     )
     if NUM_SPLITS == 1:
-        out = acc / l[:, None]
+        out = acc / denom[:, None]
         out_ptrs = out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
     else:
         part = (t * num_heads + heads) * NUM_SPLITS + split
         tl.store(part_ml_ptr + part * 2, m, mask=head_ok)
-        tl.store(part_ml_ptr + part * 2 + 1, l, mask=head_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, denom, mask=head_ok)
         part_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
         tl.store(part_ptrs, acc, mask=head_ok[:, None])
 
@@ -97,14 +97,14 @@ def _merge_splits_kernel(
     part = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
     m = tl.load(part_ml_ptr + part * 2)
-    l = tl.load(part_ml_ptr + part * 2 + 1)
+    denom = tl.load(part_ml_ptr + part * 2 + 1)
     weight = tl.math.exp2(m - tl.max(m, 0))  # an empty split has m = -inf: weight 0
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :])
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(denom * weight, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4

@@ -53,29 +53,29 @@ def _prefill_kernel(
         mask=row_ok[:, None], other=0.0,
     )
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = table_ptr + b * stride_bt
     head_offset = (head // GROUP) * stride_kh
     end = tl.minimum(first_pos + BLOCK_M, ctx)
     if USE_WINDOW:
         start = tl.maximum(first_pos + 1 - window, 0)
-        m, l, acc = attend_tiles(
-            q, m, l, acc, k_ptr, v_ptr, table, head_offset, pos, start, end, window,
+        m, denom, acc = attend_tiles(
+            q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, start, end, window,
             scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, PRECISION,
         )
     else:
         full_end = first_pos // BLOCK_N * BLOCK_N
-        m, l, acc = attend_tiles(
-            q, m, l, acc, k_ptr, v_ptr, table, head_offset, pos, 0, full_end, window,
+        m, denom, acc = attend_tiles(
+            q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, 0, full_end, window,
             scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False,
             PRECISION,
         )
-        m, l, acc = attend_tiles(
-            q, m, l, acc, k_ptr, v_ptr, table, head_offset, pos, full_end, end, window,
+        m, denom, acc = attend_tiles(
+            q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, full_end, end, window,
             scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
         )
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 

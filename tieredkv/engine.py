@@ -147,7 +147,7 @@ class LLMEngine:
             self.kv.commit(seq)
         self._counters["steps"] += 1
         outputs = []
-        for seq, token in zip(sampling, tokens):
+        for seq, token in zip(sampling, tokens, strict=True):
             seq.append_token(token)
             if seq.is_finished:
                 self.scheduler.finish(seq)
@@ -210,7 +210,7 @@ class LLM(LLMEngine):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts; give one or one per prompt")
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p in zip(prompts, params, strict=True):
             try:
                 order.append(self.add_request(prompt, p))
             except ValueError as err:

@@ -50,6 +50,10 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
@@ -66,7 +70,7 @@ class Sequence:
         p = self.params
         if token_id in p.stop_token_ids or token_id == self.eos_token_id and not p.ignore_eos:
             self.finish("stop")
-        elif len(self.output_token_ids) >= p.max_tokens:
+        elif self.num_output_tokens >= p.max_tokens:
             self.finish("length")
 
     def finish(self, reason: str) -> None:

@@ -54,7 +54,7 @@ class Conversations:
         return [list(h) for h in self.history]
 
     def record_replies(self, replies: list[list[int]]) -> None:
-        for h, reply in zip(self.history, replies):
+        for h, reply in zip(self.history, replies, strict=True):
             h.extend(reply)
 
 

@@ -36,6 +36,9 @@ class Allocation:
     num_cached_tokens: int
 
 
+NO_NEW_BLOCKS = Allocation((), 0)
+
+
 class KVCacheManager:
     """Maps sequences to GPU blocks with prefix caching."""
 
@@ -44,6 +47,7 @@ class KVCacheManager:
         self.root_hash = root_hash
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[Block]] = {}
+        self._block_ids: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}
         self.prefix_hit_tokens = 0
 
@@ -55,7 +59,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_table(self, seq: Sequence) -> list[int]:
-        return [b.block_id for b in self._tables.get(seq.request_id, ())]
+        """Block ids of the sequence, in token order (do not modify)."""
+        return self._block_ids.get(seq.request_id, [])
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         # At least one token must be computed to get logits, so a full hit stops one block short.
@@ -75,40 +80,58 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> Allocation | None:
         """Blocks for `num_new_tokens` more tokens. A new sequence passes its `prefix`; its
         computed-token count then starts after the reused blocks."""
-        table = self._tables.get(seq.request_id, [])
-        reused = list(prefix.blocks) if prefix else []
+        table = self._tables.get(seq.request_id)
+        if table is not None:
+            need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
+            if need <= 0:
+                return NO_NEW_BLOCKS
+            fresh = self.pool.allocate(need)
+            if fresh is None:
+                return None
+            self._extend(seq.request_id, fresh)
+            return Allocation(tuple(b.block_id for b in fresh), 0)
+        return self._allocate_new(seq, num_new_tokens, prefix.blocks if prefix else ())
+
+    def _allocate_new(self, seq: Sequence, num_new_tokens: int, reused: tuple[Block, ...]) -> Allocation | None:
         num_cached = len(reused) * self.block_size
-        start = num_cached if seq.request_id not in self._tables else seq.num_computed_tokens
-        need = self.blocks_needed(start + num_new_tokens) - len(table) - len(reused)
+        need = self.blocks_needed(num_cached + num_new_tokens) - len(reused)
         # reused blocks with no owner sit in the free queue: taking them shrinks it too
         idle = sum(1 for b in reused if b.ref_count == 0)
         if need + idle > self.pool.num_free:
             return None
         for block in reused:
             self.pool.touch(block)
-        fresh = self.pool.allocate(max(need, 0)) or []
-        if seq.request_id not in self._tables:
-            self._tables[seq.request_id] = reused + fresh
-            self._num_committed[seq.request_id] = len(reused)
-            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
-            self.prefix_hit_tokens += num_cached
-        else:
-            table.extend(fresh)
+        fresh = self.pool.allocate(need)
+        assert fresh is not None, "free count checked above"
+        self._tables[seq.request_id], self._block_ids[seq.request_id] = [], []
+        self._extend(seq.request_id, [*reused, *fresh])
+        self._num_committed[seq.request_id] = len(reused)
+        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+        self.prefix_hit_tokens += num_cached
         return Allocation(tuple(b.block_id for b in fresh), num_cached)
 
+    def _extend(self, request_id: str, blocks: list[Block]) -> None:
+        self._tables[request_id].extend(blocks)
+        self._block_ids[request_id].extend(b.block_id for b in blocks)
+
     def commit(self, seq: Sequence) -> None:
-        table = self._tables[seq.request_id]
+        """Register the sequence's newly computed full blocks in the prefix cache."""
         full = seq.num_computed_tokens // self.block_size
+        done = self._num_committed[seq.request_id]
+        if full <= done:
+            return
+        table = self._tables[seq.request_id]
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash)
-        for i in range(self._num_committed[seq.request_id], full):
+        for i in range(done, full):
             parent = hashes[i - 1] if i else self.root_hash
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             self.pool.cache(table[i], hashes[i], parent, tokens)
-        self._num_committed[seq.request_id] = max(full, self._num_committed[seq.request_id])
+        self._num_committed[seq.request_id] = full
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, last block first (so it is evicted first)."""
         table = self._tables.pop(seq.request_id, [])
+        self._block_ids.pop(seq.request_id, None)
         self._num_committed.pop(seq.request_id, None)
         self.pool.release(reversed(table))
 

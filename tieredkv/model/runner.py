@@ -124,7 +124,7 @@ class ModelRunner:
         cu_seqlens = [0]
         context_lens: list[int] = []
         logits_indices: list[int] = []
-        for item, table in zip(scheduled, block_tables):
+        for item, table in zip(scheduled, block_tables, strict=True):
             start = item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             tokens += item.seq.token_ids[start:end]

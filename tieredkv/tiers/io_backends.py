@@ -143,7 +143,9 @@ class AiofilesBackend(_QueueReaper, BlockIO):
         self._pwritev = aiofiles.os.wrap(os.pwritev)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tieredkv-aio")
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tieredkv-aio-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="tieredkv-aio-loop", daemon=True
+        )
         self._thread.start()
 
     def submit(self, requests: Sequence[IORequest]) -> None:
@@ -263,7 +265,9 @@ def make_backend(name: BackendName, queue_depth: int = 32, directory: str | None
             return UringBackend(queue_depth)
         except (ImportError, OSError, RuntimeError) as exc:
             why = f"setting up a ring failed: {exc!r}"
-    _warn_once("uring", f"io_uring is not usable here ({why}); the NVMe store uses the 'sync' backend")
+    _warn_once(
+        "uring", f"io_uring is not usable here ({why}); the NVMe store uses the 'sync' backend"
+    )
     return SyncBackend(threads)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import itertools
 import logging
 import os
@@ -48,10 +47,10 @@ from tieredkv.tiers.io_backends import (
     IORequest,
     make_backend,
 )
+from tieredkv.tiers.slot_file import SlotFile
 from tieredkv.tiers.slot_format import (
     ALIGN,
     MAX_U64,
-    SUPERBLOCK_BYTES,
     SlotGeometry,
     SlotHeader,
     aligned_empty,
@@ -60,9 +59,7 @@ from tieredkv.tiers.slot_format import (
     header_matches,
     is_aligned,
     pack_header,
-    pack_superblock,
     parse_header,
-    parse_superblock,
 )
 from tieredkv.tiers.slot_index import SlotIndex
 
@@ -70,8 +67,20 @@ logger = logging.getLogger(__name__)
 
 STORE_FILE_NAME = "tieredkv-blocks.slots"  # the file used when `path` is a directory
 _COUNTERS = (
-    "hits", "misses", "writes", "bytes_read", "bytes_written", "evictions", "write_rejected",
-    "corrupt", "io_errors", "enospc", "short_reads", "short_writes", "files_lost", "restored",
+    "hits",
+    "misses",
+    "writes",
+    "bytes_read",
+    "bytes_written",
+    "evictions",
+    "write_rejected",
+    "corrupt",
+    "io_errors",
+    "enospc",
+    "short_reads",
+    "short_writes",
+    "files_lost",
+    "restored",
 )
 _POLL_S = 0.05  # how long the completion thread sleeps in reap() before checking for close()
 
@@ -87,7 +96,7 @@ class _Job:
     generation: int  # which incarnation of the file the slot belongs to
     header: torch.Tensor  # aligned, header_bytes
     payload: torch.Tensor  # the caller's block, as uint8
-    bounce: torch.Tensor | None  # aligned payload_bytes copy, when the caller's memory can't be used
+    bounce: torch.Tensor | None  # aligned copy of the payload when the caller's memory won't do
     nbytes: int = 0  # bytes the request moves
 
 
@@ -112,17 +121,23 @@ class NVMeStore:
     """Fixed-size slots of one file holding CPU blocks, verified on every read (module docstring)."""
 
     def __init__(
-        self, path: str | os.PathLike, capacity_bytes: int, block_bytes: int, fingerprint: bytes | int,
-        block_size: int, backend: BackendName | BlockIO = "uring", queue_depth: int = 32,
+        self,
+        path: str | os.PathLike,
+        capacity_bytes: int,
+        block_bytes: int,
+        fingerprint: bytes | int,
+        block_size: int,
+        backend: BackendName | BlockIO = "uring",
+        queue_depth: int = 32,
     ) -> None:
         self.geometry = SlotGeometry.for_block(capacity_bytes, block_bytes, block_size)
-        self.path = os.fspath(path)
+        self.path = os.path.abspath(os.fspath(path))
         if os.path.isdir(self.path):
             self.path = os.path.join(self.path, STORE_FILE_NAME)
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._fingerprint = fingerprint_digest(fingerprint)
         if isinstance(backend, str):
-            backend = make_backend(backend, queue_depth, os.path.dirname(os.path.abspath(self.path)))
+            backend = make_backend(backend, queue_depth, os.path.dirname(self.path))
         self.backend: BlockIO = backend  # the fault-injection seam: wrap it before the first submit
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}  # in flight
@@ -131,12 +146,15 @@ class NVMeStore:
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._headers = _BufferPool(self.geometry.header_bytes)
         self._bounces = _BufferPool(self.geometry.payload_bytes)
-        self._generation, self._retired_fds, self._sequence = 0, [], 0
-        self._fd, self._file_id, self.o_direct = self._open_file()
+        self._generation, self._sequence = 0, 0
+        self._file: SlotFile | None = SlotFile(self.path, self.geometry)
+        self._retired: list[SlotFile] = []  # files deleted under us, closed at close()
         self.index = SlotIndex(self.geometry.num_slots)
         self._load_index()
         self._closed = False
-        self._completer = threading.Thread(target=self._complete_loop, name="tieredkv-nvme", daemon=True)
+        self._completer = threading.Thread(
+            target=self._complete_loop, name="tieredkv-nvme", daemon=True
+        )
         self._completer.start()
 
     @property
@@ -150,13 +168,16 @@ class NVMeStore:
         with self._cond:
             return self.index.lookup(block_hash) is not None
 
-    def submit_write(self, block_hash: int, parent_hash: int, token_ids: Sequence[int], src: torch.Tensor) -> int | None:
+    def submit_write(
+        self, block_hash: int, parent_hash: int, token_ids: Sequence[int], src: torch.Tensor
+    ) -> int | None:
         """Start storing the block in `src`; a job id, or None if no I/O was started.
 
         None: the block is stored or being written already (it becomes most recently used), or
         every slot has I/O in flight (`write_rejected`). Either way `src` is free at once.
         """
-        payload, tokens = self._check_block(src, "src", token_ids), self._check_ids(block_hash, parent_hash, token_ids)
+        payload = self._check_block(src, "src", token_ids)
+        tokens = self._check_ids(block_hash, parent_hash, token_ids)
         self._check_file()
         with self._cond:
             if self._closed or self.index.known(block_hash):
@@ -168,9 +189,17 @@ class NVMeStore:
                 return None
             self._counts["evictions"] += reservation.evicted is not None
             self._sequence += 1
+            sequence = self._sequence
             job = self._new_job("write", block_hash, parent_hash, tokens, reservation.slot, payload)
-        header = SlotHeader(block_hash, parent_hash, tokens, self.geometry.block_bytes,
-                            xxhash.xxh3_64_intdigest(byte_view(payload)), self._sequence, self._fingerprint)
+        header = SlotHeader(
+            block_hash,
+            parent_hash,
+            tokens,
+            self.geometry.block_bytes,
+            xxhash.xxh3_64_intdigest(byte_view(payload)),
+            sequence,
+            self._fingerprint,
+        )
         pack_header(byte_view(job.header), header)
         if job.bounce is not None:
             job.bounce[: payload.numel()].copy_(payload)
@@ -178,9 +207,12 @@ class NVMeStore:
         self._issue(job)
         return job.id
 
-    def submit_read(self, block_hash: int, dst: torch.Tensor, parent_hash: int, token_ids: Sequence[int]) -> int | None:
+    def submit_read(
+        self, block_hash: int, dst: torch.Tensor, parent_hash: int, token_ids: Sequence[int]
+    ) -> int | None:
         """Start loading the block into `dst`; a job id, or None if it is not stored (a miss)."""
-        payload, tokens = self._check_block(dst, "dst", token_ids), self._check_ids(block_hash, parent_hash, token_ids)
+        payload = self._check_block(dst, "dst", token_ids)
+        tokens = self._check_ids(block_hash, parent_hash, token_ids)
         self._check_file()
         with self._cond:
             slot = None if self._closed else self.index.pin(block_hash)
@@ -208,17 +240,25 @@ class NVMeStore:
                 raise TimeoutError(f"NVMe jobs {ids} not finished after {timeout} s")
             return {i: self._done.pop(i) for i in ids}
 
-    async def wait_async(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]:
+    async def wait_async(
+        self, job_ids: Iterable[int], timeout: float | None = None
+    ) -> dict[int, bool]:
         """`wait` for asyncio code: the blocking part runs on the loop's default executor."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.wait, list(job_ids), timeout)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.wait, list(job_ids), timeout
+        )
 
     def stats(self) -> dict[str, int | str | bool]:
         """Counters (hits, misses, bytes, evictions, each kind of fault) and slot occupancy."""
         with self._cond:
             out: dict[str, int | str | bool] = dict(self._counts)
             out.update(
-                slots_total=self.num_slots, slots_used=self.index.num_stored, slots_free=self.index.num_free,
-                in_flight=len(self._jobs), backend=self.backend.name, o_direct=self.o_direct,
+                slots_total=self.num_slots,
+                slots_used=self.index.num_stored,
+                slots_free=self.index.num_free,
+                in_flight=len(self._jobs),
+                backend=self.backend.name,
+                o_direct=self._file is not None and self._file.o_direct,
             )
         return out
 
@@ -231,12 +271,9 @@ class NVMeStore:
             self._cond.wait_for(lambda: not self._jobs)
         self._completer.join()
         self.backend.close()
-        try:
-            os.fsync(self._fd)
-        except OSError as exc:
-            logger.warning("fsync of %s failed at close: %s", self.path, exc)
-        for fd in [self._fd, *self._retired_fds]:
-            os.close(fd)
+        for file in [self._file, *self._retired]:
+            if file is not None:
+                file.close()
 
     def __enter__(self) -> NVMeStore:
         return self
@@ -246,14 +283,20 @@ class NVMeStore:
 
     # ---------------------------------------------------------------- submitting
 
-    def _check_block(self, block: torch.Tensor, name: str, token_ids: Sequence[int]) -> torch.Tensor:
+    def _check_block(
+        self, block: torch.Tensor, name: str, token_ids: Sequence[int]
+    ) -> torch.Tensor:
         if block.device.type != "cpu" or not block.is_contiguous():
             raise ValueError(f"{name} must be a contiguous CPU tensor (a view of one CPU block)")
         flat = block.reshape(-1).view(torch.uint8)
         if flat.numel() != self.geometry.block_bytes:
-            raise ValueError(f"{name} holds {flat.numel()} bytes; this store's blocks are {self.geometry.block_bytes}")
+            raise ValueError(
+                f"{name} holds {flat.numel()} bytes; this store's blocks are {self.geometry.block_bytes}"
+            )
         if len(token_ids) > self.geometry.block_size:
-            raise ValueError(f"{len(token_ids)} token ids, more than block_size={self.geometry.block_size}")
+            raise ValueError(
+                f"{len(token_ids)} token ids, more than block_size={self.geometry.block_size}"
+            )
         return flat
 
     @staticmethod
@@ -266,12 +309,30 @@ class NVMeStore:
             raise ValueError("token ids must lie in [0, 2**32)")
         return tokens
 
-    def _new_job(self, op: IOOp, block_hash: int, parent_hash: int, tokens: tuple[int, ...], slot: int,
-                 payload: torch.Tensor) -> _Job:
+    def _new_job(
+        self,
+        op: IOOp,
+        block_hash: int,
+        parent_hash: int,
+        tokens: tuple[int, ...],
+        slot: int,
+        payload: torch.Tensor,
+    ) -> _Job:
         """Register a job (lock held); its buffers are chosen here, filled by the caller."""
-        direct = self.geometry.block_bytes % ALIGN == 0 and (not self.o_direct or is_aligned(payload))
-        job = _Job(next(self._ids), op, block_hash, parent_hash, tokens, slot, self._generation,
-                   self._headers.get(), payload, None if direct else self._bounces.get())
+        o_direct = self._file is None or self._file.o_direct
+        direct = self.geometry.block_bytes % ALIGN == 0 and (not o_direct or is_aligned(payload))
+        job = _Job(
+            next(self._ids),
+            op,
+            block_hash,
+            parent_hash,
+            tokens,
+            slot,
+            self._generation,
+            self._headers.get(),
+            payload,
+            None if direct else self._bounces.get(),
+        )
         self._jobs[job.id] = job
         return job
 
@@ -279,7 +340,9 @@ class NVMeStore:
         body = job.payload if job.bounce is None else job.bounce
         buffers = (byte_view(job.header), byte_view(body))
         job.nbytes = sum(b.nbytes for b in buffers)
-        request = IORequest(job.id, job.op, self._fd_of(job), self.geometry.slot_offset(job.slot), buffers)
+        request = IORequest(
+            job.id, job.op, self._fd_of(job), self.geometry.slot_offset(job.slot), buffers
+        )
         try:
             self.backend.submit([request])
         except OSError as exc:
@@ -287,7 +350,8 @@ class NVMeStore:
 
     def _fd_of(self, job: _Job) -> int:
         with self._cond:
-            return self._fd if job.generation == self._generation else -1
+            current = job.generation == self._generation and self._file is not None
+            return self._file.fd if current else -1
 
     # ---------------------------------------------------------------- completing
 
@@ -300,7 +364,9 @@ class NVMeStore:
                 with self._cond:
                     job = self._jobs.get(completion.tag)
                 if job is None:
-                    logger.error("NVMe store: completion for unknown job %d ignored", completion.tag)
+                    logger.error(
+                        "NVMe store: completion for unknown job %d ignored", completion.tag
+                    )
                     continue
                 self._finish(job, completion)
 
@@ -313,8 +379,14 @@ class NVMeStore:
         if job.op == "write":
             return None
         header = parse_header(byte_view(job.header), self.geometry.block_size)
-        if not header_matches(header, self._fingerprint, job.block_hash, job.parent_hash, job.token_ids,
-                              self.geometry.block_bytes):
+        if not header_matches(
+            header,
+            self._fingerprint,
+            job.block_hash,
+            job.parent_hash,
+            job.token_ids,
+            self.geometry.block_bytes,
+        ):
             return "corrupt"
         body = job.payload if job.bounce is None else job.bounce[: job.payload.numel()]
         if xxhash.xxh3_64_intdigest(byte_view(body)) != header.payload_checksum:
@@ -324,7 +396,11 @@ class NVMeStore:
         return None
 
     def _finish(self, job: _Job, completion: IOCompletion) -> None:
-        fault = self._outcome(job, completion.result)
+        try:
+            fault = self._outcome(job, completion.result)
+        except Exception:  # a bug here must fail the job, not kill the thread its waiters need
+            logger.exception("NVMe store: checking job %d failed", job.id)
+            fault = "io_errors"
         with self._cond:
             current = job.generation == self._generation
             ok = fault is None and (current or job.op == "read")
@@ -348,89 +424,36 @@ class NVMeStore:
 
     # ---------------------------------------------------------------- the file
 
-    def _open_file(self) -> tuple[int, tuple[int, int], bool]:
-        """Open (creating and preallocating) the store file: (fd, (dev, inode), O_DIRECT?)."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-        try:
-            fd, direct = os.open(self.path, flags | os.O_DIRECT, 0o644), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            fd, direct = os.open(self.path, flags, 0o644), False
-            logger.warning("%s does not support O_DIRECT; the NVMe store uses buffered I/O "
-                           "(reads may come from the page cache)", os.path.dirname(os.path.abspath(self.path)))
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            size = self.geometry.file_bytes
-            if os.fstat(fd).st_size > size:
-                os.ftruncate(fd, size)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, size)
-        except BlockingIOError:
-            os.close(fd)
-            raise RuntimeError(f"{self.path} is used by another NVMeStore; give each engine its own nvme_path") from None
-        except OSError:
-            os.close(fd)
-            raise
-        st = os.fstat(fd)
-        return fd, (st.st_dev, st.st_ino), direct
-
     def _check_file(self) -> None:
         """If the store file was deleted or replaced, forget its blocks and start a new one."""
-        try:
-            st = os.stat(self.path)
-            if (st.st_dev, st.st_ino) == self._file_id:
-                return
-        except OSError:
-            pass
+        if self._file is not None and not self._file.vanished():
+            return
         with self._cond:
-            logger.warning("NVMe store file %s vanished; its blocks are lost, starting an empty file", self.path)
-            self._counts["files_lost"] += 1
-            self._retired_fds.append(self._fd)  # in-flight jobs may still use it
+            if self._file is not None and not self._file.vanished():
+                return  # another thread replaced it meanwhile
+            if self._file is not None:
+                logger.warning(
+                    "NVMe store file %s vanished; its blocks are lost, starting an empty one",
+                    self.path,
+                )
+                self._counts["files_lost"] += 1
+                self._retired.append(self._file)  # in-flight jobs may still use it
             self._generation += 1
-            self._fd, self._file_id, self.o_direct = self._open_file()
             self.index = SlotIndex(self.num_slots)
-            self._write_superblock()
+            try:
+                self._file = SlotFile(self.path, self.geometry)
+                self._file.format()
+            except (OSError, RuntimeError) as exc:  # jobs fail (EBADF) until a later submit manages
+                if self._file is not None:
+                    logger.error("NVMe store cannot recreate %s: %s", self.path, exc)
+                self._file = None
 
     def _load_index(self) -> None:
-        """Rebuild the index from the slot headers if the file holds slots of this geometry."""
-        buf = aligned_empty(SUPERBLOCK_BYTES)
-        n = os.preadv(self._fd, [byte_view(buf)], 0)
-        found = parse_superblock(byte_view(buf)) if n == SUPERBLOCK_BYTES else None
-        g = self.geometry
-        if found != (g.header_bytes, g.slot_bytes, g.block_bytes):
-            self._write_superblock()
+        """Find the blocks an earlier store left in the file, or format it."""
+        if not self._file.holds_slots():
+            self._file.format()
             return
-        blocks = self._scan_headers()  # {hash: (sequence, slot)}
-        order = sorted(blocks.items(), key=lambda item: item[1])
-        self.index.restore([(h, slot) for h, (_, slot) in order])
-        self._sequence = max((seq for seq, _ in blocks.values()), default=0)
-        self._counts["restored"] = len(order)
-
-    def _write_superblock(self) -> None:
-        buf = aligned_empty(SUPERBLOCK_BYTES)
-        pack_superblock(byte_view(buf), self.geometry)
-        os.pwritev(self._fd, [byte_view(buf)], 0)
-
-    def _scan_headers(self, batch: int = 64) -> dict[int, tuple[int, int]]:
-        """Valid headers of this fingerprint: {block hash: (sequence, slot)}, newest per hash."""
-        g, found = self.geometry, {}
-        bufs = [aligned_empty(g.header_bytes) for _ in range(min(batch, g.num_slots))]
-        for start in range(0, g.num_slots, batch):
-            slots = range(start, min(start + batch, g.num_slots))
-            self.backend.submit([IORequest(s, "read", self._fd, g.slot_offset(s), (byte_view(bufs[s - start]),))
-                                 for s in slots])
-            results: dict[int, int] = {}
-            while len(results) < len(slots):
-                results.update((c.tag, c.result) for c in self.backend.reap(1.0))
-            for slot in slots:
-                header = parse_header(byte_view(bufs[slot - start]), g.block_size)
-                if (results[slot] == g.header_bytes and header is not None and header.fingerprint == self._fingerprint
-                        and header.payload_bytes == g.block_bytes
-                        and header.sequence > found.get(header.block_hash, (-1, -1))[0]):
-                    found[header.block_hash] = (header.sequence, slot)
-        return found
+        found = self._file.scan(self.backend, self._fingerprint)
+        self.index.restore([(block_hash, slot) for _, block_hash, slot in found])
+        self._sequence = found[-1][0] if found else 0
+        self._counts["restored"] = len(found)

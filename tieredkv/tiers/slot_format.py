@@ -39,7 +39,9 @@ STORE_MAGIC = b"TKVSTORE"
 MAX_U64 = (1 << 64) - 1
 
 _SLOT_FIXED = struct.Struct("<8sQIIQQQQQ32s")  # through the fingerprint digest: 96 bytes
-_SUPER = struct.Struct("<8sQIIQQQ")  # magic, checksum, version, header_bytes, slot_bytes, block_bytes, num_slots
+_SUPER = struct.Struct(
+    "<8sQIIQQQ"
+)  # magic, checksum, version, header_bytes, slot_bytes, block_bytes, num_slots
 _CHECKED_FROM = 16  # both checksums cover the bytes after magic and checksum
 
 
@@ -69,13 +71,17 @@ class SlotGeometry:
     def for_block(cls, capacity_bytes: int, block_bytes: int, block_size: int) -> SlotGeometry:
         """The geometry fitting the most slots for `block_bytes` blocks into `capacity_bytes`."""
         if block_bytes <= 0 or block_size <= 0:
-            raise ValueError(f"block_bytes and block_size must be positive, got {block_bytes}, {block_size}")
+            raise ValueError(
+                f"block_bytes and block_size must be positive, got {block_bytes}, {block_size}"
+            )
         header_bytes = align_up(_SLOT_FIXED.size + 4 * block_size)
         payload_bytes = align_up(block_bytes)
         num_slots = (capacity_bytes - SUPERBLOCK_BYTES) // (header_bytes + payload_bytes)
         if num_slots < 1:
             need = SUPERBLOCK_BYTES + header_bytes + payload_bytes
-            raise ValueError(f"capacity_bytes={capacity_bytes} holds no slot: give at least {need} bytes")
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes} holds no slot: give at least {need} bytes"
+            )
         return cls(block_bytes, block_size, header_bytes, payload_bytes, num_slots)
 
     @property
@@ -119,8 +125,18 @@ def pack_header(buf: memoryview, header: SlotHeader) -> None:
     except struct.error as exc:
         raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
     _SLOT_FIXED.pack_into(
-        buf, 0, SLOT_MAGIC, 0, FORMAT_VERSION, n, header.block_hash, header.parent_hash,
-        header.payload_bytes, header.payload_checksum, header.sequence, header.fingerprint,
+        buf,
+        0,
+        SLOT_MAGIC,
+        0,
+        FORMAT_VERSION,
+        n,
+        header.block_hash,
+        header.parent_hash,
+        header.payload_bytes,
+        header.payload_checksum,
+        header.sequence,
+        header.fingerprint,
     )
     buf[end:] = bytes(len(buf) - end)
     struct.pack_into("<Q", buf, 8, xxhash.xxh3_64_intdigest(buf[_CHECKED_FROM:end]))
@@ -128,7 +144,9 @@ def pack_header(buf: memoryview, header: SlotHeader) -> None:
 
 def parse_header(buf: memoryview, max_tokens: int) -> SlotHeader | None:
     """The header in `buf`, or None if it is not a valid header of this format version."""
-    magic, checksum, version, n, bhash, parent, nbytes, pcheck, seq, fp = _SLOT_FIXED.unpack_from(buf)
+    magic, checksum, version, n, bhash, parent, nbytes, pcheck, seq, fp = _SLOT_FIXED.unpack_from(
+        buf
+    )
     if magic != SLOT_MAGIC or version != FORMAT_VERSION or n > max_tokens:
         return None
     end = _SLOT_FIXED.size + 4 * n
@@ -139,8 +157,12 @@ def parse_header(buf: memoryview, max_tokens: int) -> SlotHeader | None:
 
 
 def header_matches(
-    header: SlotHeader | None, fingerprint: bytes, block_hash: int, parent_hash: int,
-    token_ids: Sequence[int], payload_bytes: int,
+    header: SlotHeader | None,
+    fingerprint: bytes,
+    block_hash: int,
+    parent_hash: int,
+    token_ids: Sequence[int],
+    payload_bytes: int,
 ) -> bool:
     """True if `header` is the header a reader of this exact block expects."""
     return (
@@ -157,7 +179,17 @@ def pack_superblock(buf: memoryview, geometry: SlotGeometry) -> None:
     """Write the superblock describing `geometry` into `buf` (SUPERBLOCK_BYTES long)."""
     buf[:] = bytes(len(buf))
     g = geometry
-    _SUPER.pack_into(buf, 0, STORE_MAGIC, 0, FORMAT_VERSION, g.header_bytes, g.slot_bytes, g.block_bytes, g.num_slots)
+    _SUPER.pack_into(
+        buf,
+        0,
+        STORE_MAGIC,
+        0,
+        FORMAT_VERSION,
+        g.header_bytes,
+        g.slot_bytes,
+        g.block_bytes,
+        g.num_slots,
+    )
     struct.pack_into("<Q", buf, 8, xxhash.xxh3_64_intdigest(buf[_CHECKED_FROM : _SUPER.size]))
 
 
@@ -185,7 +217,9 @@ def aligned_empty(nbytes: int, alignment: int = ALIGN) -> torch.Tensor:
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable memoryview of the bytes of a contiguous CPU tensor (shares its memory)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(f"need a contiguous CPU tensor, got device={tensor.device} contiguous={tensor.is_contiguous()}")
+        raise ValueError(
+            f"need a contiguous CPU tensor, got device={tensor.device} contiguous={tensor.is_contiguous()}"
+        )
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 

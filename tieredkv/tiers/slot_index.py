@@ -61,7 +61,9 @@ class SlotIndex:
 
     def reserve(self, block_hash: int) -> Reservation | None:
         """A slot for a new block: a free one, else the LRU unpinned block's; None if all are busy."""
-        assert not self.known(block_hash), f"block {block_hash:#x} is already stored or being written"
+        assert not self.known(block_hash), (
+            f"block {block_hash:#x} is already stored or being written"
+        )
         evicted = None
         if self._free:
             slot = self._free.pop()

@@ -60,7 +60,9 @@ class UringBackend(BlockIO):
         lib = self._lib
         while self._backlog and len(self._inflight) < self._depth:
             req = self._backlog[0]
-            iov = lib.Iovec(list(req.buffers))  # before taking an SQE: a failure here leaves none half-made
+            iov = lib.Iovec(
+                list(req.buffers)
+            )  # before taking an SQE: a failure here leaves none half-made
             sqe = lib.io_uring_get_sqe(self._ring)
             if sqe is None:
                 break
@@ -70,7 +72,10 @@ class UringBackend(BlockIO):
             else:
                 lib.io_uring_prep_writev(sqe, req.fd, iov, req.offset)
             lib.io_uring_sqe_set_data64(sqe, req.tag)
-            self._inflight[req.tag] = (req, iov)  # the kernel reads the iovec and buffers until completion
+            self._inflight[req.tag] = (
+                req,
+                iov,
+            )  # the kernel reads the iovec and buffers until completion
         if lib.io_uring_sq_ready(self._ring):
             try:
                 lib.io_uring_submit(self._ring)

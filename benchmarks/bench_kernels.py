@@ -1,0 +1,164 @@
+"""Kernel benchmarks against peaks measured in the same run (needs CUDA).
+
+Figures (one line each: name, value, peak, ratio):
+- copy peak: `b.copy_(a)` on 1 GiB, bytes read + written;  matmul peak: bf16 8192^3;
+- decode attention, Llama-3-8B shape, batch 64, context 8192, scattered blocks: K/V bytes read;
+- gather / scatter of 256 scattered Llama-3-8B blocks (2 MiB each): bytes read + written;
+- prefill attention (4 x 4096 new tokens; 8192 cached + 2048 new): causal TFLOP/s.
+
+    python benchmarks/bench_kernels.py [--json results/kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tieredkv.kernels import gather_blocks, paged_attention, scatter_blocks
+
+# Llama-3-8B attention / cache shape.
+LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    unit: str
+    peak: float
+    peak_name: str
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.peak
+
+    def line(self) -> str:
+        return (f"{self.name:<34} {self.value:9.1f} {self.unit:<8} peak {self.peak:9.1f} "
+                f"({self.peak_name})  ratio {self.ratio:6.1%}")
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 15) -> float:
+    """Median milliseconds of `fn` over `reps` runs, timed with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_peak_gbs() -> float:
+    """Device-to-device copy of 1 GiB, counting bytes read + written."""
+    a = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a))
+    return 2 * a.numel() / ms / 1e6
+
+
+def matmul_peak_tflops() -> float:
+    """bf16 8192^3 matrix product on random data."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=DTYPE)
+    b = torch.randn(n, n, device="cuda", dtype=DTYPE)
+    ms = time_ms(lambda: a @ b)
+    return 2 * n**3 / ms / 1e9
+
+
+def attention_inputs(
+    q_lens: list[int], context_lens: list[int], spare_blocks: int = 64
+) -> tuple[torch.Tensor, ...]:
+    """Random query, one layer's K/V cache with each sequence's blocks scattered at random."""
+    blocks = [math.ceil(c / BLOCK_SIZE) for c in context_lens]
+    num_blocks = sum(blocks) + spare_blocks
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+    tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device="cuda")
+    offset = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = perm[offset : offset + n]
+        offset += n
+    cu = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    query = torch.randn(int(cu[-1]), Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
+    return query, k_cache, v_cache, tables, cu, ctx
+
+
+def bench_decode(copy_peak: float, batch: int = 64, context: int = 8192) -> Figure:
+    args = attention_inputs([1] * batch, [context] * batch)
+    ms = time_ms(lambda: paged_attention(*args, HEAD_DIM**-0.5))
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    name = f"decode attn b={batch} ctx={context}"
+    return Figure(name, kv_bytes / ms / 1e6, "GB/s", copy_peak, "copy")
+
+
+def causal_flops(q_len: int, context: int) -> float:
+    """QK^T and PV flops of one sequence: 4 * head_dim per visible (row, key) pair, per head."""
+    prefix = context - q_len
+    pairs = q_len * prefix + q_len * (q_len + 1) / 2
+    return 4 * HEAD_DIM * Q_HEADS * pairs
+
+
+def bench_prefill(matmul_peak: float, q_lens: list[int], context_lens: list[int]) -> Figure:
+    args = attention_inputs(q_lens, context_lens)
+    ms = time_ms(lambda: paged_attention(*args, HEAD_DIM**-0.5), reps=10)
+    flops = sum(causal_flops(q, c) for q, c in zip(q_lens, context_lens, strict=True))
+    name = f"prefill attn {len(q_lens)}x{q_lens[0]} ctx={context_lens[0]}"
+    return Figure(name, flops / ms / 1e9, "TFLOP/s", matmul_peak, "bf16 mm")
+
+
+def bench_block_copy(copy_peak: float, num_ids: int = 256, num_blocks: int = 1024) -> list[Figure]:
+    shape = (LAYERS, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    kv_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+    ids = torch.randperm(num_blocks, device="cuda")[:num_ids]
+    staging = torch.empty((num_ids, *shape[:2], *shape[3:]), device="cuda", dtype=DTYPE)
+    moved = 2 * staging.numel() * staging.element_size()
+    gather_ms = time_ms(lambda: gather_blocks(kv_cache, ids, staging))
+    scatter_ms = time_ms(lambda: scatter_blocks(staging, kv_cache, ids))
+    return [
+        Figure(f"gather {num_ids} blocks (2 MiB)", moved / gather_ms / 1e6, "GB/s", copy_peak,
+               "copy"),
+        Figure(f"scatter {num_ids} blocks (2 MiB)", moved / scatter_ms / 1e6, "GB/s", copy_peak,
+               "copy"),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernels needs a CUDA device; none found, nothing measured.")
+        return 1
+    torch.manual_seed(0)
+    copy_peak, matmul_peak = copy_peak_gbs(), matmul_peak_tflops()
+    print(f"device {torch.cuda.get_device_name()}: copy peak {copy_peak:.1f} GB/s, "
+          f"bf16 matmul peak {matmul_peak:.1f} TFLOP/s")
+    figures = [bench_decode(copy_peak), *bench_block_copy(copy_peak)]
+    figures.append(bench_prefill(matmul_peak, [4096] * 4, [4096] * 4))
+    figures.append(bench_prefill(matmul_peak, [2048], [8192 + 2048]))
+    for figure in figures:
+        print(figure.line())
+    if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        rows = [{**asdict(f), "ratio": f.ratio} for f in figures]
+        opts.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                         "figures": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
