@@ -16,7 +16,7 @@ import time
 
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.config import SchedulerConfig
-from tieredkv.policy import RecomputePolicy
+from tieredkv.policy import PreemptionPolicy
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Sequence
@@ -46,7 +46,7 @@ def bench_blocks(num_seqs: int, context: int, rng: random.Random) -> dict[str, f
     for seq, old in zip(again, seqs, strict=True):
         seq.token_ids = list(old.token_ids)
     t3 = time.perf_counter()
-    matched = sum(len(kv.match_prefix(seq).blocks) for seq in again)
+    matched = sum(len(kv.match_prefix(seq).gpu_blocks) for seq in again)
     t4 = time.perf_counter()
     total = num_seqs * blocks_per_seq
     return {
@@ -60,7 +60,7 @@ def bench_step(num_seqs: int, context: int, steps: int, rng: random.Random) -> f
     blocks = num_seqs * (context // BLOCK_SIZE + steps // BLOCK_SIZE + 2)
     kv = KVCacheManager(blocks, BLOCK_SIZE, root_hash=1)
     config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * context)
-    scheduler = Scheduler(config, kv, RecomputePolicy())
+    scheduler = Scheduler(config, kv, PreemptionPolicy("recompute", block_bytes=0))
     for i in range(num_seqs):
         scheduler.add(make_seq(i, context, rng))
     admit = scheduler.schedule()  # prefill everything once, outside the timing

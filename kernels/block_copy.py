@@ -24,7 +24,8 @@ import triton.language as tl
 
 from ._checks import check_launchable, check_same_device, check_shape, check_tensor, require
 
-_TILE_BYTES = 16384
+_TILE_BYTES = 4096  # one 16-byte access per thread of 4 warps
+_TILES_PER_PROGRAM = 8
 _NUM_WARPS = 4
 
 
@@ -37,23 +38,34 @@ def _copy_blocks_kernel(
     CHUNKS_PER_BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
     TILE: tl.constexpr,
+    TILES: tl.constexpr,
+    EVEN: tl.constexpr,
     TO_STAGING: tl.constexpr,
 ):
-    """Program (chunk j, tile k) moves elements [k*TILE, (k+1)*TILE) of staging chunk j."""
+    """Program (chunk j, k) moves elements [k*TILES*TILE, (k+1)*TILES*TILE) of staging chunk j.
+
+    The TILES tiles are unrolled so that each thread has TILES loads in flight.
+    """
     j = tl.program_id(0)
     i = j // CHUNKS_PER_BLOCK
     lc = j % CHUNKS_PER_BLOCK  # l * 2 + c
     block = tl.load(block_ids_ptr + i)
     if (block < 0) | (block >= num_cache_blocks):
         return
-    offs = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    mask = offs < CHUNK
     cache = cache_ptr + (lc * num_cache_blocks + block) * CHUNK
     staging = staging_ptr + j.to(tl.int64) * CHUNK
     if TO_STAGING:
-        tl.store(staging + offs, tl.load(cache + offs, mask=mask), mask=mask)
+        src, dst = cache, staging
     else:
-        tl.store(cache + offs, tl.load(staging + offs, mask=mask), mask=mask)
+        src, dst = staging, cache
+    first = tl.program_id(1) * TILES * TILE
+    for t in tl.static_range(TILES):
+        offs = first + t * TILE + tl.arange(0, TILE)
+        if EVEN:
+            tl.store(dst + offs, tl.load(src + offs))
+        else:
+            mask = offs < CHUNK
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def _check_copy_args(
@@ -86,11 +98,12 @@ def _launch_copy(
     stage = _as_chunks(staging, staging.shape[0] * layers * 2, chunk_bytes)
     chunk = cache.shape[1]
     tile = min(triton.next_power_of_2(chunk), _TILE_BYTES // cache.element_size())
-    grid = (stage.shape[0], triton.cdiv(chunk, tile))
+    tiles = min(_TILES_PER_PROGRAM, triton.cdiv(chunk, tile))
+    grid = (stage.shape[0], triton.cdiv(chunk, tile * tiles))
     _copy_blocks_kernel[grid](
         cache, stage, block_ids, num_cache_blocks,
-        CHUNKS_PER_BLOCK=layers * 2, CHUNK=chunk, TILE=tile, TO_STAGING=to_staging,
-        num_warps=_NUM_WARPS,
+        CHUNKS_PER_BLOCK=layers * 2, CHUNK=chunk, TILE=tile, TILES=tiles,
+        EVEN=chunk % (tile * tiles) == 0, TO_STAGING=to_staging, num_warps=_NUM_WARPS,
     )
 
 

@@ -37,7 +37,7 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,7 +72,7 @@ def _decode_kernel(
     m, denom, acc = attend_tiles(
         q, m, denom, acc, k_ptr, v_ptr, table_ptr + b * stride_bt, kv_head * stride_kh,
         tl.zeros([GROUP_PAD], tl.int32) + pos, start, end, window, scale_log2,
-        stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
+        stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION, K_ROWS,
     )
     if NUM_SPLITS == 1:
         out = acc / denom[:, None]

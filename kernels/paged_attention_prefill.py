@@ -31,7 +31,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -62,18 +62,18 @@ def _prefill_kernel(
         start = tl.maximum(first_pos + 1 - window, 0)
         m, denom, acc = attend_tiles(
             q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, start, end, window,
-            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, PRECISION,
+            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, PRECISION, K_ROWS,
         )
     else:
         full_end = first_pos // BLOCK_N * BLOCK_N
         m, denom, acc = attend_tiles(
             q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, 0, full_end, window,
             scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False,
-            PRECISION,
+            PRECISION, K_ROWS,
         )
         m, denom, acc = attend_tiles(
             q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, full_end, end, window,
-            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
+            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION, K_ROWS,
         )
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -86,7 +86,7 @@ def _config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if head_dim <= 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
 def prefill_attention(

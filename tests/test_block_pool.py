@@ -68,7 +68,7 @@ def test_prefix_hits_and_lru_eviction_order():
     assert kv.pool.num_evictions == 1
     # the shared prefix now matches one block only
     e = make_seq("e", shared + [3])
-    assert kv.match_prefix(e).blocks == (kv.pool.blocks[0],)
+    assert kv.match_prefix(e).gpu_blocks == (kv.pool.blocks[0],)
 
 
 def test_full_match_leaves_one_token_to_compute():
@@ -87,7 +87,7 @@ def test_hash_collision_is_not_a_hit():
     # pretend another token run had the same hash: the token comparison must reject it
     other = make_seq("b", [4, 3, 2, 1, 5])
     other.block_hashes = [block.block_hash]
-    assert kv.match_prefix(other).blocks == ()
+    assert kv.match_prefix(other).gpu_blocks == ()
 
 
 ops = st.lists(

@@ -18,10 +18,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from tieredkv.policy import CostModel, Preemption
+
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "float16", "bfloat16"]
 IOBackend = Literal["uring", "aiofiles", "sync"]
-Preemption = Literal["auto", "swap", "recompute"]
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -112,16 +113,26 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits and the preemption policy."""
+    """Continuous-batching limits and the preemption policy. `cost_model` pins the speeds the
+    `auto` policy uses; without it they are measured at start-up."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    preemption: Preemption = "recompute"
+    preemption: Preemption = "auto"
+    cost_model: CostModel | None = None
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_choice("preemption", self.preemption, get_args(Preemption))
+        if isinstance(self.cost_model, dict):
+            allowed = [f.name for f in dataclasses.fields(CostModel)]
+            for key in self.cost_model:
+                if key not in allowed:
+                    raise ValueError(unknown_key(f"cost_model.{key}", [f"cost_model.{k}" for k in allowed]))
+            object.__setattr__(self, "cost_model", CostModel(**self.cost_model))
+        elif self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise ValueError(f"cost_model: expected a mapping of {', '.join(f.name for f in dataclasses.fields(CostModel))}")
 
 
 @dataclass(frozen=True)

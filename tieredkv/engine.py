@@ -19,13 +19,17 @@ from tqdm.auto import tqdm
 
 from tieredkv.cache.hashing import model_fingerprint
 from tieredkv.cache.manager import KVCacheManager
+from tieredkv.cache.offload import CPUOffload
+from tieredkv.calibrate import calibrate
 from tieredkv.config import EngineConfig, read_yaml
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import RequestMetrics, RequestOutput
-from tieredkv.policy import make_policy
+from tieredkv.policy import CostModel, PreemptionPolicy
 from tieredkv.sampling import Sampler, SamplingParams
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Sequence as Seq
+from tieredkv.tiers.cpu import CPUTier
+from tieredkv.transfer import make_transfer_engine
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +45,12 @@ class LLMEngine:
         self.runner = ModelRunner(config.model)
         block_size = config.cache.block_size
         num_blocks = self._num_gpu_blocks()
-        self.runner.allocate_kv_cache(num_blocks, block_size)
+        kv_cache = self.runner.allocate_kv_cache(num_blocks, block_size)
         hf_config = self.runner.model.config.to_dict()
-        root = model_fingerprint(hf_config, config.model.dtype, block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, root)
-        self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config))
+        self.fingerprint = model_fingerprint(hf_config, config.model.dtype, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload(kv_cache))
+        policy = PreemptionPolicy(config.scheduler.preemption, self.block_bytes, self._cost_model())
+        self.scheduler = Scheduler(config.scheduler, self.kv, policy)
         self.sampler = Sampler()
         self.seqs: dict[str, Seq] = {}
         self._ids = itertools.count()
@@ -54,6 +59,35 @@ class LLMEngine:
     @property
     def tokenizer(self):
         return self.runner.tokenizer
+
+    @property
+    def block_bytes(self) -> int:
+        return self.runner.kv_spec.block_bytes(self.config.cache.block_size)
+
+    def _build_offload(self, kv_cache: torch.Tensor) -> CPUOffload | None:
+        cache = self.config.cache
+        if cache.cpu_cache_bytes == 0:
+            if self.config.scheduler.preemption == "swap":
+                raise ValueError("preemption: 'swap' needs a CPU tier; set cpu_cache_bytes (e.g. '4GiB')")
+            return None
+        num_blocks = cache.cpu_cache_bytes // self.block_bytes
+        if num_blocks == 0:
+            raise ValueError(
+                f"cpu_cache_bytes: {cache.cpu_cache_bytes} bytes hold no KV block of {self.block_bytes} bytes; "
+                "raise it or set it to 0 to run without a CPU tier"
+            )
+        tier = CPUTier(num_blocks, tuple(kv_cache[:, :, 0].shape), kv_cache.dtype, pin=kv_cache.is_cuda)
+        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data))
+
+    def _cost_model(self) -> CostModel | None:
+        """Pinned in the config, else measured (only `auto` with a CPU tier needs one)."""
+        sched = self.config.scheduler
+        if sched.cost_model is not None or sched.preemption != "auto" or self.kv.offload is None:
+            return sched.cost_model
+        device = self.runner.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        max_tokens = min(self.kv.num_blocks * self.kv.block_size, self.runner.max_model_len)
+        return calibrate(f"{name}/{self.fingerprint:016x}", device, self.runner.prefill_probe, max_tokens)
 
     def _num_gpu_blocks(self) -> int:
         cache = self.config.cache
@@ -132,11 +166,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step and forward pass; outputs of the requests that got a token."""
+        self.kv.retire()
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return []
         sampling = [s.seq for s in batch.scheduled if s.samples]
         tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
+        self.kv.before_forward()
         logits = self.runner.execute(batch.scheduled, tables)
         tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
         for item in batch.scheduled:
@@ -175,6 +211,7 @@ class LLMEngine:
         return {
             **self.kv.stats(),
             "preemptions": dict(self.scheduler.num_preemptions),
+            "swap_fallbacks": self.scheduler.num_swap_fallbacks,
             **self._counters,
             "requests_waiting": len(self.scheduler.waiting),
             "requests_running": len(self.scheduler.running),
@@ -227,7 +264,8 @@ class LLM(LLMEngine):
         return [results[rid] for rid in order]
 
     def close(self) -> None:
-        """Release the KV cache (and flush slower tiers)."""
+        """Finish transfers and release the tiers."""
+        self.kv.close()
         self.runner.kv_cache = None
 
     def __enter__(self) -> LLM:

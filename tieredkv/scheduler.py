@@ -2,8 +2,10 @@
 
 Each `schedule()`:
 1. extend running sequences (decodes and unfinished prefill chunks), oldest first; when
-   blocks run out, preempt the newest running sequence (the policy says how) and retry;
-2. if nothing was preempted, admit waiting sequences in order, reusing cached prefixes,
+   blocks run out, preempt the newest running sequence (swap or recompute, as the policy
+   says) and retry;
+2. if nothing was preempted, swap sequences back in, oldest first;
+3. if none is left swapped out, admit waiting sequences in order, reusing cached prefixes,
    while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow.
 
 The scheduler talks to blocks only through `KVCacheManager`.
@@ -18,6 +20,7 @@ from tieredkv.cache.manager import KVCacheManager
 from tieredkv.config import SchedulerConfig
 from tieredkv.policy import PreemptionPolicy
 from tieredkv.sequence import Sequence, SequenceStatus
+from tieredkv.transfer import TransferError
 
 
 @dataclass(frozen=True)
@@ -52,19 +55,23 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
         self.num_preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
+        self.num_swap_fallbacks = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            budget = self._resume_swapped(out, budget)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -83,6 +90,23 @@ class Scheduler:
             i += 1
         return budget
 
+    def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            try:
+                if self.kv.swap_in(seq, n) is None:
+                    break
+            except TransferError:  # its KV did not come back: recompute it
+                self.swapped.popleft()
+                self.num_swap_fallbacks += 1
+                self._requeue(seq)
+                continue
+            self.swapped.popleft()
+            self._run(seq, n, out)
+            budget -= n
+        return budget
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -91,23 +115,37 @@ class Scheduler:
             if self.kv.allocate(seq, n, prefix) is None:
                 return
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            self._run(seq, n, out)
             budget -= n
 
+    def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, n))
+
     def _preempt(self, seq: Sequence) -> None:
-        kind = self.policy.decide(seq)
+        num_blocks = len(self.kv.block_table(seq))
+        kind = self.policy.decide(seq.num_computed_tokens, num_blocks, self.kv.cpu_free_blocks())
+        if kind == "swap" and self.kv.swap_out(seq):
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self.num_swap_fallbacks += kind == "swap"
+            kind = "recompute"
+            self.kv.free(seq)
+            self._requeue(seq)
         self.num_preemptions[kind] += 1
-        self.kv.free(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back to the front of the waiting queue, to be prefilled again."""
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from the queues and free its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self.kv.free(seq)

@@ -101,6 +101,12 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
         self.cached[block_hash] = block
 
+    def uncache(self, block: Block) -> None:
+        """Forget a block's hash without the eviction callback (its content is invalid)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.reset_hash()
+
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:
             return

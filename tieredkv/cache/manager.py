@@ -1,12 +1,16 @@
-"""The KV cache manager: the scheduler's only door to blocks.
+"""The KV cache manager: the scheduler's only door to blocks, in every tier.
 
 Operations:
-- `match_prefix(seq) -> PrefixMatch`: the longest run of cached full blocks of the sequence.
+- `match_prefix(seq) -> PrefixMatch`: the longest run of cached full blocks of the sequence,
+  on the GPU and then in the CPU tier.
 - `allocate(seq, num_new_tokens, prefix) -> Allocation | None`: blocks for the next tokens
-  (`None`, with nothing changed, when the pool is short).
+  (`None`, with nothing changed, when the GPU pool is short); CPU hits are promoted.
 - `commit(seq)`: make newly computed full blocks findable by later requests.
+- `swap_out(seq) -> bool` / `swap_in(seq, num_new_tokens) -> Allocation | None`: move a
+  preempted sequence's KV to the CPU tier and back.
 - `free(seq)`: give the sequence's blocks back (cached ones stay findable).
 - `block_table(seq)`: the block ids the model runner reads and writes.
+- `retire()` / `before_forward()`: finish transfers; order the next forward pass after them.
 """
 
 from __future__ import annotations
@@ -15,17 +19,20 @@ from dataclasses import dataclass
 
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.hashing import extend_block_hashes
+from tieredkv.cache.offload import CPUOffload
 from tieredkv.sequence import Sequence
+from tieredkv.transfer import TransferError
 
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """Cached GPU blocks that hold the first `num_tokens` tokens of a sequence."""
+    """Cached blocks holding the first tokens of a sequence: GPU blocks, then CPU blocks."""
 
-    blocks: tuple[Block, ...] = ()
+    gpu_blocks: tuple[Block, ...] = ()
+    cpu_blocks: tuple[Block, ...] = ()
 
     def num_tokens(self, block_size: int) -> int:
-        return len(self.blocks) * block_size
+        return (len(self.gpu_blocks) + len(self.cpu_blocks)) * block_size
 
 
 @dataclass(frozen=True)
@@ -40,15 +47,17 @@ NO_NEW_BLOCKS = Allocation((), 0)
 
 
 class KVCacheManager:
-    """Maps sequences to GPU blocks with prefix caching."""
+    """Maps sequences to GPU blocks with prefix caching; optionally backed by a CPU tier."""
 
-    def __init__(self, num_blocks: int, block_size: int, root_hash: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, root_hash: int, offload: CPUOffload | None = None) -> None:
         self.block_size = block_size
         self.root_hash = root_hash
-        self.pool = BlockPool(num_blocks)
+        self.offload = offload
+        self.pool = BlockPool(num_blocks, on_evict=offload.demote if offload else None)
         self._tables: dict[str, list[Block]] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}
+        self._swapped: dict[str, list[Block]] = {}
         self.prefix_hit_tokens = 0
 
     @property
@@ -62,53 +71,77 @@ class KVCacheManager:
         """Block ids of the sequence, in token order (do not modify)."""
         return self._block_ids.get(seq.request_id, [])
 
+    def cpu_free_blocks(self) -> int:
+        return self.offload.num_free if self.offload else 0
+
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         # At least one token must be computed to get logits, so a full hit stops one block short.
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash)
-        found: list[Block] = []
-        parent = self.root_hash
+        found: list[list[Block]] = [[], []]
+        tier = 0
         for i in range(max_blocks):
+            parent = hashes[i - 1] if i else self.root_hash
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            block = self.pool.lookup(hashes[i], parent, tokens)
+            block = self.pool.lookup(hashes[i], parent, tokens) if tier == 0 else None
+            if block is None and self.offload is not None:
+                tier = 1
+                block = self.offload.lookup(hashes[i], parent, tokens)
             if block is None:
                 break
-            found.append(block)
-            parent = hashes[i]
-        return PrefixMatch(tuple(found))
+            found[tier].append(block)
+        return PrefixMatch(tuple(found[0]), tuple(found[1]))
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> Allocation | None:
         """Blocks for `num_new_tokens` more tokens. A new sequence passes its `prefix`; its
         computed-token count then starts after the reused blocks."""
         table = self._tables.get(seq.request_id)
-        if table is not None:
-            need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
-            if need <= 0:
-                return NO_NEW_BLOCKS
-            fresh = self.pool.allocate(need)
-            if fresh is None:
-                return None
-            self._extend(seq.request_id, fresh)
-            return Allocation(tuple(b.block_id for b in fresh), 0)
-        return self._allocate_new(seq, num_new_tokens, prefix.blocks if prefix else ())
+        if table is None:
+            return self._allocate_new(seq, num_new_tokens, prefix or PrefixMatch())
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
+        if need <= 0:
+            return NO_NEW_BLOCKS
+        fresh = self.pool.allocate(need)
+        if fresh is None:
+            return None
+        self._extend(seq.request_id, fresh)
+        return Allocation(tuple(b.block_id for b in fresh), 0)
 
-    def _allocate_new(self, seq: Sequence, num_new_tokens: int, reused: tuple[Block, ...]) -> Allocation | None:
-        num_cached = len(reused) * self.block_size
-        need = self.blocks_needed(num_cached + num_new_tokens) - len(reused)
+    def _allocate_new(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> Allocation | None:
+        reused, promoted = prefix.gpu_blocks, list(prefix.cpu_blocks)
+        need = self.blocks_needed(prefix.num_tokens(self.block_size) + num_new_tokens) - len(reused)
         # reused blocks with no owner sit in the free queue: taking them shrinks it too
         idle = sum(1 for b in reused if b.ref_count == 0)
         if need + idle > self.pool.num_free:
             return None
+        for block in promoted:  # hold them: demotions below could otherwise evict them
+            self.offload.pool.touch(block)
         for block in reused:
             self.pool.touch(block)
         fresh = self.pool.allocate(need)
         assert fresh is not None, "free count checked above"
         self._tables[seq.request_id], self._block_ids[seq.request_id] = [], []
         self._extend(seq.request_id, [*reused, *fresh])
-        self._num_committed[seq.request_id] = len(reused)
+        num_hit_blocks = len(reused) + self._promote(promoted, fresh)
+        self._num_committed[seq.request_id] = num_hit_blocks
+        num_cached = num_hit_blocks * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         self.prefix_hit_tokens += num_cached
         return Allocation(tuple(b.block_id for b in fresh), num_cached)
+
+    def _promote(self, cpu_blocks: list[Block], gpu_blocks: list[Block]) -> int:
+        """Copy CPU prefix hits into the first fresh GPU blocks; how many arrived."""
+        if not cpu_blocks:
+            return 0
+        targets = gpu_blocks[: len(cpu_blocks)]
+        try:
+            self.offload.copy_in(cpu_blocks, [b.block_id for b in targets])
+        except TransferError:
+            return 0  # the tokens are recomputed instead
+        for src, dst in zip(cpu_blocks, targets, strict=True):
+            self.pool.cache(dst, src.block_hash, src.parent_hash, src.token_ids)
+        self.offload.hit_blocks += len(cpu_blocks)
+        return len(cpu_blocks)
 
     def _extend(self, request_id: str, blocks: list[Block]) -> None:
         self._tables[request_id].extend(blocks)
@@ -128,20 +161,72 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i], parent, tokens)
         self._num_committed[seq.request_id] = full
 
+    def swap_out(self, seq: Sequence) -> bool:
+        """Copy all of the sequence's blocks (the partial last one too) to the CPU tier and free
+        them on the GPU. False (nothing changed) when there is no CPU room or the copy fails."""
+        if self.offload is None:
+            return False
+        cpu_blocks = self.offload.copy_out(self.block_table(seq))
+        if cpu_blocks is None:
+            return False
+        self._release_gpu(seq)
+        self._swapped[seq.request_id] = cpu_blocks
+        return True
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> Allocation | None:
+        """GPU blocks for a swapped sequence plus `num_new_tokens`, its KV copied back; None when
+        the GPU pool is short. Raises TransferError (the KV is lost: recompute it)."""
+        cpu_blocks = self._swapped[seq.request_id]
+        fresh = self.pool.allocate(self.blocks_needed(seq.num_computed_tokens + num_new_tokens))
+        if fresh is None:
+            return None
+        del self._swapped[seq.request_id]
+        self._tables[seq.request_id], self._block_ids[seq.request_id] = [], []
+        self._extend(seq.request_id, fresh)
+        self._num_committed[seq.request_id] = 0
+        try:
+            self.offload.copy_in(cpu_blocks, [b.block_id for b in fresh[: len(cpu_blocks)]])
+        except TransferError:
+            self._release_gpu(seq)
+            raise
+        return Allocation(tuple(b.block_id for b in fresh), 0)
+
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks, last block first (so it is evicted first)."""
-        table = self._tables.pop(seq.request_id, [])
+        """Release the sequence's blocks in every tier."""
+        self._release_gpu(seq)
+        swapped = self._swapped.pop(seq.request_id, None)
+        if swapped:
+            self.offload.pool.release(swapped)
+
+    def _release_gpu(self, seq: Sequence) -> None:
+        # last block first, so that it is evicted first
+        self.pool.release(reversed(self._tables.pop(seq.request_id, [])))
         self._block_ids.pop(seq.request_id, None)
         self._num_committed.pop(seq.request_id, None)
-        self.pool.release(reversed(table))
+
+    def retire(self) -> None:
+        """Release what finished transfers held."""
+        if self.offload:
+            self.offload.retire()
+
+    def before_forward(self) -> None:
+        """Submit queued demotions and order the next forward pass after pending transfers."""
+        if self.offload:
+            self.offload.before_forward()
 
     def stats(self) -> dict[str, int]:
-        used = self.num_blocks - self.pool.num_free
-        return {
+        stats = {
             "gpu_blocks_total": self.num_blocks,
-            "gpu_blocks_used": used,
+            "gpu_blocks_used": self.num_blocks - self.pool.num_free,
             "gpu_blocks_cached": self.pool.num_cached,
             "gpu_blocks_free": self.pool.num_free,
             "gpu_evictions": self.pool.num_evictions,
             "prefix_hit_tokens": self.prefix_hit_tokens,
         }
+        if self.offload:
+            stats.update(self.offload.stats())
+        return stats
+
+    def close(self) -> None:
+        if self.offload:
+            self.offload.close()

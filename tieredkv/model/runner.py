@@ -24,7 +24,9 @@ from transformers import (
 from tieredkv.config import ModelConfig
 from tieredkv.model import attention
 from tieredkv.model.presets import PRESETS, build_preset
+from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import ScheduledSeq
+from tieredkv.sequence import Sequence as Seq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -113,6 +115,12 @@ class ModelRunner:
                 use_cache=False, logits_to_keep=logits_indices,
             )
         return out.logits[0].float()
+
+    def prefill_probe(self, num_tokens: int) -> None:
+        """One forward pass over `num_tokens` dummy tokens (for calibration). It writes the KV of
+        the first blocks, so run it before any request does."""
+        seq = Seq("probe", [0] * num_tokens, SamplingParams(max_tokens=1))
+        self.execute([ScheduledSeq(seq, num_tokens)], [list(range(-(-num_tokens // self.block_size)))])
 
     def _prepare(
         self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[list[int]]

@@ -1,0 +1,164 @@
+"""NVMe tier throughput: spill and restore of CPU blocks against the disk's own sequential peak.
+
+For each round, on the same directory:
+  peak    a plain sequential O_DIRECT write, then read, of SIZE bytes in CHUNK pieces (like
+          `dd oflag=direct` / `iflag=direct`), to a fresh preallocated file, then fsync;
+  store   NVMeStore.submit_write of SIZE/BLOCK blocks, wait for all, fsync (spill); then
+          submit_read of all of them into another buffer, wait (restore).
+The peak is measured twice: one chunk at a time (dd's way) and with QUEUE_DEPTH chunks in flight
+(the store's concurrency), the harder bar. The median over rounds of each figure is printed
+with the store's ratio to both peaks (target: >= 90%). Bytes counted are block payload bytes;
+slot headers (4 KiB a block) are overhead the store pays.
+
+    python benchmarks/bench_nvme.py --dir /tmp --size 1GiB --block 2MiB --backend uring
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tieredkv.tiers.nvme import NVMeStore
+from tieredkv.tiers.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty, byte_view
+
+UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "": 1}
+
+
+def parse_bytes(text: str) -> int:
+    for unit in ("KiB", "MiB", "GiB", ""):
+        if text.endswith(unit) and text[: len(text) - len(unit)].strip().isdigit():
+            return int(text[: len(text) - len(unit)]) * UNITS[unit]
+    raise argparse.ArgumentTypeError(f"{text!r}: give bytes like 1GiB, 2MiB, 4096")
+
+
+def sequential_peak(directory: str, size: int, chunk: int, depth: int = 1) -> tuple[float, float]:
+    """(write, read) GB/s of O_DIRECT chunks in file order over a fresh preallocated file, then
+    fsync; `depth` threads keep that many chunks in flight (1: like dd)."""
+    fd, path = tempfile.mkstemp(dir=directory, prefix="bench-seq-")
+    os.close(fd)
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    buf = aligned_empty(chunk)
+    buf.copy_(torch.arange(chunk, dtype=torch.int64).to(torch.uint8))
+    view, offsets = byte_view(buf), range(0, size, chunk)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        with ThreadPoolExecutor(depth) as pool:
+            t0 = time.perf_counter()
+            assert set(pool.map(lambda off: os.pwritev(fd, [view], off), offsets)) == {chunk}
+            os.fsync(fd)
+            t1 = time.perf_counter()
+            assert set(pool.map(lambda off: os.preadv(fd, [view], off), offsets)) == {chunk}
+            t2 = time.perf_counter()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return size / (t1 - t0) / 1e9, size / (t2 - t1) / 1e9
+
+
+def store_round(
+    args: argparse.Namespace, src: torch.Tensor, dst: torch.Tensor
+) -> tuple[float, float, str]:
+    """(spill, restore) GB/s of all blocks of `src` through a fresh store, and its backend."""
+    n = src.shape[0]
+    geometry = SlotGeometry.for_block(1 << 50, args.block, 16)
+    capacity = SUPERBLOCK_BYTES + n * geometry.slot_bytes
+    path = tempfile.mktemp(dir=args.dir, prefix="bench-store-")
+    tokens = list(range(16))
+    try:
+        with NVMeStore(
+            path, capacity, args.block, b"bench", 16, args.backend, args.queue_depth
+        ) as store:
+            t0 = time.perf_counter()
+            jobs = [store.submit_write(i + 1, i, tokens, src[i]) for i in range(n)]
+            ok_w = all(store.wait(jobs).values())
+            os.fsync(store._file.fd)  # as the peak's fsync: count the data as on disk
+            t1 = time.perf_counter()
+            jobs = [store.submit_read(i + 1, dst[i], i, tokens) for i in range(n)]
+            ok_r = all(store.wait(jobs).values())
+            t2 = time.perf_counter()
+            backend = f"{store.stats()['backend']}, O_DIRECT={store.stats()['o_direct']}"
+    finally:
+        os.unlink(path)
+    assert ok_w and ok_r, "a benchmark job failed"
+    assert torch.equal(src, dst), "restored blocks differ from the spilled ones"
+    size = n * args.block
+    return size / (t1 - t0) / 1e9, size / (t2 - t1) / 1e9, backend
+
+
+def block_buffer(num_blocks: int, block_bytes: int, pin: bool) -> torch.Tensor:
+    """[num_blocks, block_bytes] uint8 host blocks, page-aligned (pinned memory is, too)."""
+    if pin:
+        return torch.empty(num_blocks, block_bytes, dtype=torch.uint8, pin_memory=True)
+    return aligned_empty(num_blocks * block_bytes).view(num_blocks, block_bytes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dir", default=tempfile.gettempdir(), help="directory on the disk to measure"
+    )
+    parser.add_argument(
+        "--size", type=parse_bytes, default=parse_bytes("1GiB"), help="bytes moved each way"
+    )
+    parser.add_argument(
+        "--block", type=parse_bytes, default=parse_bytes("2MiB"), help="CPU block bytes"
+    )
+    parser.add_argument(
+        "--chunk", type=parse_bytes, default=parse_bytes("4MiB"), help="peak's I/O size"
+    )
+    parser.add_argument("--backend", choices=["uring", "aiofiles", "sync"], default="uring")
+    parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pin", action="store_true", help="pinned host blocks (needs CUDA)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+
+    n = args.size // args.block
+    src, dst = block_buffer(n, args.block, args.pin), block_buffer(n, args.block, args.pin)
+    src.view(torch.int64).copy_(torch.randint(-(2**62), 2**62, (n, args.block // 8)))
+
+    rows: dict[str, list[float]] = {k: [] for k in ("w1", "r1", "wq", "rq", "spill", "restore")}
+    for _ in range(args.rounds):  # interleaved, so that drift of a virtual disk hits all alike
+        w1, r1 = sequential_peak(args.dir, n * args.block, args.chunk)
+        wq, rq = sequential_peak(args.dir, n * args.block, args.chunk, args.queue_depth)
+        spill, restore, backend = store_round(args, src, dst)
+        for key, value in zip(rows, (w1, r1, wq, rq, spill, restore), strict=True):
+            rows[key].append(value)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    mib, qd = args.chunk >> 20, args.queue_depth
+    print(
+        f"{n * args.block / 2**30:.2f} GiB each way in {args.block >> 10} KiB blocks, "
+        f"{args.rounds} rounds (medians), {args.dir}"
+    )
+    print(
+        f"  peak  O_DIRECT sequential, {mib} MiB chunks, 1 at a time:  "
+        f"write {med['w1']:6.2f} GB/s  read {med['r1']:6.2f} GB/s"
+    )
+    print(
+        f"  peak  O_DIRECT sequential, {mib} MiB chunks, {qd} in flight: "
+        f"write {med['wq']:6.2f} GB/s  read {med['rq']:6.2f} GB/s"
+    )
+    for name, key, w, q in (("spill  ", "spill", "w1", "wq"), ("restore", "restore", "r1", "rq")):
+        print(
+            f"  store {name} ({backend}, qd {qd}): {med[key]:6.2f} GB/s = "
+            f"{100 * med[key] / med[w]:5.1f}% of the 1-at-a-time peak, "
+            f"{100 * med[key] / med[q]:5.1f}% of the {qd}-in-flight peak"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"args": vars(args), "backend": backend, "rounds": rows, "median": med}, f, indent=1
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Block moves between the GPU tier and the CPU tier.
+
+Operations:
+- `demote(gpu_block)`: a cached GPU block is being evicted: keep its KV in the CPU tier
+  (queued; `flush()` submits all queued demotions as one D2H job).
+- `lookup(hash, parent, tokens)`: a demoted prefix block in the CPU tier.
+- `copy_in(cpu_blocks, gpu_ids)`: promote or swap in (one H2D job); the CPU blocks stay
+  reserved until the job has finished.
+- `copy_out(gpu_ids) -> cpu blocks | None`: swap out (one D2H job).
+- `retire()`: release what finished transfers held.
+"""
+
+from __future__ import annotations
+
+from tieredkv.cache.block_pool import Block
+from tieredkv.tiers.cpu import CPUTier
+from tieredkv.transfer import TransferEngine, TransferError, TransferJob
+
+
+class CPUOffload:
+    """The CPU tier and the transfer engine, as the KV cache manager uses them."""
+
+    def __init__(self, tier: CPUTier, transfers: TransferEngine) -> None:
+        self.tier = tier
+        self.pool = tier.pool
+        self.transfers = transfers
+        self._demotions: list[tuple[int, Block]] = []
+        self._held: dict[int, list[Block]] = {}
+        self.hit_blocks = 0
+        self.demoted_blocks = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def demote(self, gpu_block: Block) -> None:
+        assert gpu_block.block_hash is not None, "only cached blocks are demoted"
+        known = self.pool.cached.get(gpu_block.block_hash)
+        if known is not None:
+            if known.ref_count == 0:  # refresh its LRU position
+                self.pool.touch(known)
+                self.pool.release([known])
+            return
+        taken = self.pool.allocate(1)
+        if taken is None:  # the CPU tier is full of swapped sequences: the prefix is dropped
+            return
+        cpu_block = taken[0]
+        self.pool.cache(cpu_block, gpu_block.block_hash, gpu_block.parent_hash, gpu_block.token_ids)
+        self._demotions.append((gpu_block.block_id, cpu_block))
+
+    def flush(self) -> None:
+        """Submit the queued demotions (before anything may overwrite their GPU blocks)."""
+        if not self._demotions:
+            return
+        pending, self._demotions = self._demotions, []
+        job = TransferJob("d2h", tuple(g for g, _ in pending), tuple(c.block_id for _, c in pending))
+        try:
+            job_id = self.transfers.submit(job)
+        except TransferError:
+            for _, cpu_block in pending:  # their content never arrived: forget them
+                self.pool.uncache(cpu_block)
+            self.pool.release(c for _, c in pending)
+            return
+        self.demoted_blocks += len(pending)
+        self._held[job_id] = [c for _, c in pending]
+
+    def lookup(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> Block | None:
+        return self.pool.lookup(block_hash, parent_hash, token_ids)
+
+    def copy_in(self, cpu_blocks: list[Block], gpu_ids: list[int]) -> None:
+        """H2D copy of `cpu_blocks` into `gpu_ids`; the caller's CPU references are taken
+        over and dropped once the copy has finished. Raises TransferError."""
+        self.flush()
+        job = TransferJob("h2d", tuple(gpu_ids), tuple(b.block_id for b in cpu_blocks))
+        try:
+            job_id = self.transfers.submit(job)
+        except TransferError:
+            self.pool.release(cpu_blocks)
+            raise
+        self._held[job_id] = list(cpu_blocks)
+
+    def copy_out(self, gpu_ids: list[int]) -> list[Block] | None:
+        """D2H copy of `gpu_ids` into fresh CPU blocks (owned by the caller), or None when the
+        CPU tier has no room or the copy cannot start."""
+        cpu_blocks = self.pool.allocate(len(gpu_ids))
+        if cpu_blocks is None:
+            return None
+        self.flush()
+        try:
+            self.transfers.submit(TransferJob("d2h", tuple(gpu_ids), tuple(b.block_id for b in cpu_blocks)))
+        except TransferError:
+            self.pool.release(cpu_blocks)
+            return None
+        return cpu_blocks
+
+    def retire(self) -> None:
+        for job_id in self.transfers.poll():
+            self.pool.release(self._held.pop(job_id, []))
+
+    def before_forward(self) -> None:
+        self.flush()
+        self.transfers.order_compute()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "cpu_blocks_total": self.tier.num_blocks,
+            "cpu_blocks_used": self.tier.num_blocks - self.pool.num_free,
+            "cpu_blocks_cached": self.pool.num_cached,
+            "cpu_hit_blocks": self.hit_blocks,
+            "cpu_demoted_blocks": self.demoted_blocks,
+            "bytes_d2h": self.transfers.bytes_moved["d2h"],
+            "bytes_h2d": self.transfers.bytes_moved["h2d"],
+            "transfer_failures": self.transfers.num_failures,
+        }
+
+    def close(self) -> None:
+        self.transfers.close()
+        self.retire()
+        self.tier.close()

@@ -1,0 +1,87 @@
+"""Start-up calibration of the cost model: PCIe (or host memcpy) bandwidth each way, and
+prefill time as a function of length. Results are cached per device and model in
+`$XDG_CACHE_HOME/tieredkv/cost_models.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tieredkv.policy import CostModel
+
+logger = logging.getLogger(__name__)
+
+
+def cache_file() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "tieredkv" / "cost_models.json"
+
+
+def _timed(fn: Callable[[], object], device: torch.device, reps: int = 3) -> float:
+    """Best-of-`reps` seconds of `fn`, after one warm-up."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bandwidth(device: torch.device, num_bytes: int = 64 << 20) -> tuple[float, float]:
+    """(D2H, H2D) bytes/s between `device` and pinned host memory (host memcpy on the CPU)."""
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device)
+    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), device)
+    return num_bytes / d2h, num_bytes / h2d
+
+
+def fit_prefill(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
+    """(a, b) with a*n + b*n^2 through both points, clamped to non-negative terms."""
+    b = max(0.0, (t2 / n2 - t1 / n1) / (n2 - n1))
+    a = max(0.0, t1 / n1 - b * n1)
+    if a == 0.0 and b == 0.0:
+        a = t2 / n2
+    return a, b
+
+
+def calibrate(key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int) -> CostModel:
+    """The cost model for `key` (device + model), measured once and cached."""
+    path = cache_file()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key in cached:
+        try:
+            return CostModel(**cached[key])
+        except (TypeError, ValueError):
+            logger.warning("ignoring a damaged cost model cached in %s", path)
+    d2h, h2d = measure_bandwidth(device)
+    n2 = max(2, min(1024, max_tokens))
+    n1 = max(1, n2 // 4)
+    t1 = _timed(lambda: prefill(n1), device, reps=2)
+    t2 = _timed(lambda: prefill(n2), device, reps=2)
+    a, b = fit_prefill(n1, t1, n2, t2)
+    model = CostModel(d2h, h2d, a, b)
+    logger.info("calibrated %s: %s", key, model)
+    cached[key] = asdict(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=1))
+    except OSError as err:
+        logger.warning("could not cache the cost model in %s: %s", path, err)
+    return model

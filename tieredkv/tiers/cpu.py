@@ -1,0 +1,49 @@
+"""The CPU tier: one host tensor of KV blocks, block-major, pinned when CUDA is present.
+
+    data[cpu_block] = [layers, 2, block_size, kv_heads, head_dim]   (one contiguous run of bytes)
+
+Its bookkeeping is a `BlockPool` like the GPU tier's: owned blocks hold swapped-out sequences,
+cached (hashed, unowned) blocks hold demoted prefixes in LRU order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tieredkv.cache.block_pool import BlockPool, EvictCallback
+
+logger = logging.getLogger(__name__)
+
+
+class CPUTier:
+    """`num_blocks` host blocks of shape `block_shape`."""
+
+    def __init__(
+        self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+        on_evict: EvictCallback | None = None,
+    ) -> None:
+        self.data = torch.zeros((num_blocks, *block_shape), dtype=dtype)
+        self.pinned = pin and _pin(self.data)
+        self.pool = BlockPool(num_blocks, on_evict)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pool.blocks)
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+            self.pinned = False
+
+
+def _pin(tensor: torch.Tensor) -> bool:
+    """Page-lock `tensor` in place. `cudaHostRegister` pins exactly its bytes, where torch's
+    pinned allocator would round a large request up to a power of two."""
+    nbytes = tensor.numel() * tensor.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        logger.warning("could not pin the %d-byte CPU tier (cudaError %s): host copies will be slow", nbytes, err)
+        return False
+    return True

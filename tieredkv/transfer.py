@@ -1,0 +1,106 @@
+"""Moves KV blocks between the GPU tier and the CPU tier.
+
+Two-phase API: `submit(job) -> id`, `poll() -> finished ids`, `wait(ids)`; `order_compute()`
+makes the next forward pass wait (on the GPU, never the host) for the transfers it depends on.
+
+On CUDA, a D2H job runs on its own stream:
+
+    gpu blocks ──gather kernel──► staging (HBM, block-major) ──DMA──► pinned CPU blocks
+
+and an H2D job the other way on a second stream. Scattered blocks become a few large DMAs
+(one per run of consecutive CPU blocks), chunked through a staging buffer of bounded size.
+On the CPU, jobs copy synchronously behind the same API.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+TransferKind = Literal["d2h", "h2d"]
+KV_TO_BLOCK_MAJOR = (2, 0, 1, 3, 4, 5)  # [L, 2, n, bs, h, d] -> [n, L, 2, bs, h, d]
+BLOCK_TO_KV_MAJOR = (1, 2, 0, 3, 4, 5)
+
+
+class TransferError(RuntimeError):
+    """A transfer could not be started; its destination holds no valid KV."""
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """Copy GPU block `gpu_block_ids[i]` to/from CPU block `cpu_block_ids[i]`."""
+
+    kind: TransferKind
+    gpu_block_ids: tuple[int, ...]
+    cpu_block_ids: tuple[int, ...]
+
+
+def consecutive_runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Split `ids` into runs of consecutive values: (position in ids, first id, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            pos, first, length = runs[-1]
+            runs[-1] = (pos, first, length + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
+
+
+class TransferEngine:
+    """Synchronous copies (CPU device); the CUDA engine overrides `_start` and friends."""
+
+    def __init__(self, kv_cache: torch.Tensor, cpu_data: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.cpu_data = cpu_data
+        self.block_bytes = cpu_data[0].numel() * cpu_data.element_size()
+        self._ids = itertools.count()
+        self._finished: list[int] = []
+        self.bytes_moved = {"d2h": 0, "h2d": 0}
+        self.num_failures = 0
+
+    def submit(self, job: TransferJob) -> int:
+        """Start `job`; raise TransferError if it cannot run (nothing was copied)."""
+        assert len(job.gpu_block_ids) == len(job.cpu_block_ids), "one CPU block per GPU block"
+        job_id = next(self._ids)
+        try:
+            self._start(job_id, job)
+        except (RuntimeError, ValueError) as err:
+            self.num_failures += 1
+            raise TransferError(f"{job.kind} transfer of {len(job.gpu_block_ids)} blocks failed: {err}") from err
+        self.bytes_moved[job.kind] += len(job.gpu_block_ids) * self.block_bytes
+        return job_id
+
+    def _start(self, job_id: int, job: TransferJob) -> None:
+        gpu = torch.tensor(job.gpu_block_ids, dtype=torch.int64)
+        cpu = torch.tensor(job.cpu_block_ids, dtype=torch.int64)
+        if job.kind == "d2h":
+            self.cpu_data[cpu] = self.kv_cache[:, :, gpu].permute(KV_TO_BLOCK_MAJOR)
+        else:
+            self.kv_cache[:, :, gpu] = self.cpu_data[cpu].permute(BLOCK_TO_KV_MAJOR)
+        self._finished.append(job_id)
+
+    def poll(self) -> list[int]:
+        """Ids of jobs that finished since the last call."""
+        done, self._finished = self._finished, []
+        return done
+
+    def wait(self, job_ids: list[int]) -> None:
+        """Block the host until these jobs have finished (their ids still come out of `poll`)."""
+
+    def order_compute(self) -> None:
+        """Make the next forward pass wait for the transfers submitted so far."""
+
+    def close(self) -> None:
+        self.wait(list(range(next(self._ids))))
+
+
+def make_transfer_engine(kv_cache: torch.Tensor, cpu_data: torch.Tensor) -> TransferEngine:
+    if kv_cache.is_cuda:
+        from tieredkv.transfer_cuda import CudaTransferEngine
+
+        return CudaTransferEngine(kv_cache, cpu_data)
+    return TransferEngine(kv_cache, cpu_data)
