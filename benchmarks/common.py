@@ -1,0 +1,83 @@
+"""Shared helpers of the GPU benchmarks: timing with CUDA events and the peaks they are
+measured against (each benchmark measures its own peak in the same run)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Callable
+
+import torch
+
+GiB = 1 << 30
+# Llama-3-8B KV block: 32 layers, K and V, 16 tokens, 8 kv heads, head dim 128, bf16 (2 MiB)
+LLAMA8B_BLOCK_SHAPE = (32, 2, 16, 8, 128)
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU; none found", file=sys.stderr)
+        sys.exit(1)
+
+
+def time_cuda(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> float:
+    """Median seconds of `fn` over `reps` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def pinned_peaks(num_bytes: int = GiB) -> dict[str, float]:
+    """GB/s of a pinned `copy_` each way, and of both at once on two streams."""
+    host_a = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    d2h = num_bytes / time_cuda(lambda: host_a.copy_(dev_a, non_blocking=True), reps=5) / 1e9
+    h2d = num_bytes / time_cuda(lambda: dev_b.copy_(host_b, non_blocking=True), reps=5) / 1e9
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both() -> None:
+        main = torch.cuda.current_stream()
+        s1.wait_stream(main)
+        s2.wait_stream(main)
+        with torch.cuda.stream(s1):
+            host_a.copy_(dev_a, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev_b.copy_(host_b, non_blocking=True)
+        main.wait_stream(s1)
+        main.wait_stream(s2)
+
+    two_way = 2 * num_bytes / time_cuda(both, reps=5) / 1e9
+    return {"d2h_peak_gbs": d2h, "h2d_peak_gbs": h2d, "two_way_peak_gbs": two_way}
+
+
+def hbm_copy_peak(num_bytes: int = GiB) -> float:
+    """GB/s of a device-to-device copy, counting bytes read and written."""
+    a = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * num_bytes / time_cuda(lambda: b.copy_(a)) / 1e9
+
+
+def report(name: str, value: float, unit: str, peak: float | None = None, peak_name: str = "") -> dict:
+    """Print one figure with its peak and ratio; return it as a record."""
+    line = f"{name:<58} {value:10.2f} {unit}"
+    if peak:
+        line += f"   peak {peak:9.2f} {unit} ({peak_name})   ratio {value / peak:6.1%}"
+    print(line, flush=True)
+    return {"name": name, "value": value, "unit": unit, "peak": peak, "peak_name": peak_name}
+
+
+def write_json(path: str | None, records: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(records, f, indent=1)
