@@ -65,13 +65,14 @@ def check_int(key: str, value: Any, minimum: int, maximum: int | None = None) ->
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which model runs where."""
+    """Which model runs where. `enforce_eager` turns off the CUDA graphs of decode steps."""
 
     model: str = "tiny-llama"
     device: Device = "cpu"
     dtype: DType = "float32"
     seed: int = 0
     max_model_len: int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -81,6 +82,8 @@ class ModelConfig:
         check_int("seed", self.seed, 0)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager: expected true or false, got {self.enforce_eager!r}")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 DEFAULT_CPU_GPU_BLOCKS = 256
+MAX_GRAPH_BATCH = 256
 
 
 class LLMEngine:
@@ -51,6 +52,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload(kv_cache))
         policy = PreemptionPolicy(config.scheduler.preemption, self.block_bytes, self._cost_model())
         self.scheduler = Scheduler(config.scheduler, self.kv, policy)
+        if self.runner.device.type == "cuda" and not config.model.enforce_eager:
+            self.runner.capture_decode_graphs(min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH))
         self.sampler = Sampler()
         self.seqs: dict[str, Seq] = {}
         self._ids = itertools.count()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -27,6 +29,9 @@ from tieredkv.model.presets import PRESETS, build_preset
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import ScheduledSeq
 from tieredkv.sequence import Sequence as Seq
+
+if TYPE_CHECKING:
+    from tieredkv.model.cuda_graphs import DecodeGraphs
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -90,6 +95,7 @@ class ModelRunner:
         self.ops = attention.attention_ops(self.device)
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
+        self.graphs: DecodeGraphs | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -108,13 +114,32 @@ class ModelRunner:
         """Run the new tokens of every scheduled sequence; return `[n, vocab]` float32 logits
         for the n sequences whose chunk reaches their last token."""
         assert self.kv_cache is not None, "allocate_kv_cache() before execute()"
-        input_ids, positions, ctx, logits_indices = self._prepare(scheduled, block_tables)
+        step = StepInputs.build(scheduled, block_tables, self.block_size)
+        if self.graphs is not None and self.graphs.fits(step):
+            return self.graphs.run(step)
+        t = step.to_tensors(self.device)
+        ctx = attention.ForwardContext(self.kv_cache, t["slots"], t["block_tables"], t["cu_seqlens"], t["context_lens"])
+        return self.forward(t["tokens"], t["positions"], ctx, t["logits_indices"])
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, ctx: attention.ForwardContext, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """One packed forward pass; float32 logits of the rows in `logits_indices`."""
         with attention.forward_context(ctx, self.ops):
             out = self.model(
-                input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0),
                 use_cache=False, logits_to_keep=logits_indices,
             )
         return out.logits[0].float()
+
+    def capture_decode_graphs(self, max_batch: int) -> None:
+        """Record decode steps (one token per sequence) as CUDA graphs for batch sizes up to
+        `max_batch`; later decode steps that fit replay them."""
+        from tieredkv.model.cuda_graphs import DecodeGraphs
+
+        assert self.kv_cache is not None, "allocate_kv_cache() before capture_decode_graphs()"
+        width = min(-(-self.max_model_len // self.block_size), self.kv_cache.shape[2])
+        self.graphs = DecodeGraphs(self, max_batch, width)
 
     def prefill_probe(self, num_tokens: int) -> None:
         """One forward pass over `num_tokens` dummy tokens (for calibration). It writes the KV of
@@ -122,37 +147,53 @@ class ModelRunner:
         seq = Seq("probe", [0] * num_tokens, SamplingParams(max_tokens=1))
         self.execute([ScheduledSeq(seq, num_tokens)], [list(range(-(-num_tokens // self.block_size)))])
 
-    def _prepare(
-        self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, attention.ForwardContext, torch.Tensor]:
-        bs = self.block_size
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The packed inputs of one step, as host arrays (B sequences, T new tokens)."""
+
+    tokens: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64: block_id * block_size + offset
+    cu_seqlens: np.ndarray  # [B + 1] int32
+    context_lens: np.ndarray  # [B] int32
+    logits_indices: np.ndarray  # [n] int64: rows whose logits are sampled
+    block_tables: np.ndarray  # [B, max_blocks] int32, zero-padded
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence, each sampled."""
+        b = len(self.context_lens)
+        return len(self.tokens) == b and len(self.logits_indices) == b
+
+    @classmethod
+    def build(cls, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[list[int]], block_size: int) -> StepInputs:
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         cu_seqlens = [0]
         context_lens: list[int] = []
         logits_indices: list[int] = []
-        for item, table in zip(scheduled, block_tables, strict=True):
+        tables = np.zeros((len(scheduled), max(map(len, block_tables))), dtype=np.int32)
+        for i, (item, table) in enumerate(zip(scheduled, block_tables, strict=True)):
             start = item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             tokens += item.seq.token_ids[start:end]
             positions += range(start, end)
-            slots += (table[p // bs] * bs + p % bs for p in range(start, end))
             cu_seqlens.append(len(tokens))
             context_lens.append(end)
+            tables[i, : len(table)] = table
             if item.samples:
                 logits_indices.append(len(tokens) - 1)
-        max_blocks = max(len(t) for t in block_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        ctx = attention.ForwardContext(
-            kv_cache=self.kv_cache,
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(padded, torch.int32),
-            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
+        pos = np.array(positions, dtype=np.int64)
+        rows = np.repeat(np.arange(len(scheduled)), np.diff(cu_seqlens))
+        slots = tables[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        return cls(
+            np.array(tokens, dtype=np.int64), pos, slots, np.array(cu_seqlens, dtype=np.int32),
+            np.array(context_lens, dtype=np.int32), np.array(logits_indices, dtype=np.int64), tables,
         )
-        return tensor(tokens, torch.int64), tensor(positions, torch.int64), ctx, tensor(logits_indices, torch.int64)
+
+    def to_tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.from_numpy(getattr(self, name)).to(device, non_blocking=True)
+            for name in ("tokens", "positions", "slots", "cu_seqlens", "context_lens", "logits_indices", "block_tables")
+        }
