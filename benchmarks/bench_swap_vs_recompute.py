@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import random
 
-import torch
 from common import pinned_peaks, report, require_cuda, time_cuda, write_json
 
 from tieredkv.calibrate import fit_prefill, measure_bandwidth

@@ -15,10 +15,15 @@ import argparse
 import random
 
 import torch
-
 from common import (
-    LLAMA8B_BLOCK_SHAPE, pinned_peaks, report, require_cuda, time_cuda, write_json,
+    LLAMA8B_BLOCK_SHAPE,
+    pinned_peaks,
+    report,
+    require_cuda,
+    time_cuda,
+    write_json,
 )
+
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.transfer import TransferJob
 from tieredkv.transfer_cuda import CudaTransferEngine

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -109,16 +109,24 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request; raise ValueError (saying what to change) if it can never run."""
+        seq = self.make_sequence(prompt, params, request_id)
+        self.enqueue(seq)
+        return seq.request_id
+
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Seq:
+        """Validate a request (ValueError if it can never run) without queueing it. Reads no
+        state that `step()` changes, so it may run beside a step."""
         params = params or SamplingParams()
         token_ids = self._tokenize(prompt)
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self._check_fits(len(token_ids), params.max_tokens)
-        seq = Seq(request_id, token_ids, params, self.runner.eos_token_id, self._generator(params))
-        self.seqs[request_id] = seq
+        return Seq(request_id, token_ids, params, self.runner.eos_token_id, self._generator(params))
+
+    def enqueue(self, seq: Seq) -> None:
+        self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
-        return request_id
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -152,7 +160,7 @@ class LLMEngine:
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:
             return None
-        seed = params.seed if params.seed is not None else self.config.model.seed * 1_000_003 + len(self.seqs)
+        seed = params.seed if params.seed is not None else self.config.model.seed * 1_000_003 + next(self._ids)
         return torch.Generator(device=self.runner.device).manual_seed(seed)
 
     def abort(self, request_id: str) -> None:
@@ -221,6 +229,18 @@ class LLMEngine:
         }
 
 
+    def close(self) -> None:
+        """Finish transfers and release the tiers."""
+        self.kv.close()
+        self.runner.kv_cache = None
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class LLM(LLMEngine):
     """Synchronous batch API: `LLM(model=..., **keywords).generate(prompts, params)`."""
 
@@ -266,13 +286,3 @@ class LLM(LLMEngine):
                         bar.update(1)
         return [results[rid] for rid in order]
 
-    def close(self) -> None:
-        """Finish transfers and release the tiers."""
-        self.kv.close()
-        self.runner.kv_cache = None
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -142,6 +142,7 @@ class NVMeStore:
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}  # in flight
         self._done: dict[int, bool] = {}  # finished, not reported yet
+        self._claimed: set[int] = set()  # ids some wait() call is waiting for
         self._ids = itertools.count(1)
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._headers = _BufferPool(self.geometry.header_bytes)
@@ -224,21 +225,42 @@ class NVMeStore:
         return job.id
 
     def poll(self) -> list[tuple[int, bool]]:
-        """(job id, ok) of every job finished since the last poll or wait, in finishing order."""
+        """(job id, ok) of every job finished since the last poll, in finishing order, except
+        jobs a `wait` is waiting for (that wait reports them)."""
         with self._cond:
-            done, self._done = list(self._done.items()), {}
+            done = [(i, ok) for i, ok in self._done.items() if i not in self._claimed]
+            for i, _ in done:
+                del self._done[i]
         return done
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]:
         """Block until the jobs finished; {job id: ok}. They are not reported by poll() again."""
         ids = list(job_ids)
         with self._cond:
-            unknown = [i for i in ids if i not in self._jobs and i not in self._done]
-            if unknown:
-                raise KeyError(f"job ids {unknown} are unknown or were reported already")
-            if not self._cond.wait_for(lambda: all(i in self._done for i in ids), timeout):
-                raise TimeoutError(f"NVMe jobs {ids} not finished after {timeout} s")
-            return {i: self._done.pop(i) for i in ids}
+            bad = [
+                i
+                for i in ids
+                if i in self._claimed or (i not in self._jobs and i not in self._done)
+            ]
+            if bad:
+                raise KeyError(
+                    f"job ids {bad[:8]} are unknown, reported already, or waited for elsewhere"
+                )
+            self._claimed.update(ids)
+            seen = 0  # ids[:seen] are done; claimed ids stay done, so each is checked once
+
+            def finished() -> bool:
+                nonlocal seen
+                while seen < len(ids) and ids[seen] in self._done:
+                    seen += 1
+                return seen == len(ids)
+
+            try:
+                if not self._cond.wait_for(finished, timeout):
+                    raise TimeoutError(f"NVMe jobs {ids[seen:]} not finished after {timeout} s")
+                return {i: self._done.pop(i) for i in ids}
+            finally:
+                self._claimed.difference_update(ids)
 
     async def wait_async(
         self, job_ids: Iterable[int], timeout: float | None = None
