@@ -16,7 +16,7 @@ import time
 
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.config import SchedulerConfig
-from tieredkv.policy import PreemptionPolicy
+from tieredkv.policy import TierPolicy
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Sequence
@@ -60,7 +60,7 @@ def bench_step(num_seqs: int, context: int, steps: int, rng: random.Random) -> f
     blocks = num_seqs * (context // BLOCK_SIZE + steps // BLOCK_SIZE + 2)
     kv = KVCacheManager(blocks, BLOCK_SIZE, root_hash=1)
     config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * context)
-    scheduler = Scheduler(config, kv, PreemptionPolicy("recompute", block_bytes=0))
+    scheduler = Scheduler(config, kv, TierPolicy("recompute", block_bytes=0))
     for i in range(num_seqs):
         scheduler.add(make_seq(i, context, rng))
     admit = scheduler.schedule()  # prefill everything once, outside the timing

@@ -112,6 +112,8 @@ class CacheConfig:
         check_choice("io_backend", self.io_backend, get_args(IOBackend))
         if self.nvme_bytes and not self.nvme_path:
             raise ValueError("nvme_bytes: set nvme_path (a directory for the block store) to use an NVMe tier")
+        if self.nvme_path and not self.nvme_bytes:
+            raise ValueError("nvme_path: set nvme_bytes (the store's size, e.g. '64GiB') to use an NVMe tier")
 
 
 @dataclass(frozen=True)

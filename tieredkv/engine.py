@@ -20,15 +20,17 @@ from tqdm.auto import tqdm
 from tieredkv.cache.hashing import model_fingerprint
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
+from tieredkv.cache.spill import NVMeSpill
 from tieredkv.calibrate import calibrate
 from tieredkv.config import EngineConfig, read_yaml
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import RequestMetrics, RequestOutput
-from tieredkv.policy import CostModel, PreemptionPolicy
+from tieredkv.policy import CostModel, TierPolicy
 from tieredkv.sampling import Sampler, SamplingParams
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Sequence as Seq
 from tieredkv.tiers.cpu import CPUTier
+from tieredkv.tiers.nvme import NVMeStore
 from tieredkv.transfer import make_transfer_engine
 
 logger = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ class LLMEngine:
         hf_config = self.runner.model.config.to_dict()
         self.fingerprint = model_fingerprint(hf_config, config.model.dtype, block_size)
         self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload(kv_cache))
-        policy = PreemptionPolicy(config.scheduler.preemption, self.block_bytes, self._cost_model())
+        policy = TierPolicy(config.scheduler.preemption, self.block_bytes, block_size, self._cost_model())
         self.scheduler = Scheduler(config.scheduler, self.kv, policy)
         if self.runner.device.type == "cuda" and not config.model.enforce_eager:
             self.runner.capture_decode_graphs(min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH))
@@ -72,6 +74,8 @@ class LLMEngine:
         if cache.cpu_cache_bytes == 0:
             if self.config.scheduler.preemption == "swap":
                 raise ValueError("preemption: 'swap' needs a CPU tier; set cpu_cache_bytes (e.g. '4GiB')")
+            if cache.nvme_path is not None:
+                raise ValueError("nvme_path: the NVMe tier sits below the CPU tier; set cpu_cache_bytes too")
             return None
         num_blocks = cache.cpu_cache_bytes // self.block_bytes
         if num_blocks == 0:
@@ -80,7 +84,18 @@ class LLMEngine:
                 "raise it or set it to 0 to run without a CPU tier"
             )
         tier = CPUTier(num_blocks, tuple(kv_cache[:, :, 0].shape), kv_cache.dtype, pin=kv_cache.is_cuda)
-        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data))
+        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_nvme(tier))
+
+    def _build_nvme(self, tier: CPUTier) -> NVMeSpill | None:
+        cache = self.config.cache
+        if cache.nvme_path is None:
+            return None
+        try:
+            store = NVMeStore(cache.nvme_path, cache.nvme_bytes, self.block_bytes, self.fingerprint,
+                              cache.block_size, backend=cache.io_backend)
+        except OSError as err:
+            raise ValueError(f"nvme_path: cannot use {cache.nvme_path!r} for the block store: {err}") from err
+        return NVMeSpill(store, tier.pool, tier.data)
 
     def _cost_model(self) -> CostModel | None:
         """Pinned in the config, else measured (only `auto` with a CPU tier needs one)."""

@@ -6,21 +6,27 @@ Each `schedule()`:
    says) and retry;
 2. if nothing was preempted, swap sequences back in, oldest first;
 3. if none is left swapped out, admit waiting sequences in order, reusing cached prefixes,
-   while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow.
+   while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow; a sequence
+   whose prefix blocks are still being read from NVMe is passed over until they arrive.
+Before all that, the first waiting sequences start loading their NVMe prefix blocks (if the
+policy says loading beats recomputing), so the reads overlap the steps before their turn.
 
 The scheduler talks to blocks only through `KVCacheManager`.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.config import SchedulerConfig
-from tieredkv.policy import PreemptionPolicy
+from tieredkv.policy import TierPolicy
 from tieredkv.sequence import Sequence, SequenceStatus
 from tieredkv.transfer import TransferError
+
+PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of their turn
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: PreemptionPolicy) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: TierPolicy) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
@@ -67,6 +73,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._prefetch()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             budget = self._resume_swapped(out, budget)
@@ -107,14 +114,27 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _prefetch(self) -> None:
+        for seq in itertools.islice(self.waiting, PREFETCH_DEPTH):
+            if seq.prefetched:
+                continue
+            seq.prefetched = True
+            prefix = self.kv.match_prefix(seq)
+            first = prefix.num_tokens(self.kv.block_size)
+            if prefix.nvme_refs and self.policy.load_from_nvme(len(prefix.nvme_refs), first):
+                self.kv.start_loads(seq, prefix.nvme_refs)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if self.kv.loading(seq):
+                continue
             prefix = self.kv.match_prefix(seq)
             n = min(seq.num_tokens - prefix.num_tokens(self.kv.block_size), budget)
             if self.kv.allocate(seq, n, prefix) is None:
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self._run(seq, n, out)
             budget -= n
 
@@ -125,7 +145,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         num_blocks = len(self.kv.block_table(seq))
-        kind = self.policy.decide(seq.num_computed_tokens, num_blocks, self.kv.cpu_free_blocks())
+        kind = self.policy.preemption(seq.num_computed_tokens, num_blocks, self.kv.cpu_free_blocks())
         if kind == "swap" and self.kv.swap_out(seq):
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
@@ -139,6 +159,7 @@ class Scheduler:
     def _requeue(self, seq: Sequence) -> None:
         """Back to the front of the waiting queue, to be prefilled again."""
         seq.num_computed_tokens = 0
+        seq.prefetched = False
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -33,6 +33,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
+    prefetched: bool = False  # NVMe prefix loads considered since it last joined the queue
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

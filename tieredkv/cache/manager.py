@@ -2,7 +2,9 @@
 
 Operations:
 - `match_prefix(seq) -> PrefixMatch`: the longest run of cached full blocks of the sequence,
-  on the GPU and then in the CPU tier.
+  on the GPU, then in the CPU tier, then on NVMe.
+- `start_loads(seq, refs)` / `loading(seq)`: bring NVMe prefix blocks into the CPU tier
+  ahead of the sequence's admission.
 - `allocate(seq, num_new_tokens, prefix) -> Allocation | None`: blocks for the next tokens
   (`None`, with nothing changed, when the GPU pool is short); CPU hits are promoted.
 - `commit(seq)`: make newly computed full blocks findable by later requests.
@@ -19,19 +21,22 @@ from dataclasses import dataclass
 
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.hashing import extend_block_hashes
-from tieredkv.cache.offload import CPUOffload
+from tieredkv.cache.offload import BlockRef, CPUOffload
 from tieredkv.sequence import Sequence
 from tieredkv.transfer import TransferError
 
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """Cached blocks holding the first tokens of a sequence: GPU blocks, then CPU blocks."""
+    """Cached blocks holding the first tokens of a sequence: GPU blocks, then CPU blocks,
+    then blocks on NVMe (usable once loaded into the CPU tier)."""
 
     gpu_blocks: tuple[Block, ...] = ()
     cpu_blocks: tuple[Block, ...] = ()
+    nvme_refs: tuple[BlockRef, ...] = ()
 
     def num_tokens(self, block_size: int) -> int:
+        """Tokens usable now (GPU and CPU hits)."""
         return (len(self.gpu_blocks) + len(self.cpu_blocks)) * block_size
 
 
@@ -79,18 +84,31 @@ class KVCacheManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash)
         found: list[list[Block]] = [[], []]
+        on_disk: list[BlockRef] = []
         tier = 0
         for i in range(max_blocks):
             parent = hashes[i - 1] if i else self.root_hash
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             block = self.pool.lookup(hashes[i], parent, tokens) if tier == 0 else None
-            if block is None and self.offload is not None:
+            if block is None and self.offload is not None and tier <= 1:
                 tier = 1
                 block = self.offload.lookup(hashes[i], parent, tokens)
-            if block is None:
+            if block is not None:
+                found[tier].append(block)
+            elif self.offload is not None and self.offload.nvme_contains(hashes[i]):
+                tier = 2  # the store verifies parent and tokens when it reads the block
+                on_disk.append(BlockRef(hashes[i], parent, tuple(tokens)))
+            else:
                 break
-            found[tier].append(block)
-        return PrefixMatch(tuple(found[0]), tuple(found[1]))
+        return PrefixMatch(tuple(found[0]), tuple(found[1]), tuple(on_disk))
+
+    def start_loads(self, seq: Sequence, refs: tuple[BlockRef, ...]) -> int:
+        """Start reading NVMe prefix blocks into the CPU tier; how many reads started."""
+        return self.offload.start_loads(seq.request_id, list(refs)) if refs else 0
+
+    def loading(self, seq: Sequence) -> bool:
+        """Whether NVMe reads for this sequence are still in flight."""
+        return self.offload is not None and self.offload.loading(seq.request_id)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> Allocation | None:
         """Blocks for `num_new_tokens` more tokens. A new sequence passes its `prefix`; its
@@ -116,6 +134,8 @@ class KVCacheManager:
             return None
         for block in promoted:  # hold them: demotions below could otherwise evict them
             self.offload.pool.touch(block)
+        if self.offload is not None:
+            self.offload.release_loads(seq.request_id)
         for block in reused:
             self.pool.touch(block)
         fresh = self.pool.allocate(need)
@@ -197,6 +217,8 @@ class KVCacheManager:
         swapped = self._swapped.pop(seq.request_id, None)
         if swapped:
             self.offload.pool.release(swapped)
+        if self.offload is not None:
+            self.offload.release_loads(seq.request_id)
 
     def _release_gpu(self, seq: Sequence) -> None:
         # last block first, so that it is evicted first

@@ -7,27 +7,49 @@ Operations:
 - `copy_in(cpu_blocks, gpu_ids)`: promote or swap in (one H2D job); the CPU blocks stay
   reserved until the job has finished.
 - `copy_out(gpu_ids) -> cpu blocks | None`: swap out (one D2H job).
-- `retire()`: release what finished transfers held.
+- `retire()`: release what finished transfers held; book finished NVMe reads; spill ahead.
+- `start_loads(request_id, refs)` / `loading(request_id)` / `release_loads(request_id)`: read
+  a request's prefix blocks from NVMe into held CPU blocks before it is admitted.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tieredkv.cache.block_pool import Block
+from tieredkv.cache.spill import NVMeSpill
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.transfer import TransferEngine, TransferError, TransferJob
 
 
-class CPUOffload:
-    """The CPU tier and the transfer engine, as the KV cache manager uses them."""
+@dataclass(frozen=True)
+class BlockRef:
+    """A full block known by content: its chained hash, its parent's, its tokens."""
 
-    def __init__(self, tier: CPUTier, transfers: TransferEngine) -> None:
+    block_hash: int
+    parent_hash: int
+    token_ids: tuple[int, ...]
+
+
+class CPUOffload:
+    """The CPU tier, the transfer engine and (optionally) the NVMe tier below them."""
+
+    def __init__(self, tier: CPUTier, transfers: TransferEngine, nvme: NVMeSpill | None = None) -> None:
         self.tier = tier
         self.pool = tier.pool
         self.transfers = transfers
+        self.nvme = nvme
+        if nvme is not None:
+            self.pool.on_evict = nvme.before_evict
         self._demotions: list[tuple[int, Block]] = []
         self._held: dict[int, list[Block]] = {}
+        self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
+        self._reads: dict[int, tuple[str, Block, BlockRef]] = {}  # NVMe job -> what it fills
+        self._orphans: set[int] = set()  # reads whose request left before they finished
         self.hit_blocks = 0
         self.demoted_blocks = 0
+        self.nvme_loaded_blocks = 0
+        self.nvme_failed_loads = 0
 
     @property
     def num_free(self) -> int:
@@ -96,6 +118,57 @@ class CPUOffload:
     def retire(self) -> None:
         for job_id in self.transfers.poll():
             self.pool.release(self._held.pop(job_id, []))
+        if self.nvme is not None:
+            for job, ok in self.nvme.poll():
+                self._finish_read(job, ok)
+            self.nvme.spill_ahead()
+
+    # ------------------------------------------------------------------ NVMe loads
+
+    def nvme_contains(self, block_hash: int) -> bool:
+        return self.nvme is not None and self.nvme.contains(block_hash)
+
+    def start_loads(self, request_id: str, refs: list[BlockRef]) -> int:
+        """Read `refs` from NVMe into CPU blocks held for the request; how many reads started."""
+        held = self._loads.setdefault(request_id, [])
+        started = 0
+        for ref in refs:
+            taken = self.pool.allocate(1)
+            if taken is None:
+                break
+            job = self.nvme.start_read(ref.block_hash, ref.parent_hash, ref.token_ids, taken[0])
+            if job is None:  # evicted from the store since the lookup
+                self.pool.release(taken)
+                break
+            held.append(taken[0])
+            self._reads[job] = (request_id, taken[0], ref)
+            started += 1
+        return started
+
+    def loading(self, request_id: str) -> bool:
+        return any(rid == request_id for rid, _, _ in self._reads.values())
+
+    def release_loads(self, request_id: str) -> None:
+        """Drop the request's hold on its loaded blocks (they stay cached in the CPU tier)."""
+        held = self._loads.pop(request_id, [])
+        in_flight = {id(block): job for job, (_, block, _) in self._reads.items()}
+        for block in held:
+            job = in_flight.get(id(block))
+            if job is None:
+                self.pool.release([block])
+            else:  # its read still writes into it: release when the read is reported
+                self._orphans.add(job)
+
+    def _finish_read(self, job: int, ok: bool) -> None:
+        request_id, block, ref = self._reads.pop(job)
+        if ok:
+            self.pool.cache(block, ref.block_hash, ref.parent_hash, ref.token_ids)
+            self.nvme_loaded_blocks += 1
+        else:
+            self.nvme_failed_loads += 1
+        if job in self._orphans:
+            self._orphans.discard(job)
+            self.pool.release([block])
 
     def before_forward(self) -> None:
         self.flush()
@@ -111,9 +184,19 @@ class CPUOffload:
             "bytes_d2h": self.transfers.bytes_moved["d2h"],
             "bytes_h2d": self.transfers.bytes_moved["h2d"],
             "transfer_failures": self.transfers.num_failures,
+            **(self._nvme_stats() if self.nvme else {}),
+        }
+
+    def _nvme_stats(self) -> dict[str, int]:
+        return {
+            **self.nvme.stats(),
+            "nvme_loaded_blocks": self.nvme_loaded_blocks,
+            "nvme_failed_loads": self.nvme_failed_loads,
         }
 
     def close(self) -> None:
         self.transfers.close()
         self.retire()
+        if self.nvme is not None:
+            self.nvme.close()
         self.tier.close()

@@ -5,116 +5,62 @@ Two-phase API, one CPU block per job (a block is `block_bytes` contiguous bytes,
     store = NVMeStore(path, capacity_bytes, block_bytes, fingerprint, block_size, backend="uring")
     job = store.submit_write(block_hash, parent_hash, token_ids, src)  # None: nothing started
     job = store.submit_read(block_hash, dst, parent_hash, token_ids)   # None: not stored (a miss)
-    store.poll() -> [(job, ok), ...]       # jobs finished since the last poll/wait, each once
+    store.poll() -> [(job, ok), ...]       # jobs finished since the last poll, each reported once
     store.wait([job, ...]) -> {job: ok}    # blocks; `await store.wait_async(jobs)` under asyncio
-    store.contains(block_hash); store.stats(); store.close()   # or `with NVMeStore(...) as store:`
+    store.contains(block_hash); store.stats()
+    store.sync()                           # every job done, file fsynced
+    store.close()                          # or `with NVMeStore(...) as store:`
 
 `src`/`dst` must stay alive and untouched until their job is reported. `ok` is False when the
 I/O failed, came back short, or a read did not verify (header fields, header checksum, payload
-xxh3); the block then is not stored (the slot is discarded), `dst` holds garbage, the caller
+xxh3); the block then is not stored (its slot is discarded), `dst` holds garbage, the caller
 recomputes, and the cause is counted in `stats()`. Submits never raise for I/O trouble: faults
 come back as failed jobs (ValueError only for bad arguments).
 
-Writes take a free slot, else evict the least recently used stored block (reads and writes
-count as uses). Header and payload go out in one vectored write straight from the caller's
-memory when it is 4 KiB-aligned (else through an aligned bounce buffer). A crash mid-write can
-leave a torn slot, but the header's payload checksum then fails, so it is never served.
-Opening a store scans the slot headers: blocks written under the same fingerprint and format
-version are found again, in their old LRU order. If the file is deleted while open, the store
-starts an empty one (`files_lost` in stats). See slot_format.py for the layout.
+Writes take a free slot, else evict the least recently used stored block (reads, writes and
+re-submitted writes count as uses). Header and payload go out in one vectored write, straight
+from the caller's memory when it is 4 KiB-aligned (see `aligned_empty`), else through a bounce
+buffer. A crash mid-write can leave a torn slot; its header's payload checksum then fails, so
+it is never served. Opening a store scans the slot headers: blocks written under the same
+fingerprint and format version are found again, in the order they were written. If the file
+is deleted while open, the next submit notices: all blocks are lost (reads return None), a new
+file is started, `files_lost` is counted. Layout: slot_format.py; I/O: slot_io.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import itertools
 import logging
 import os
 import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 import xxhash
 
-from tieredkv.tiers.io_backends import (
-    BackendName,
-    BlockIO,
-    IOCompletion,
-    IOOp,
-    IORequest,
-    make_backend,
-)
+from tieredkv.tiers.io_backends import BackendName, BlockIO, IOOp, make_backend
 from tieredkv.tiers.slot_file import SlotFile
 from tieredkv.tiers.slot_format import (
     ALIGN,
     MAX_U64,
     SlotGeometry,
     SlotHeader,
-    aligned_empty,
     byte_view,
     fingerprint_digest,
-    header_matches,
     is_aligned,
-    pack_header,
-    parse_header,
 )
 from tieredkv.tiers.slot_index import SlotIndex
+from tieredkv.tiers.slot_io import SlotIO, SlotJob
 
 logger = logging.getLogger(__name__)
 
 STORE_FILE_NAME = "tieredkv-blocks.slots"  # the file used when `path` is a directory
 _COUNTERS = (
-    "hits",
-    "misses",
-    "writes",
-    "bytes_read",
-    "bytes_written",
-    "evictions",
-    "write_rejected",
-    "corrupt",
-    "io_errors",
-    "enospc",
-    "short_reads",
-    "short_writes",
-    "files_lost",
-    "restored",
-)
-_POLL_S = 0.05  # how long the completion thread sleeps in reap() before checking for close()
-
-
-@dataclass(eq=False)
-class _Job:
-    id: int
-    op: IOOp
-    block_hash: int
-    parent_hash: int
-    token_ids: tuple[int, ...]
-    slot: int
-    generation: int  # which incarnation of the file the slot belongs to
-    header: torch.Tensor  # aligned, header_bytes
-    payload: torch.Tensor  # the caller's block, as uint8
-    bounce: torch.Tensor | None  # aligned copy of the payload when the caller's memory won't do
-    nbytes: int = 0  # bytes the request moves
-
-
-class _BufferPool:
-    """Reusable aligned buffers of one size (get and put may come from different threads)."""
-
-    def __init__(self, nbytes: int, keep: int = 64) -> None:
-        self.nbytes, self._keep, self._free = nbytes, keep, []
-
-    def get(self) -> torch.Tensor:
-        try:
-            return self._free.pop()
-        except IndexError:
-            return aligned_empty(self.nbytes)
-
-    def put(self, buf: torch.Tensor | None) -> None:
-        if buf is not None and len(self._free) < self._keep:
-            self._free.append(buf)
+    "hits misses writes bytes_read bytes_written evictions write_rejected restored "
+    "corrupt io_errors enospc short_reads short_writes files_lost"
+).split()
 
 
 class NVMeStore:
@@ -130,6 +76,9 @@ class NVMeStore:
         backend: BackendName | BlockIO = "uring",
         queue_depth: int = 32,
     ) -> None:
+        """`path`: the store file, or a directory to hold it; `fingerprint`: model config, dtype
+        and block size (bytes, or the engine's int); `backend`: a name, or a BlockIO object
+        (the fault-injection seam; the store closes it); `queue_depth`: I/Os in flight."""
         self.geometry = SlotGeometry.for_block(capacity_bytes, block_bytes, block_size)
         self.path = os.path.abspath(os.fspath(path))
         if os.path.isdir(self.path):
@@ -138,29 +87,31 @@ class NVMeStore:
         self._fingerprint = fingerprint_digest(fingerprint)
         if isinstance(backend, str):
             backend = make_backend(backend, queue_depth, os.path.dirname(self.path))
-        self.backend: BlockIO = backend  # the fault-injection seam: wrap it before the first submit
         self._cond = threading.Condition()
-        self._jobs: dict[int, _Job] = {}  # in flight
+        self._jobs: dict[int, SlotJob] = {}  # in flight
         self._done: dict[int, bool] = {}  # finished, not reported yet
-        self._claimed: set[int] = set()  # ids some wait() call is waiting for
+        self._claimed: set[int] = set()  # ids some wait() is waiting for: poll() leaves them
         self._ids = itertools.count(1)
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
-        self._headers = _BufferPool(self.geometry.header_bytes)
-        self._bounces = _BufferPool(self.geometry.payload_bytes)
-        self._generation, self._sequence = 0, 0
+        self._generation, self._sequence, self._closed = 0, 0, False
         self._file: SlotFile | None = SlotFile(self.path, self.geometry)
         self._retired: list[SlotFile] = []  # files deleted under us, closed at close()
         self.index = SlotIndex(self.geometry.num_slots)
-        self._load_index()
-        self._closed = False
-        self._completer = threading.Thread(
-            target=self._complete_loop, name="tieredkv-nvme", daemon=True
-        )
-        self._completer.start()
+        try:
+            self._load_index(backend)
+        except BaseException:
+            self._file.close()
+            backend.close()
+            raise
+        self._io = SlotIO(backend, self.geometry, self._fingerprint, queue_depth, self._finish)
 
     @property
     def num_slots(self) -> int:
         return self.geometry.num_slots
+
+    @property
+    def backend(self) -> BlockIO:
+        return self._io.backend
 
     # ---------------------------------------------------------------- public API
 
@@ -191,21 +142,13 @@ class NVMeStore:
             self._counts["evictions"] += reservation.evicted is not None
             self._sequence += 1
             sequence = self._sequence
-            job = self._new_job("write", block_hash, parent_hash, tokens, reservation.slot, payload)
-        header = SlotHeader(
-            block_hash,
-            parent_hash,
-            tokens,
-            self.geometry.block_bytes,
-            xxhash.xxh3_64_intdigest(byte_view(payload)),
-            sequence,
-            self._fingerprint,
-        )
-        pack_header(byte_view(job.header), header)
-        if job.bounce is not None:
-            job.bounce[: payload.numel()].copy_(payload)
-            job.bounce[payload.numel() :].zero_()
-        self._issue(job)
+            job, direct = self._new_job(
+                "write", block_hash, parent_hash, tokens, reservation.slot, payload
+            )
+        checksum = xxhash.xxh3_64_intdigest(byte_view(payload))
+        fields = (payload.numel(), checksum, sequence, self._fingerprint)
+        header = SlotHeader(block_hash, parent_hash, tokens, *fields)
+        self._io.start(job, header, direct)
         return job.id
 
     def submit_read(
@@ -220,8 +163,8 @@ class NVMeStore:
             if slot is None:
                 self._counts["misses"] += 1
                 return None
-            job = self._new_job("read", block_hash, parent_hash, tokens, slot, payload)
-        self._issue(job)
+            job, direct = self._new_job("read", block_hash, parent_hash, tokens, slot, payload)
+        self._io.start(job, None, direct)
         return job.id
 
     def poll(self) -> list[tuple[int, bool]]:
@@ -247,7 +190,7 @@ class NVMeStore:
                     f"job ids {bad[:8]} are unknown, reported already, or waited for elsewhere"
                 )
             self._claimed.update(ids)
-            seen = 0  # ids[:seen] are done; claimed ids stay done, so each is checked once
+            seen = 0  # ids[:seen] are done (claimed ids stay done), so each id is checked once
 
             def finished() -> bool:
                 nonlocal seen
@@ -257,7 +200,7 @@ class NVMeStore:
 
             try:
                 if not self._cond.wait_for(finished, timeout):
-                    raise TimeoutError(f"NVMe jobs {ids[seen:]} not finished after {timeout} s")
+                    raise TimeoutError(f"NVMe jobs {ids[seen:][:8]} not finished after {timeout} s")
                 return {i: self._done.pop(i) for i in ids}
             finally:
                 self._claimed.difference_update(ids)
@@ -266,9 +209,8 @@ class NVMeStore:
         self, job_ids: Iterable[int], timeout: float | None = None
     ) -> dict[int, bool]:
         """`wait` for asyncio code: the blocking part runs on the loop's default executor."""
-        return await asyncio.get_running_loop().run_in_executor(
-            None, self.wait, list(job_ids), timeout
-        )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.wait, list(job_ids), timeout)
 
     def stats(self) -> dict[str, int | str | bool]:
         """Counters (hits, misses, bytes, evictions, each kind of fault) and slot occupancy."""
@@ -284,6 +226,14 @@ class NVMeStore:
             )
         return out
 
+    def sync(self) -> None:
+        """Wait until no job is in flight, then fsync the file (the blocks are on the disk)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._jobs)
+            file = self._file
+        if file is not None:
+            os.fsync(file.fd)
+
     def close(self) -> None:
         """Finish in-flight jobs, stop the I/O threads, sync and close the file (idempotent)."""
         with self._cond:
@@ -291,8 +241,7 @@ class NVMeStore:
                 return
             self._closed = True
             self._cond.wait_for(lambda: not self._jobs)
-        self._completer.join()
-        self.backend.close()
+        self._io.close()
         for file in [self._file, *self._retired]:
             if file is not None:
                 file.close()
@@ -303,7 +252,7 @@ class NVMeStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- submitting
+    # ---------------------------------------------------------------- jobs
 
     def _check_block(
         self, block: torch.Tensor, name: str, token_ids: Sequence[int]
@@ -313,7 +262,7 @@ class NVMeStore:
         flat = block.reshape(-1).view(torch.uint8)
         if flat.numel() != self.geometry.block_bytes:
             raise ValueError(
-                f"{name} holds {flat.numel()} bytes; this store's blocks are {self.geometry.block_bytes}"
+                f"{name} holds {flat.numel()} bytes; blocks are {self.geometry.block_bytes}"
             )
         if len(token_ids) > self.geometry.block_size:
             raise ValueError(
@@ -335,97 +284,25 @@ class NVMeStore:
         self,
         op: IOOp,
         block_hash: int,
-        parent_hash: int,
+        parent: int,
         tokens: tuple[int, ...],
         slot: int,
         payload: torch.Tensor,
-    ) -> _Job:
-        """Register a job (lock held); its buffers are chosen here, filled by the caller."""
-        o_direct = self._file is None or self._file.o_direct
-        direct = self.geometry.block_bytes % ALIGN == 0 and (not o_direct or is_aligned(payload))
-        job = _Job(
-            next(self._ids),
-            op,
-            block_hash,
-            parent_hash,
-            tokens,
-            slot,
-            self._generation,
-            self._headers.get(),
-            payload,
-            None if direct else self._bounces.get(),
+    ) -> tuple[SlotJob, bool]:
+        """Register a job (lock held); also whether its payload memory suits O_DIRECT."""
+        fd, o_direct = (-1, False) if self._file is None else (self._file.fd, self._file.o_direct)
+        job = SlotJob(
+            next(self._ids), op, block_hash, parent, tokens, slot, fd, self._generation, payload
         )
         self._jobs[job.id] = job
-        return job
+        direct = self.geometry.block_bytes % ALIGN == 0 and (not o_direct or is_aligned(payload))
+        return job, direct
 
-    def _issue(self, job: _Job) -> None:
-        body = job.payload if job.bounce is None else job.bounce
-        buffers = (byte_view(job.header), byte_view(body))
-        job.nbytes = sum(b.nbytes for b in buffers)
-        request = IORequest(
-            job.id, job.op, self._fd_of(job), self.geometry.slot_offset(job.slot), buffers
-        )
-        try:
-            self.backend.submit([request])
-        except OSError as exc:
-            self._finish(job, IOCompletion(job.id, -(exc.errno or errno.EIO)))
-
-    def _fd_of(self, job: _Job) -> int:
-        with self._cond:
-            current = job.generation == self._generation and self._file is not None
-            return self._file.fd if current else -1
-
-    # ---------------------------------------------------------------- completing
-
-    def _complete_loop(self) -> None:
-        while True:
-            with self._cond:
-                if self._closed and not self._jobs:
-                    return
-            for completion in self.backend.reap(_POLL_S):
-                with self._cond:
-                    job = self._jobs.get(completion.tag)
-                if job is None:
-                    logger.error(
-                        "NVMe store: completion for unknown job %d ignored", completion.tag
-                    )
-                    continue
-                self._finish(job, completion)
-
-    def _outcome(self, job: _Job, result: int) -> str | None:
-        """None if the job succeeded, else the stats counter of its fault (verifies reads)."""
-        if result < 0:
-            return "enospc" if result == -errno.ENOSPC else "io_errors"
-        if result != job.nbytes:
-            return "short_reads" if job.op == "read" else "short_writes"
-        if job.op == "write":
-            return None
-        header = parse_header(byte_view(job.header), self.geometry.block_size)
-        if not header_matches(
-            header,
-            self._fingerprint,
-            job.block_hash,
-            job.parent_hash,
-            job.token_ids,
-            self.geometry.block_bytes,
-        ):
-            return "corrupt"
-        body = job.payload if job.bounce is None else job.bounce[: job.payload.numel()]
-        if xxhash.xxh3_64_intdigest(byte_view(body)) != header.payload_checksum:
-            return "corrupt"
-        if job.bounce is not None:
-            job.payload.copy_(body)
-        return None
-
-    def _finish(self, job: _Job, completion: IOCompletion) -> None:
-        try:
-            fault = self._outcome(job, completion.result)
-        except Exception:  # a bug here must fail the job, not kill the thread its waiters need
-            logger.exception("NVMe store: checking job %d failed", job.id)
-            fault = "io_errors"
+    def _finish(self, job: SlotJob, fault: str | None) -> None:
+        """Called by SlotIO when a job is done: update the index, the counters, the waiters."""
         with self._cond:
             current = job.generation == self._generation
-            ok = fault is None and (current or job.op == "read")
+            ok = fault is None and (current or job.op == "read")  # a write to a lost file is lost
             if current and job.op == "write":
                 (self.index.commit if ok else self.index.abort)(job.block_hash)
             elif current:
@@ -441,8 +318,6 @@ class NVMeStore:
             del self._jobs[job.id]
             self._done[job.id] = ok
             self._cond.notify_all()
-        self._headers.put(job.header)
-        self._bounces.put(job.bounce)
 
     # ---------------------------------------------------------------- the file
 
@@ -455,8 +330,7 @@ class NVMeStore:
                 return  # another thread replaced it meanwhile
             if self._file is not None:
                 logger.warning(
-                    "NVMe store file %s vanished; its blocks are lost, starting an empty one",
-                    self.path,
+                    "NVMe store file %s vanished; its blocks are lost, starting anew", self.path
                 )
                 self._counts["files_lost"] += 1
                 self._retired.append(self._file)  # in-flight jobs may still use it
@@ -470,12 +344,12 @@ class NVMeStore:
                     logger.error("NVMe store cannot recreate %s: %s", self.path, exc)
                 self._file = None
 
-    def _load_index(self) -> None:
+    def _load_index(self, backend: BlockIO) -> None:
         """Find the blocks an earlier store left in the file, or format it."""
         if not self._file.holds_slots():
             self._file.format()
             return
-        found = self._file.scan(self.backend, self._fingerprint)
+        found = self._file.scan(backend, self._fingerprint)
         self.index.restore([(block_hash, slot) for _, block_hash, slot in found])
         self._sequence = found[-1][0] if found else 0
         self._counts["restored"] = len(found)

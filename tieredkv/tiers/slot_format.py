@@ -18,13 +18,14 @@ so a torn write (old header over new payload, half a header, ...) never verifies
 
 Operations: `SlotGeometry.for_block` (layout arithmetic), `pack_header` / `parse_header` /
 `header_matches`, `pack_superblock` / `parse_superblock`, `fingerprint_digest`,
-`aligned_empty` / `byte_view` / `is_aligned` (buffers for O_DIRECT).
+`aligned_empty` / `AlignedBufferPool` / `byte_view` / `is_aligned` (buffers for O_DIRECT).
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -212,6 +213,32 @@ def aligned_empty(nbytes: int, alignment: int = ALIGN) -> torch.Tensor:
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
     start = -raw.data_ptr() % alignment
     return raw[start : start + nbytes]
+
+
+class AlignedBufferPool:
+    """Reusable `aligned_empty(nbytes)` buffers; at most `limit` exist (None: no limit).
+
+    `get` returns None when `limit` buffers are out. Thread-safe.
+    """
+
+    def __init__(self, nbytes: int, limit: int | None = None) -> None:
+        self.nbytes, self.limit = nbytes, limit
+        self._free: list[torch.Tensor] = []
+        self._made = 0
+        self._lock = threading.Lock()
+
+    def get(self) -> torch.Tensor | None:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self.limit is not None and self._made >= self.limit:
+                return None
+            self._made += 1
+        return aligned_empty(self.nbytes)
+
+    def put(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
