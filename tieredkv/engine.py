@@ -50,7 +50,7 @@ class LLMEngine:
         num_blocks = self._num_gpu_blocks()
         kv_cache = self.runner.allocate_kv_cache(num_blocks, block_size)
         hf_config = self.runner.model.config.to_dict()
-        self.fingerprint = model_fingerprint(hf_config, config.model.dtype, block_size)
+        self.fingerprint = model_fingerprint(hf_config, self.runner.weights_id, config.model.dtype, block_size)
         self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload(kv_cache))
         policy = TierPolicy(config.scheduler.preemption, self.block_bytes, block_size, self._cost_model())
         self.scheduler = Scheduler(config.scheduler, self.kv, policy)

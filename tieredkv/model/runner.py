@@ -23,6 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from tieredkv.cache.hashing import weights_id
 from tieredkv.config import ModelConfig
 from tieredkv.model import attention
 from tieredkv.model.presets import PRESETS, build_preset
@@ -92,6 +93,8 @@ class ModelRunner:
             dtype=getattr(torch, config.dtype),
         )
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
+        is_preset = config.model in PRESETS
+        self.weights_id = f"preset:{config.model}:seed={config.seed}" if is_preset else weights_id(config.model)
         self.ops = attention.attention_ops(self.device)
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
