@@ -69,3 +69,14 @@ def test_gpu_round_trip_is_bit_identical():
     for g in gpu_ids:
         assert torch.equal(kv[:, :, g], original[:, :, g])
     tier.close()
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_gpu_with_and_without_cuda_graphs(enforce_eager, reference_outputs):
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs("tiny-qwen3", prompts, NEW_TOKENS)
+    with LLM(model="tiny-qwen3", device="cuda", block_size=16, num_gpu_blocks=64, max_num_seqs=6,
+             enforce_eager=enforce_eager) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert (llm.runner.graphs is None) == enforce_eager
+    assert [o.token_ids for o in outs] == expected
