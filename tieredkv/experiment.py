@@ -96,8 +96,11 @@ def format_summary(s: Summary) -> str:
         ("output tokens/s", f"{s.output_tokens_per_s:.1f}"),
         ("TTFT p50 / p99", f"{percentile(s.ttft_s, 50) * 1e3:.1f} / {percentile(s.ttft_s, 99) * 1e3:.1f} ms"),
         ("prefix hit rate", f"{s.prefix_hit_rate:.1%} ({s.stats.get('prefix_hit_tokens', 0)} tokens)"),
+        ("  from CPU / NVMe", f"{s.stats.get('cpu_hit_blocks', 0)} / {s.stats.get('nvme_loaded_blocks', 0)} blocks"),
         ("preemptions", ", ".join(f"{k} {v}" for k, v in preempt.items())),
         ("GPU blocks evicted", str(s.stats.get("gpu_evictions", 0))),
+        ("moved D2H / H2D", f"{s.stats.get('bytes_d2h', 0) / 2**20:.1f} / {s.stats.get('bytes_h2d', 0) / 2**20:.1f} MiB"),
+        ("spilled to NVMe", f"{s.stats.get('nvme_spilled_blocks', 0)} blocks"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"== {s.name} =="] + [f"{k:<{width}}  {v}" for k, v in rows]
