@@ -57,7 +57,6 @@ def attend_tiles(
     MASKED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
-    K_ROWS: tl.constexpr = False,
 ):
     """Fold keys [start, end) into the running softmax state (m, denom, acc) of rows `q`.
 
@@ -77,18 +76,11 @@ def attend_tiles(
         else:
             block = tl.load(table_ptr + cols // BLOCK_SIZE)
         kv_offset = block.to(tl.int64) * stride_kb + (cols % BLOCK_SIZE) * stride_kt + head_offset
-        if K_ROWS:
-            if MASKED:
-                k = tl.load(k_ptr + kv_offset[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptr + kv_offset[:, None] + dims[None, :])
-            k = tl.trans(k)
+        if MASKED:
+            k = tl.load(k_ptr + kv_offset[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
         else:
-            if MASKED:
-                k = tl.load(k_ptr + kv_offset[None, :] + dims[:, None], mask=col_ok[None, :], other=0.0)
-            else:
-                k = tl.load(k_ptr + kv_offset[None, :] + dims[:, None])
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+            k = tl.load(k_ptr + kv_offset[:, None] + dims[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if MASKED:
             keep = col_ok[None, :] & (cols[None, :] <= pos[:, None])
             if USE_WINDOW:

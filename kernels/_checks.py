@@ -2,7 +2,8 @@
 
 Every check raises `ValueError` with what is wrong and what is expected, so a caller can fix the
 call without reading the kernel. Checks look at shapes, dtypes, strides and devices only: none
-reads tensor values, so none forces a host-device sync.
+reads tensor values, so none forces a host-device sync. Messages are formatted only on failure
+(the checks run on every decode step of every layer).
 """
 
 from __future__ import annotations
@@ -16,12 +17,6 @@ from triton.runtime.interpreter import InterpretedFunction
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def require(ok: bool, message: str) -> None:
-    """Raise `ValueError(message)` unless `ok`."""
-    if not ok:
-        raise ValueError(message)
-
-
 def check_tensor(
     name: str,
     tensor: torch.Tensor,
@@ -31,41 +26,33 @@ def check_tensor(
     contiguous: bool = False,
 ) -> None:
     """Check one argument's type, dtype, rank and (optionally) contiguity."""
-    require(isinstance(tensor, torch.Tensor), f"{name} must be a torch.Tensor, got {type(tensor)}")
-    if dtypes is not None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor)}")
+    if dtypes is not None and tensor.dtype not in dtypes:
         wanted = ", ".join(str(d) for d in dtypes)
-        require(tensor.dtype in dtypes, f"{name} has dtype {tensor.dtype}; expected one of {wanted}")
-    if ndim is not None:
-        require(
-            tensor.dim() == ndim,
-            f"{name} must have {ndim} dims, got shape {tuple(tensor.shape)}",
-        )
-    if contiguous:
-        require(
-            tensor.is_contiguous(),
+        raise ValueError(f"{name} has dtype {tensor.dtype}; expected one of {wanted}")
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(tensor.shape)}")
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(
             f"{name} must be contiguous (strides {tensor.stride()} for shape "
-            f"{tuple(tensor.shape)}); pass a contiguous tensor or call .contiguous()",
+            f"{tuple(tensor.shape)}); pass a contiguous tensor or call .contiguous()"
         )
 
 
 def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int]) -> None:
     """Check that `tensor.shape == expected`."""
-    require(
-        tuple(tensor.shape) == tuple(expected),
-        f"{name} has shape {tuple(tensor.shape)}; expected {tuple(expected)}",
-    )
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {tuple(expected)}")
 
 
 def check_same_device(tensors: dict[str, torch.Tensor]) -> torch.device:
     """Check that all tensors share one device and return it."""
-    devices = {name: t.device for name, t in tensors.items()}
-    first = next(iter(devices.values()))
-    require(
-        all(d == first for d in devices.values()),
-        "all tensors must be on one device, got "
-        + ", ".join(f"{n}={d}" for n, d in devices.items()),
-    )
-    return first
+    devices = [t.device for t in tensors.values()]
+    if any(d != devices[0] for d in devices):
+        where = ", ".join(f"{n}={t.device}" for n, t in tensors.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
+    return devices[0]
 
 
 def check_launchable(op: str, device: torch.device, kernel: object) -> None:
@@ -88,8 +75,8 @@ def check_launchable(op: str, device: torch.device, kernel: object) -> None:
 
 def check_head_dim(head_dim: int) -> None:
     """Triton tiles need a power-of-two head_dim (at least 16 for tl.dot)."""
-    require(
-        head_dim >= 16 and head_dim & (head_dim - 1) == 0,
-        f"head_dim {head_dim} is not supported by the Triton kernels: it must be a power of two "
-        "and >= 16 (16, 32, 64, 128, 256); use paged_attention_ref for other sizes",
-    )
+    if head_dim < 16 or head_dim & (head_dim - 1) != 0:
+        raise ValueError(
+            f"head_dim {head_dim} is not supported by the Triton kernels: it must be a power of "
+            "two >= 16 (16, 32, 64, 128, 256); use paged_attention_ref for other sizes"
+        )

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_launchable, check_same_device, check_shape, check_tensor, require
+from ._checks import check_launchable, check_same_device, check_shape, check_tensor
 
 _TILE_BYTES = 4096  # one 16-byte access per thread of 4 warps
 _TILES_PER_PROGRAM = 8
@@ -75,7 +75,8 @@ def _check_copy_args(
     check_tensor("block_ids", block_ids, dtypes=(torch.int64,), ndim=1)
     check_tensor(staging_name, staging, dtypes=(kv_cache.dtype,), ndim=6)
     layers, two, _, block_size, kv_heads, head_dim = kv_cache.shape
-    require(two == 2, f"kv_cache dim 1 must be 2 (K, V), got shape {tuple(kv_cache.shape)}")
+    if two != 2:
+        raise ValueError(f"kv_cache dim 1 must be 2 (K, V), got shape {tuple(kv_cache.shape)}")
     expected = (block_ids.shape[0], layers, 2, block_size, kv_heads, head_dim)
     check_shape(staging_name, staging, expected)
 

@@ -22,7 +22,6 @@ from ._checks import (
     check_same_device,
     check_shape,
     check_tensor,
-    require,
 )
 
 
@@ -72,14 +71,15 @@ def _check_store_args(
     check_shape("value", value, key.shape)
     check_shape("v_cache", v_cache, k_cache.shape)
     num_tokens, kv_heads, head_dim = key.shape
-    require(
-        tuple(k_cache.shape[2:]) == (kv_heads, head_dim),
-        f"k_cache has shape {tuple(k_cache.shape)}; expected [num_blocks, block_size, "
-        f"{kv_heads}, {head_dim}] to match key's (kv_heads, head_dim)",
-    )
+    if tuple(k_cache.shape[2:]) != (kv_heads, head_dim):
+        raise ValueError(
+            f"k_cache has shape {tuple(k_cache.shape)}; expected [num_blocks, block_size, "
+            f"{kv_heads}, {head_dim}] to match key's (kv_heads, head_dim)"
+        )
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
     for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
-        require(t.dtype == key.dtype, f"{name} has dtype {t.dtype}; expected key's {key.dtype}")
+        if t.dtype != key.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}; expected key's {key.dtype}")
     check_same_device(
         {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache,
          "slot_mapping": slot_mapping}
@@ -102,11 +102,11 @@ def store_kv(
     """
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
     check_tensor("key", key, dtypes=FLOAT_DTYPES)
-    require(
-        key.stride(2) == 1 and value.stride(2) == 1,
-        f"key and value need a contiguous last dim, got strides {key.stride()} and "
-        f"{value.stride()}; call .contiguous()",
-    )
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        raise ValueError(
+            f"key and value need a contiguous last dim, got strides {key.stride()} and "
+            f"{value.stride()}; call .contiguous()"
+        )
     check_launchable("store_kv", key.device, _store_kv_kernel)
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:

@@ -11,9 +11,11 @@ A batch packs the new query rows of B sequences; their K/V are already in the ca
                  (and j > p - sliding_window when a window is set)
     key j of b   cache row (block_tables[b, j // block_size], j % block_size)
 
-`paged_attention` picks a kernel from the shapes alone (no host-device sync): when there are at
-most as many query rows as sequences (a decode batch) it runs `paged_attention_decode`'s
-split-K kernel, else `paged_attention_prefill`'s tiled kernel. Both are correct for any batch.
+`paged_attention` picks kernels from the shapes alone (no host-device sync): when there are at
+most as many query rows as sequences (a decode batch) `paged_attention_decode`'s split-K kernel
+takes every row; else `paged_attention_prefill`'s tiled kernel takes the sequences with several
+rows and the split-K kernel those with one (each reads q_len on the device and skips the others).
+Both kernels are correct for any batch on their own.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from ._checks import (
     check_same_device,
     check_shape,
     check_tensor,
-    require,
 )
 from .paged_attention_decode import decode_attention
 from .paged_attention_prefill import prefill_attention
@@ -52,23 +53,24 @@ def _check_attention_args(
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), ndim=1)
     num_heads, head_dim = query.shape[1:]
     kv_heads = k_cache.shape[2]
-    require(
-        k_cache.shape[3] == head_dim,
-        f"k_cache head_dim {k_cache.shape[3]} does not match query head_dim {head_dim}",
-    )
-    require(
-        kv_heads > 0 and num_heads % kv_heads == 0,
-        f"query has {num_heads} heads, not a multiple of the cache's {kv_heads} kv heads",
-    )
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"k_cache head_dim {k_cache.shape[3]} does not match query head_dim {head_dim}"
+        )
+    if kv_heads == 0 or num_heads % kv_heads != 0:
+        raise ValueError(
+            f"query has {num_heads} heads, not a multiple of the cache's {kv_heads} kv heads"
+        )
     num_seqs = block_tables.shape[0]
     check_shape("cu_seqlens_q", cu_seqlens_q, (num_seqs + 1,))
     check_shape("context_lens", context_lens, (num_seqs,))
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        require(t.dtype == query.dtype, f"{name} has dtype {t.dtype}; expected {query.dtype}")
-    require(
-        sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
-        f"sliding_window must be None or an int >= 1, got {sliding_window!r}",
-    )
+        if t.dtype != query.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}; expected query's {query.dtype}")
+    if sliding_window is not None and not (
+        isinstance(sliding_window, int) and sliding_window >= 1
+    ):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
     check_same_device(
         {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
          "cu_seqlens_q": cu_seqlens_q, "context_lens": context_lens}
@@ -96,12 +98,13 @@ def paged_attention(
     Values are not checked (that would sync); the reference checks them.
     Returns [T, num_heads, head_dim] in query's dtype; softmax in float32.
     """
+    check_tensor("query", query, dtypes=FLOAT_DTYPES)
     _check_attention_args(
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window
     )
-    check_tensor("query", query, dtypes=FLOAT_DTYPES)
     check_head_dim(query.shape[2])
-    require(query.stride(2) == 1, f"query needs a contiguous last dim, strides {query.stride()}")
+    if query.stride(2) != 1:
+        raise ValueError(f"query needs a contiguous last dim, got strides {query.stride()}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
                     ("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens)):
         check_tensor(name, t, contiguous=True)
@@ -111,25 +114,27 @@ def paged_attention(
     if query.shape[0] <= block_tables.shape[0]:
         decode_attention(*args)
     else:
-        prefill_attention(*args)
+        # Mixed batch: each kernel reads q_len on the device and takes its own sequences.
+        prefill_attention(*args, skip_single_row_seqs=True)
+        decode_attention(*args, single_row_seqs=True)
     return out
 
 
 def _check_values(
     query: torch.Tensor, block_size: int, max_blocks: int, starts: list[int], ctxs: list[int]
 ) -> None:
-    require(
-        starts[0] == 0 and starts[-1] == query.shape[0],
-        f"cu_seqlens_q must start at 0 and end at T={query.shape[0]}, got {starts}",
-    )
+    if starts[0] != 0 or starts[-1] != query.shape[0]:
+        raise ValueError(f"cu_seqlens_q must start at 0 and end at T={query.shape[0]}, got {starts}")
     for b, ctx in enumerate(ctxs):
         q_len = starts[b + 1] - starts[b]
-        require(q_len >= 0, f"cu_seqlens_q must not decrease, got {starts}")
-        require(ctx >= q_len, f"sequence {b}: context_lens {ctx} < its {q_len} query rows")
-        require(
-            math.ceil(ctx / block_size) <= max_blocks,
-            f"sequence {b}: context {ctx} needs more than block_tables' {max_blocks} blocks",
-        )
+        if q_len < 0:
+            raise ValueError(f"cu_seqlens_q must not decrease, got {starts}")
+        if ctx < q_len:
+            raise ValueError(f"sequence {b}: context_lens {ctx} < its {q_len} query rows")
+        if math.ceil(ctx / block_size) > max_blocks:
+            raise ValueError(
+                f"sequence {b}: context {ctx} needs more than block_tables' {max_blocks} blocks"
+            )
 
 
 def paged_attention_ref(

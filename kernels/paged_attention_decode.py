@@ -11,6 +11,7 @@ Grid (query row, kv head, split). A program loads the GROUP query heads that sha
                                                    _merge_splits_kernel: out = Σ w·acc / Σ w·denom
 
 Correct for any q_len (each row is handled on its own); fast when rows are few and contexts long.
+In a mixed batch it takes only the sequences with one query row (`single_row_seqs`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import triton.language as tl
 from ._attention_common import LOG2_E, attend_tiles, find_seq
 from ._checks import check_launchable
 
-_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 _MAX_SPLITS = 16
 _MIN_KEYS_PER_SPLIT = 512
 
@@ -37,16 +37,23 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr = False,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SINGLE_ROW_SEQS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    b = find_seq(cu_q_ptr, num_seqs, pid, 1)
+    if SINGLE_ROW_SEQS:  # one program per sequence; only sequences with q_len == 1 run
+        b = pid
+        row = 0
+    else:  # one program per row (+1 per sequence): sequence b's rows start at cu_q[b] + b
+        b = find_seq(cu_q_ptr, num_seqs, pid, 1)
+        row = pid - tl.load(cu_q_ptr + b) - b
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    row = pid - q_start - b
-    if row >= q_len:
+    skip = row >= q_len
+    if SINGLE_ROW_SEQS:
+        skip = q_len != 1
+    if skip:
         return
     t = q_start + row
     pos = tl.load(ctx_ptr + b) - q_len + row
@@ -72,7 +79,7 @@ def _decode_kernel(
     m, denom, acc = attend_tiles(
         q, m, denom, acc, k_ptr, v_ptr, table_ptr + b * stride_bt, kv_head * stride_kh,
         tl.zeros([GROUP_PAD], tl.int32) + pos, start, end, window, scale_log2,
-        stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION, K_ROWS,
+        stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
     )
     if NUM_SPLITS == 1:
         out = acc / denom[:, None]
@@ -88,12 +95,20 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    out_ptr, part_acc_ptr, part_ml_ptr, cu_q_ptr, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SINGLE_ROW_SEQS: tl.constexpr,
 ):
-    """Program (row t, head h): combine the NUM_SPLITS partial softmax states of (t, h)."""
+    """Program (row t, head h): combine the NUM_SPLITS partial softmax states of (t, h).
+
+    With SINGLE_ROW_SEQS the first axis is the sequence, and only single-row sequences merge.
+    """
     t = tl.program_id(0)
     h = tl.program_id(1)
+    if SINGLE_ROW_SEQS:
+        q_start = tl.load(cu_q_ptr + t)
+        if tl.load(cu_q_ptr + t + 1) - q_start != 1:
+            return
+        t = q_start
     part = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
     m = tl.load(part_ml_ptr + part * 2)
@@ -102,6 +117,13 @@ def _merge_splits_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :])
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(denom * weight, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def _config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
+    """Tuned on an H200 (bf16, head_dim 128); halved key tiles where shared memory is short."""
+    if dtype == torch.float32 or head_dim >= 256:
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 @functools.cache
@@ -135,11 +157,14 @@ def decode_attention(
     out: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    single_row_seqs: bool = False,
     num_splits: int | None = None,
     config: dict[str, int] | None = None,
 ) -> None:
-    """Write attention of every query row into `out` (validated arguments, see module doc).
+    """Write attention of query rows into `out` (validated arguments, see module doc).
 
+    single_row_seqs: only the rows of sequences with q_len == 1 (the decodes of a mixed batch;
+    the prefill kernel takes the others); else every row.
     num_splits: a power of two, or None to pick one from the shapes.
     config: BLOCK_N, num_warps, num_stages; None uses the tuned default.
     """
@@ -153,14 +178,16 @@ def decode_attention(
         max_keys = block_tables.shape[1] * block_size
         if sliding_window is not None:
             max_keys = min(max_keys, sliding_window)
-        num_splits = choose_num_splits(num_rows, kv_heads, max_keys, query.device)
+        rows = num_seqs if single_row_seqs else num_rows
+        num_splits = choose_num_splits(rows, kv_heads, max_keys, query.device)
     assert num_splits & (num_splits - 1) == 0, f"num_splits {num_splits} is not a power of two"
     group = num_heads // kv_heads
     part_acc = part_ml = out  # unused when there is one split
     if num_splits > 1:
         part_acc = query.new_empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32)
         part_ml = query.new_empty((num_rows, num_heads, num_splits, 2), dtype=torch.float32)
-    grid = (num_rows + num_seqs, kv_heads, num_splits)
+    programs = num_seqs if single_row_seqs else num_rows + num_seqs
+    grid = (programs, kv_heads, num_splits)
     _decode_kernel[grid](
         query, k_cache, v_cache, out, part_acc, part_ml,
         block_tables, cu_seqlens_q, context_lens,
@@ -171,10 +198,10 @@ def decode_attention(
         BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        **(config or _CONFIG),
+        SINGLE_ROW_SEQS=single_row_seqs, **(config or _config(query.dtype, head_dim)),
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_rows, num_heads)](
-            out, part_acc, part_ml, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        _merge_splits_kernel[(num_seqs if single_row_seqs else num_rows, num_heads)](
+            out, part_acc, part_ml, cu_seqlens_q, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SINGLE_ROW_SEQS=single_row_seqs,
         )

@@ -31,7 +31,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, K_ROWS: tl.constexpr = True,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SKIP_SINGLE_ROW_SEQS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -39,7 +39,10 @@ def _prefill_kernel(
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     row0 = (pid - q_start // BLOCK_M - b) * BLOCK_M
-    if row0 >= q_len:
+    skip = row0 >= q_len
+    if SKIP_SINGLE_ROW_SEQS:
+        skip = skip | (q_len == 1)
+    if skip:
         return
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len
@@ -62,18 +65,18 @@ def _prefill_kernel(
         start = tl.maximum(first_pos + 1 - window, 0)
         m, denom, acc = attend_tiles(
             q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, start, end, window,
-            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, PRECISION, K_ROWS,
+            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, PRECISION,
         )
     else:
         full_end = first_pos // BLOCK_N * BLOCK_N
         m, denom, acc = attend_tiles(
             q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, 0, full_end, window,
             scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False,
-            PRECISION, K_ROWS,
+            PRECISION,
         )
         m, denom, acc = attend_tiles(
             q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, full_end, end, window,
-            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION, K_ROWS,
+            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
         )
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -81,8 +84,9 @@ def _prefill_kernel(
 
 
 def _config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
-    """Tile sizes and launch options (tuned on an H200; fp32 tiles are halved for shared memory)."""
-    if dtype == torch.float32:
+    """Tile sizes and launch options (tuned on an H200 for bf16, head_dim 128; smaller tiles where
+    float32 or a wide head would overflow shared memory)."""
+    if dtype == torch.float32 or head_dim >= 256:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if head_dim <= 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -99,10 +103,12 @@ def prefill_attention(
     out: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    skip_single_row_seqs: bool = False,
     config: dict[str, int] | None = None,
 ) -> None:
-    """Write attention of every query row into `out` (validated arguments, see module doc).
+    """Write attention of query rows into `out` (validated arguments, see module doc).
 
+    skip_single_row_seqs: leave sequences with q_len == 1 to the decode kernel.
     config: BLOCK_M, BLOCK_N, num_warps, num_stages; None picks by dtype and head_dim.
     """
     check_launchable("paged_attention", query.device, _prefill_kernel)
@@ -122,5 +128,5 @@ def prefill_attention(
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        **config,
+        SKIP_SINGLE_ROW_SEQS=skip_single_row_seqs, **config,
     )

@@ -1,0 +1,532 @@
+"""Kernel tests: every Triton kernel against its plain-torch reference on odd shapes, every
+reference against an independent computation, and the wrappers' argument errors.
+
+With a GPU the compiled kernels run on CUDA (the `gpu` tests add realistic sizes). Without one
+they run in Triton's interpreter, which must be chosen before `triton` is first imported:
+`@triton.jit` reads TRITON_INTERPRET when it decorates, and triton.language's own helpers
+(tl.zeros, tl.max, ...) are decorated when triton is imported. This file sets the variable before
+its imports, which is enough when it is imported first (`--noconftest`, or TRITON_INTERPRET=1 in
+the shell). In a normal session conftest.py has already imported triton (through transformers),
+so the in-process tests skip and `test_kernels_in_interpreter_child_process` re-runs this file in
+a child pytest that has TRITON_INTERPRET=1 from the start.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton`
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+INTERPRETED = isinstance(tl.zeros, interpreter.InterpretedFunction)
+RUNS_HERE = HAS_CUDA or INTERPRETED  # else only the child-process runner below runs
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _patch_interpreter_bf16_dot() -> None:
+    """Triton's interpreter (3.9) multiplies bf16 tl.dot operands as their raw uint16 bits.
+
+    Widen them to float32 first (exact), as the GPU's bf16 MMA effectively does.
+    """
+    original = interpreter.InterpreterBuilder.create_dot
+    if getattr(original, "widens_bf16", False):
+        return
+
+    def widen(h: interpreter.TensorHandle) -> interpreter.TensorHandle:
+        if h.dtype == tl.bfloat16 and h.data.dtype == np.uint16:
+            bits = h.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, *args):
+        return original(self, widen(a), widen(b), d, *args)
+
+    create_dot.widens_bf16 = True
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if INTERPRETED:
+    _patch_interpreter_bf16_dot()
+
+# Modules, not the functions that tieredkv.kernels re-exports under the same names.
+checks = importlib.import_module("tieredkv.kernels._checks")
+kv_store = importlib.import_module("tieredkv.kernels.kv_store")
+block_copy = importlib.import_module("tieredkv.kernels.block_copy")
+pa = importlib.import_module("tieredkv.kernels.paged_attention")
+pa_decode = importlib.import_module("tieredkv.kernels.paged_attention_decode")
+pa_prefill = importlib.import_module("tieredkv.kernels.paged_attention_prefill")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_runnable(request: pytest.FixtureRequest) -> None:
+    if not RUNS_HERE and request.function is not test_kernels_in_interpreter_child_process:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; "
+                    "test_kernels_in_interpreter_child_process runs these tests")
+
+
+@pytest.mark.skipif(RUNS_HERE, reason="the kernel tests run in this process")
+def test_kernels_in_interpreter_child_process() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-rs", "--noconftest",
+           "-p", "no:cacheprovider"]
+    child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+                           cwd=Path(__file__).parent.parent)
+    report = child.stdout[-6000:] + child.stderr[-2000:]
+    assert child.returncode == 0, f"kernel tests failed in the interpreter:\n{report}"
+    assert " passed" in child.stdout, report
+    assert "TRITON_INTERPRET=1 could be set" not in child.stdout, f"not interpreted:\n{report}"
+
+
+ATOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches for attention
+
+
+def make_batch(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str = DEVICE,
+    seed: int = 0,
+) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor], list[torch.Tensor]]:
+    """Paged attention inputs plus each sequence's dense K and V ([ctx, kv_heads, head_dim]).
+
+    Blocks are shuffled across the cache; slots past a sequence's context, unused table entries
+    (pointing at a spare block) and the spare block hold NaN, so reading them shows up.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [math.ceil(c / block_size) for c in ctx_lens]
+    num_blocks = sum(blocks) + 2
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks - 1, generator=gen)
+    tables = torch.full((len(q_lens), max(blocks) + 1), num_blocks - 1, dtype=torch.int32)
+    dense_k, dense_v, used = [], [], 0
+    for b, ctx in enumerate(ctx_lens):
+        k = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(ctx, kv_heads, head_dim, generator=gen).to(dtype)
+        ids = perm[used : used + blocks[b]]
+        used += blocks[b]
+        tables[b, : blocks[b]] = ids.to(torch.int32)
+        k_cache.view(-1, kv_heads, head_dim)[_slots(ids, ctx, block_size)] = k
+        v_cache.view(-1, kv_heads, head_dim)[_slots(ids, ctx, block_size)] = v
+        dense_k.append(k.to(device))
+        dense_v.append(v.to(device))
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    query = torch.randn(int(cu[-1]), heads, head_dim, generator=gen).to(dtype)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    args = tuple(t.to(device) for t in (query, k_cache, v_cache, tables, cu, ctx))
+    return args, dense_k, dense_v
+
+
+def _slots(block_ids: torch.Tensor, ctx: int, block_size: int) -> torch.Tensor:
+    """Cache slot of key positions 0..ctx-1 for a sequence owning `block_ids`."""
+    pos = torch.arange(ctx)
+    return block_ids[pos // block_size] * block_size + pos % block_size
+
+
+def dense_attention(
+    query: torch.Tensor,
+    cu: list[int],
+    ctx_lens: list[int],
+    dense_k: list[torch.Tensor],
+    dense_v: list[torch.Tensor],
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Independent check of the reference: SDPA per sequence with an explicit bool mask."""
+    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
+    heads = query.shape[1]
+    for b, ctx in enumerate(ctx_lens):
+        start, end = cu[b], cu[b + 1]
+        if start == end:
+            continue
+        group = heads // dense_k[b].shape[1]
+        q = query[start:end].double().transpose(0, 1)  # [heads, q_len, d]
+        k = dense_k[b].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        v = dense_v[b].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        pos = torch.arange(ctx - (end - start), ctx, device=query.device)[:, None]
+        key = torch.arange(ctx, device=query.device)[None, :]
+        mask = (key <= pos) & (key > pos - window if window else True)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+# (q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, window)
+ATTENTION_CASES = {
+    "prefill": ([5, 17], [5, 17], 4, 4, 32, 16, torch.float32, None),
+    "prefix_and_empty": ([3, 0, 20], [40, 9, 37], 4, 2, 16, 8, torch.bfloat16, None),
+    "decode_gqa4": ([1, 1, 1, 1], [1, 19, 33, 70], 8, 2, 64, 16, torch.float16, None),
+    "mixed_gqa4": ([1, 0, 6, 1], [50, 3, 30, 17], 4, 1, 32, 4, torch.bfloat16, None),
+    "window": ([7, 1, 12], [40, 25, 12], 4, 2, 32, 8, torch.float16, 5),
+    "decode_window": ([1, 1, 1], [3, 70, 45], 4, 4, 16, 16, torch.float32, 20),
+    "uneven_rows": ([0, 2, 1], [4, 30, 66], 4, 2, 32, 16, torch.bfloat16, None),
+}
+
+
+def _case(name: str, device: str = DEVICE):
+    q_lens, ctxs, heads, kv_heads, head_dim, block_size, dtype, window = ATTENTION_CASES[name]
+    args, dense_k, dense_v = make_batch(
+        q_lens, ctxs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, device=device,
+    )
+    return args, dense_k, dense_v, head_dim**-0.5, window
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = ATOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+def test_paged_attention_ref_matches_dense_sdpa(name: str) -> None:
+    args, dense_k, dense_v, scale, window = _case(name, "cpu")
+    ref = pa.paged_attention_ref(*args, scale, window)
+    dense = dense_attention(args[0], args[4].tolist(), args[5].tolist(), dense_k, dense_v,
+                            scale, window)
+    _assert_close(ref, dense.to(args[0].dtype), args[0].dtype)
+    assert not ref.isnan().any()
+
+
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+def test_paged_attention_matches_ref(name: str) -> None:
+    """The public entry point (which dispatches on T <= B) against the reference."""
+    args, _, _, scale, window = _case(name)
+    out = pa.paged_attention(*args, scale, window)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    _assert_close(out, pa.paged_attention_ref(*args, scale, window), args[0].dtype)
+
+
+@pytest.mark.parametrize(
+    ("name", "num_splits"),
+    [("decode_gqa4", 1), ("decode_gqa4", 4), ("decode_window", 2), ("uneven_rows", 2),
+     ("mixed_gqa4", 1)],
+)
+def test_decode_kernel_any_batch(name: str, num_splits: int) -> None:
+    """The split-K decode kernel is correct for any q_len, with one split or several."""
+    args, _, _, scale, window = _case(name)
+    out = torch.full_like(args[0], float("nan"))
+    pa_decode.decode_attention(*args, out, scale, window, num_splits=num_splits)
+    _assert_close(out, pa.paged_attention_ref(*args, scale, window), args[0].dtype)
+
+
+@pytest.mark.parametrize(
+    ("name", "num_splits"), [("mixed_gqa4", 2), ("window", 1), ("prefix_and_empty", 4)]
+)
+def test_mixed_batch_split_between_kernels(name: str, num_splits: int) -> None:
+    """In a mixed batch each kernel writes exactly its own rows: q_len == 1 to decode."""
+    args, _, _, scale, window = _case(name)
+    q_lens = args[4].diff().tolist()
+    single = torch.tensor([n == 1 for n in q_lens]).repeat_interleave(torch.tensor(q_lens))
+    ref = pa.paged_attention_ref(*args, scale, window)
+    for launch, mine in (
+        (lambda o: pa_decode.decode_attention(*args, o, scale, window, single_row_seqs=True,
+                                              num_splits=num_splits), single),
+        (lambda o: pa_prefill.prefill_attention(*args, o, scale, window,
+                                                skip_single_row_seqs=True), ~single),
+    ):
+        out = torch.full_like(args[0], float("nan"))
+        launch(out)
+        mine = mine.to(out.device)
+        _assert_close(out[mine], ref[mine], args[0].dtype)
+        assert out[~mine].isnan().all()
+
+
+@pytest.mark.parametrize("name", ["decode_window", "uneven_rows"])
+def test_prefill_kernel_on_decode_batches(name: str) -> None:
+    """The tiled kernel (small tiles, so several per sequence) is correct on decode rows too."""
+    args, _, _, scale, window = _case(name)
+    out = torch.full_like(args[0], float("nan"))
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    pa_prefill.prefill_attention(*args, out, scale, window, config=config)
+    _assert_close(out, pa.paged_attention_ref(*args, scale, window), args[0].dtype)
+
+
+def test_prefill_kernel_small_tiles_long_prefix() -> None:
+    """Several query tiles per sequence and unmasked key tiles before the diagonal band."""
+    args, _, _ = make_batch([37, 1, 20], [90, 1, 53], heads=2, kv_heads=1, head_dim=16,
+                            block_size=8, dtype=torch.float32)
+    out = torch.full_like(args[0], float("nan"))
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    pa_prefill.prefill_attention(*args, out, 0.25, None, config=config)
+    _assert_close(out, pa.paged_attention_ref(*args, 0.25, None), torch.float32)
+
+
+def test_paged_attention_ref_any_head_dim() -> None:
+    args, dense_k, dense_v = make_batch([3, 1], [7, 5], heads=2, kv_heads=1, head_dim=24,
+                                        block_size=4, dtype=torch.float32, device="cpu")
+    ref = pa.paged_attention_ref(*args, 0.2)
+    dense = dense_attention(args[0], [0, 3, 4], [7, 5], dense_k, dense_v, 0.2, None)
+    _assert_close(ref, dense.float(), torch.float32)
+
+
+def test_choose_num_splits() -> None:
+    cpu = torch.device("cpu")  # counts as 4 SMs: splits until rows * kv_heads * splits >= 8
+    assert pa_decode.choose_num_splits(1, 1, 8192, cpu) == 8
+    assert pa_decode.choose_num_splits(1, 1, 1500, cpu) == 2
+    assert pa_decode.choose_num_splits(1, 1, 1000, cpu) == 1
+    assert pa_decode.choose_num_splits(64, 8, 8192, cpu) == 1
+    assert pa_decode.choose_num_splits(1, 2, 100_000, cpu) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# store_kv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_store_kv_matches_ref(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(9, 3 * 3 * 20, generator=gen).to(dtype).to(DEVICE)
+    key = qkv[:, :60].view(9, 3, 20)  # strided rows, as a split of a fused projection
+    value = qkv[:, 60:120].view(9, 3, 20)
+    slots = torch.tensor([0, 7, -1, 34, 8, -5, 11, 3, 20], device=DEVICE)
+    k_cache = torch.zeros(5, 7, 3, 20, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kv_store.store_kv(key, value, k_cache, v_cache, slots)
+    kv_store.store_kv_ref(key, value, k_ref, v_ref, slots)
+    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
+
+
+def test_store_kv_ref_writes_exact_slots() -> None:
+    key = torch.arange(2 * 2 * 4, dtype=torch.float32).view(2, 2, 4) + 1
+    k_cache = torch.zeros(3, 4, 2, 4)
+    v_cache = torch.zeros(3, 4, 2, 4)
+    kv_store.store_kv_ref(key, -key, k_cache, v_cache, torch.tensor([9, -1]))
+    assert torch.equal(k_cache[2, 1], key[0]) and torch.equal(v_cache[2, 1], -key[0])
+    assert k_cache.count_nonzero() == key[0].numel()
+
+
+# ---------------------------------------------------------------------------------------------
+# gather_blocks / scatter_blocks
+
+# (layers, num_blocks, block_size, kv_heads, head_dim): chunk sizes that are odd, smaller than a
+# tile, and several tiles with a ragged end.
+COPY_SHAPES = [(3, 11, 5, 3, 6), (2, 9, 16, 2, 64), (2, 5, 11, 3, 32)]
+
+
+@pytest.mark.parametrize("shape", COPY_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gather_scatter_match_ref(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    layers, num_blocks, *rest = shape
+    gen = torch.Generator().manual_seed(2)
+    kv_cache = torch.randn(layers, 2, num_blocks, *rest, generator=gen).to(dtype).to(DEVICE)
+    ids = torch.tensor([3, 0, num_blocks - 1, 1], device=DEVICE)  # distinct: scatter is racy
+    out = torch.full((4, layers, 2, *rest), float("nan"), dtype=dtype, device=DEVICE)
+    expected = torch.empty_like(out)
+    block_copy.gather_blocks(kv_cache, ids, out)
+    block_copy.gather_blocks_ref(kv_cache, ids, expected)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+    src = torch.randn(out.shape, generator=gen).to(dtype).to(DEVICE)
+    cache, cache_ref = kv_cache.clone(), kv_cache.clone()
+    block_copy.scatter_blocks(src, cache, ids)
+    block_copy.scatter_blocks_ref(src, cache_ref, ids)
+    torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0)
+
+
+def test_block_copy_refs_move_exact_blocks() -> None:
+    kv_cache = torch.randn(2, 2, 6, 3, 1, 4)
+    ids = torch.tensor([5, 1])
+    out = torch.empty(2, 2, 2, 3, 1, 4)
+    block_copy.gather_blocks_ref(kv_cache, ids, out)
+    for i, block in enumerate(ids.tolist()):
+        for layer in range(2):
+            for kv in range(2):
+                assert torch.equal(out[i, layer, kv], kv_cache[layer, kv, block])
+    restored = torch.zeros_like(kv_cache)
+    block_copy.scatter_blocks_ref(out, restored, ids)
+    assert torch.equal(restored[:, :, [5, 1]], kv_cache[:, :, [5, 1]])
+    assert restored[:, :, [0, 2, 3, 4]].count_nonzero() == 0
+
+
+def test_block_copy_is_bit_exact_for_nan_payloads() -> None:
+    bits = torch.tensor([0x7FC01234, 0x7F800001, -1, 0x00000001], dtype=torch.int32)
+    kv_cache = bits.repeat(1 * 2 * 3 * 2).view(1, 2, 3, 2, 1, 4).view(torch.float32).to(DEVICE)
+    out = torch.zeros(1, 1, 2, 2, 1, 4, device=DEVICE)
+    block_copy.gather_blocks(kv_cache, torch.tensor([2], device=DEVICE), out)
+    assert torch.equal(out.view(torch.int32).cpu().flatten()[:4], bits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument errors
+
+
+def _attention_args() -> tuple[torch.Tensor, ...]:
+    args, _, _ = make_batch([2, 1], [5, 3], heads=4, kv_heads=2, head_dim=16, block_size=4,
+                            dtype=torch.float32)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: {3: a[3].long()}, "block_tables has dtype"),
+        (lambda a: {0: a[0][:, :3]}, "not a multiple"),
+        (lambda a: {1: a[1][:, :, :, :8], 2: a[2][:, :, :, :8]}, "head_dim 8 does not match"),
+        (lambda a: {2: a[2].half()}, "v_cache has dtype"),
+        (lambda a: {4: a[4][:2]}, "cu_seqlens_q has shape"),
+        (lambda a: {0: a[0].int()}, "query has dtype"),
+    ],
+)
+def test_paged_attention_rejects_bad_arguments(change, message: str) -> None:
+    args = list(_attention_args())
+    for i, tensor in change(args).items():
+        args[i] = tensor
+    with pytest.raises(ValueError, match=message):
+        pa.paged_attention(*args, 0.25)
+
+
+def test_paged_attention_rejects_bad_head_dim_and_window() -> None:
+    args, _, _ = make_batch([1], [3], heads=2, kv_heads=1, head_dim=24, block_size=4,
+                            dtype=torch.float32)
+    with pytest.raises(ValueError, match="power of"):
+        pa.paged_attention(*args, 0.2)
+    with pytest.raises(ValueError, match="sliding_window"):
+        pa.paged_attention(*_attention_args(), 0.2, sliding_window=0)
+
+
+def test_paged_attention_rejects_non_contiguous_cache() -> None:
+    args = list(_attention_args())
+    wide = torch.zeros(*args[1].shape[:3], 32, device=DEVICE)
+    args[1] = wide[..., :16]
+    with pytest.raises(ValueError, match="k_cache must be contiguous"):
+        pa.paged_attention(*args, 0.25)
+
+
+def test_paged_attention_ref_rejects_bad_values() -> None:
+    args = list(_attention_args())
+    args[5] = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)  # 1 < q_len 2
+    with pytest.raises(ValueError, match="context_lens 1 < its 2 query rows"):
+        pa.paged_attention_ref(*args, 0.25)
+
+
+def test_store_kv_rejects_bad_arguments() -> None:
+    key = torch.zeros(3, 2, 8, device=DEVICE)
+    cache = torch.zeros(4, 4, 2, 8, device=DEVICE)
+    slots = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping has dtype"):
+        kv_store.store_kv(key, key, cache, cache.clone(), slots.int())
+    with pytest.raises(ValueError, match="value has shape"):
+        kv_store.store_kv(key, key[:2], cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="k_cache must be contiguous"):
+        kv_store.store_kv(key, key, cache.transpose(0, 1), cache.clone(), slots)
+    small = cache[..., :4].contiguous()
+    with pytest.raises(ValueError, match="k_cache has shape"):
+        kv_store.store_kv(key, key, small, small.clone(), slots)
+    with pytest.raises(ValueError, match="v_cache has dtype"):
+        kv_store.store_kv(key, key, cache, cache.half(), slots)
+
+
+def test_block_copy_rejects_bad_arguments() -> None:
+    kv_cache = torch.zeros(2, 2, 5, 4, 1, 8, device=DEVICE)
+    ids = torch.tensor([1, 3], device=DEVICE)
+    out = torch.zeros(2, 2, 2, 4, 1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="block_ids has dtype"):
+        block_copy.gather_blocks(kv_cache, ids.int(), out)
+    with pytest.raises(ValueError, match=r"out has shape \(3, 2, 2, 4, 1, 8\)"):
+        block_copy.gather_blocks(kv_cache, ids, torch.zeros(3, 2, 2, 4, 1, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="src has dtype"):
+        block_copy.scatter_blocks(out.half(), kv_cache, ids)
+    wide = torch.zeros(2, 2, 5, 4, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="kv_cache must be contiguous"):
+        block_copy.gather_blocks(wide[..., :8], ids, out)
+
+
+def test_cpu_tensors_without_interpreter_point_to_ref() -> None:
+    with pytest.raises(ValueError, match="call store_kv_ref instead"):
+        checks.check_launchable("store_kv", torch.device("cpu"), object())
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: realistic sizes (Llama-3-8B attention: 32 heads, 8 kv heads, head_dim 128, block 16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("window", [None, 4096])
+def test_gpu_decode_llama3_8b(dtype: torch.dtype, window: int | None) -> None:
+    ctxs = [8192, 1, 5000, 333, 8191, 17, 4096, 2049]
+    args, _, _ = make_batch([1] * 8, ctxs, heads=32, kv_heads=8, head_dim=128, block_size=16,
+                            dtype=dtype, device="cuda")
+    out = pa.paged_attention(*args, 128**-0.5, window)
+    _assert_close(out, pa.paged_attention_ref(*args, 128**-0.5, window), dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 1000])
+def test_gpu_prefill_llama3_8b(dtype: torch.dtype, window: int | None) -> None:
+    q_lens, ctxs = [2048, 1, 0, 1500, 300], [2048, 8000, 10, 8192, 300]
+    args, _, _ = make_batch(q_lens, ctxs, heads=32, kv_heads=8, head_dim=128, block_size=16,
+                            dtype=dtype, device="cuda")
+    out = pa.paged_attention(*args, 128**-0.5, window)
+    _assert_close(out, pa.paged_attention_ref(*args, 128**-0.5, window), dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_gpu_other_head_dims(head_dim: int) -> None:
+    for q_lens, ctxs in (([1] * 4, [900, 31, 4000, 2]), ([300, 1], [700, 64])):
+        args, _, _ = make_batch(q_lens, ctxs, heads=8, kv_heads=8, head_dim=head_dim,
+                                block_size=16, dtype=torch.bfloat16, device="cuda")
+        out = pa.paged_attention(*args, head_dim**-0.5)
+        _assert_close(out, pa.paged_attention_ref(*args, head_dim**-0.5), torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+def test_gpu_block_copy_llama3_8b() -> None:
+    kv_cache = torch.randn(32, 2, 600, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randperm(600, device="cuda")[:256]
+    out = torch.empty(256, 32, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    expected = torch.empty_like(out)
+    block_copy.gather_blocks(kv_cache, ids, out)
+    block_copy.gather_blocks_ref(kv_cache, ids, expected)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    restored = torch.zeros_like(kv_cache)
+    block_copy.scatter_blocks(out, restored, ids)
+    torch.testing.assert_close(restored[:, :, ids], kv_cache[:, :, ids], rtol=0, atol=0)
+
+
+@gpu
+@needs_cuda
+def test_gpu_store_kv_llama3_8b() -> None:
+    key = torch.randn(4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    slots = torch.randperm(600 * 16, device="cuda")[:4096]
+    slots[::7] = -1
+    caches = [torch.zeros(600, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    kv_store.store_kv(key, value, caches[0], caches[1], slots)
+    kv_store.store_kv_ref(key, value, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0)
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)
