@@ -6,6 +6,7 @@ import asyncio
 import errno
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -135,6 +136,17 @@ def test_round_trip_is_bit_identical(open_store, backend_name, aligned):
     )
     assert stats["backend"] == backend_name
     assert stats["bytes_written"] == stats["bytes_read"] == 12 * (4096 + BLOCK_BYTES)
+
+
+def test_unaligned_burst_waits_for_a_bounded_set_of_bounce_buffers(open_store):
+    hashes = list(range(1, 21))
+    store = open_store(capacity_bytes=slots_capacity(20), queue_depth=2)
+    src, dst = cpu_pool(20, aligned=False), cpu_pool(20, aligned=False)
+    fill(src, hashes)
+    assert all(write_all(store, src, hashes).values())
+    jobs = [store.submit_read(h, dst[i], parent_of(h), tokens_of(h)) for i, h in enumerate(hashes)]
+    assert all(store.wait(jobs).values()) and same_bytes(dst, src)
+    assert store._io._bounces._made == 2
 
 
 def test_block_size_not_a_multiple_of_4k(open_store):
@@ -316,6 +328,46 @@ def test_blocks_being_read_are_not_evicted(open_store):
     assert store.index.stored_hashes() == [2, 3]
 
 
+def test_poll_reports_each_job_once_and_leaves_waited_ones(open_store):
+    gated = GatedBackend()
+    store = open_store(backend=gated)
+    pool = cpu_pool(4)
+    fill(pool, [1, 2, 3, 4])
+    gated.gate.clear()
+    jobs = [store.submit_write(h, parent_of(h), tokens_of(h), pool[h - 1]) for h in (1, 2, 3, 4)]
+    waiter = threading.Thread(target=lambda: results.update(store.wait(jobs[:2])))
+    results: dict[int, bool] = {}
+    waiter.start()
+    gated.release()
+    waiter.join()
+    store.sync()
+    assert results == {jobs[0]: True, jobs[1]: True}
+    assert sorted(store.poll()) == [(jobs[2], True), (jobs[3], True)] and store.poll() == []
+
+
+def test_threads_submitting_at_once(open_store):
+    store = open_store(capacity_bytes=slots_capacity(64), queue_depth=8)
+    pool, dst = cpu_pool(64), cpu_pool(64)
+    fill(pool, range(1, 65))
+    errors = []
+
+    def worker(first: int) -> None:
+        try:
+            hashes = range(first, first + 16)
+            assert all(write_all(store, pool[first - 1 : first + 15], hashes).values())
+            jobs = [store.submit_read(h, dst[h - 1], parent_of(h), tokens_of(h)) for h in hashes]
+            assert all(store.wait(jobs).values())
+        except AssertionError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(1 + 16 * i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and same_bytes(dst, pool) and store.stats()["slots_used"] == 64
+
+
 # ------------------------------------------------------------------ faults
 
 
@@ -336,8 +388,8 @@ def assert_still_works(store: NVMeStore, h: int = 999) -> None:
         ("short", 0, "short_writes"),
     ],
 )
-def test_write_faults_at_the_backend_seam(open_store, fault, err, counter):
-    faulty = FaultyBackend(SyncBackend(2))
+def test_write_faults_at_the_backend_seam(open_store, backend_name, fault, err, counter):
+    faulty = FaultyBackend(io_backends.make_backend(backend_name, 4))
     store = open_store(backend=faulty)
     src = cpu_pool(1)
     fill(src, [7])
@@ -363,8 +415,8 @@ def test_write_faults_at_the_backend_seam(open_store, fault, err, counter):
         ("short", 0, "short_reads"),
     ],
 )
-def test_read_faults_at_the_backend_seam(open_store, fault, err, counter):
-    faulty = FaultyBackend(SyncBackend(2))
+def test_read_faults_at_the_backend_seam(open_store, backend_name, fault, err, counter):
+    faulty = FaultyBackend(io_backends.make_backend(backend_name, 4))
     store = open_store(backend=faulty)
     src, dst = cpu_pool(2), cpu_pool(1)
     fill(src, [7, 8])
@@ -491,14 +543,17 @@ def test_writer_killed_mid_write_leaves_only_exact_slots(open_store, tmp_path):
     child = subprocess.Popen(
         [sys.executable, "-c", _WRITER, path, str(slots_capacity(24))],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         cwd=root,
         env={**os.environ, "PYTHONPATH": root},
     )
     try:
-        assert child.stdout.readline() == b"written\n"
+        started = select.select([child.stdout], [], [], 60)[0]
+        line = child.stdout.readline() if started else b""
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
+    assert line == b"written\n", f"the writer did not start: {child.stderr.read().decode()[-2000:]}"
     store = open_store(path=path, capacity_bytes=slots_capacity(24))
     restored = store.index.stored_hashes()
     assert len(restored) >= 24 - 8  # slots not being written when it died have valid headers

@@ -90,10 +90,10 @@ def paged_attention_forward(
     assert isinstance(ctx, ForwardContext) and isinstance(ops, AttentionOps), "paged attention outside forward_context"
     layer_cache = ctx.kv_cache[module.layer_idx]
     q = query[0].transpose(0, 1)
-    ops.store_kv(key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(),
-                 layer_cache[0], layer_cache[1], ctx.slot_mapping)
+    # the kernels need only a contiguous last dim: the transposed views go in as they are
+    ops.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer_cache[0], layer_cache[1], ctx.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ops.paged_attention(q.contiguous(), layer_cache[0], layer_cache[1], ctx.block_tables,
+    out = ops.paged_attention(q, layer_cache[0], layer_cache[1], ctx.block_tables,
                               ctx.cu_seqlens_q, ctx.context_lens, scale, sliding_window=sliding_window)
     return out.unsqueeze(0), None
 
