@@ -13,13 +13,20 @@ from tieredkv.tiers.nvme import STORE_FILE_NAME
 
 NEW_TOKENS = 40
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-BLOCK_BYTES = 8192  # tiny-llama, block size 4, float32
+BLOCK_BYTES = 2048  # tiny-llama, block size 4, float32: 2 layers x K/V x 4 tokens x 2 heads x 16 dims x 4 B
 
 
-def tiered_llm(path, backend: str = "sync", **kw) -> LLM:
+# a disk so fast that loading always beats recomputing (the calibrated tiny model on a CPU
+# would recompute everything)
+LOAD_WINS = {"d2h_bytes_per_s": 1e15, "h2d_bytes_per_s": 1e15, "prefill_s_per_token": 1e-3,
+             "disk_read_bytes_per_s": 1e15}
+
+
+def tiered_llm(path, backend: str = "sync", cost_model: dict = LOAD_WINS, **kw) -> LLM:
     """GPU and CPU tiers so small that most prefixes end up on NVMe."""
     return LLM(model="tiny-llama", block_size=4, num_gpu_blocks=30, cpu_cache_bytes=24 * BLOCK_BYTES,
-               nvme_path=str(path), nvme_bytes="4MiB", io_backend=backend, preemption="recompute", **kw)
+               nvme_path=str(path), nvme_bytes="4MiB", io_backend=backend, preemption="recompute",
+               scheduler={"cost_model": cost_model}, **kw)
 
 
 @pytest.mark.parametrize("backend", ["sync", "aiofiles", "uring"])
@@ -48,14 +55,12 @@ def test_another_model_never_reuses_the_store(tmp_path, reference_outputs):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
 
 
-def damage_payloads(path) -> int:
-    """Flip one byte in the middle of every slot's payload area; returns how many."""
-    file = os.path.join(path, STORE_FILE_NAME)
-    size = os.path.getsize(file)
-    slot = 4096 + BLOCK_BYTES  # header page + payload
+def damage_payloads(path, geometry) -> int:
+    """Flip one byte in the middle of every slot's payload; returns how many."""
     count = 0
-    with open(file, "r+b") as f:
-        for offset in range(4096 + BLOCK_BYTES // 2, size, slot):
+    with open(os.path.join(path, STORE_FILE_NAME), "r+b") as f:
+        for slot in range(geometry.num_slots):
+            offset = geometry.slot_offset(slot) + geometry.header_bytes + BLOCK_BYTES // 2
             f.seek(offset)
             byte = f.read(1)
             f.seek(offset)
@@ -70,9 +75,10 @@ def test_a_damaged_store_costs_recompute_not_wrong_tokens(tmp_path, damage, refe
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     with tiered_llm(tmp_path) as llm:
         llm.generate(prompts, GREEDY, use_tqdm=False)
+        geometry = llm.kv.offload.nvme.store.geometry
     file = os.path.join(tmp_path, STORE_FILE_NAME)
     if damage == "flip":
-        assert damage_payloads(tmp_path) > 0
+        assert damage_payloads(tmp_path, geometry) > 0
     elif damage == "truncate":
         os.truncate(file, os.path.getsize(file) // 3)
     with tiered_llm(tmp_path) as llm:
@@ -83,3 +89,48 @@ def test_a_damaged_store_costs_recompute_not_wrong_tokens(tmp_path, damage, refe
     assert [o.token_ids for o in outs] == expected
     if damage == "flip":
         assert stats["nvme_failed_loads"] > 0 and stats["nvme_corrupt"] > 0
+
+
+# per token: 1 ms of prefill; per block of 4 tokens: 4 ms to load from disk, ~0 over PCIe
+BALANCED = {"d2h_bytes_per_s": 1e15, "h2d_bytes_per_s": 1e15, "prefill_s_per_token": 1e-3,
+            "disk_read_bytes_per_s": BLOCK_BYTES / 4e-3}
+
+
+def test_split_puts_compute_first_and_loads_last():
+    from tieredkv.policy import CostModel, split_nvme_prefix
+
+    cost = CostModel(**BALANCED)
+    # equal speeds: compute half, load half
+    assert split_nvme_prefix(10, BLOCK_BYTES, 0, 4, cost) == 5
+    # a disk 4x slower than compute: compute 8 of 10 blocks
+    slow = CostModel(**{**BALANCED, "disk_read_bytes_per_s": BLOCK_BYTES / 16e-3})
+    assert split_nvme_prefix(10, BLOCK_BYTES, 0, 4, slow) == 8
+    # a disk far faster than compute: load everything
+    fast = CostModel(**{**BALANCED, "disk_read_bytes_per_s": 1e15})
+    assert split_nvme_prefix(10, BLOCK_BYTES, 0, 4, fast) == 0
+    # no disk bandwidth known: load everything
+    assert split_nvme_prefix(10, BLOCK_BYTES, 0, 4, None) == 0
+
+
+def test_load_and_recompute_at_once_is_exact(tmp_path, reference_outputs, monkeypatch):
+    from tieredkv.cache.manager import KVCacheManager
+
+    skipped = []
+    skip_loaded = KVCacheManager.skip_loaded
+
+    def spy(self, seq):
+        n = skip_loaded(self, seq)
+        skipped.extend([seq.request_id] * n)
+        return n
+
+    monkeypatch.setattr(KVCacheManager, "skip_loaded", spy)
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+    with tiered_llm(tmp_path) as llm:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    with tiered_llm(tmp_path, cost_model=BALANCED) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    # prefills jumped over blocks loaded from disk while computing the ones before them
+    assert skipped and stats["nvme_loaded_blocks"] > 0 and stats["nvme_failed_loads"] == 0

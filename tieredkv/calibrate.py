@@ -1,12 +1,14 @@
-"""Start-up calibration of the cost model: PCIe (or host memcpy) bandwidth each way, and
-prefill time as a function of length. Results are cached per device and model in
+"""Start-up calibration of the cost model: PCIe (or host memcpy) bandwidth each way, prefill
+time as a function of length, and the NVMe tier's read bandwidth. Results are cached per device and model in
 `$XDG_CACHE_HOME/tieredkv/cost_models.json`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import mmap
 import os
 import time
 from collections.abc import Callable
@@ -49,6 +51,38 @@ def measure_bandwidth(device: torch.device, num_bytes: int = 64 << 20) -> tuple[
     return num_bytes / d2h, num_bytes / h2d
 
 
+def measure_disk_read(directory: str, num_bytes: int = 64 << 20) -> float:
+    """Bytes/s of large direct reads from a file in `directory` (page cache bypassed where
+    O_DIRECT works; otherwise the cache is dropped for the file first)."""
+    path = os.path.join(directory, ".tieredkv-calibration")
+    chunk = 4 << 20
+    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(chunk))
+    try:
+        with open(path, "wb") as f:
+            for _ in range(num_bytes // chunk):
+                f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError:
+            fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            start = time.perf_counter()
+            for offset in range(0, num_bytes, chunk):
+                os.preadv(fd, [buf], offset)
+            return num_bytes / (time.perf_counter() - start)
+        finally:
+            os.close(fd)
+    finally:
+        buf.close()
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
 def fit_prefill(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
     """(a, b) with a*n + b*n^2 through both points, clamped to non-negative terms."""
     b = max(0.0, (t2 / n2 - t1 / n1) / (n2 - n1))
@@ -58,8 +92,12 @@ def fit_prefill(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
     return a, b
 
 
-def calibrate(key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int) -> CostModel:
-    """The cost model for `key` (device + model), measured once and cached."""
+def calibrate(
+    key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int, disk_dir: str | None = None
+) -> CostModel:
+    """The cost model for `key` (device + model [+ disk]), measured once and cached."""
+    if disk_dir is not None:
+        key = f"{key}/disk:{os.path.abspath(disk_dir)}"
     path = cache_file()
     try:
         cached = json.loads(path.read_text())
@@ -76,7 +114,8 @@ def calibrate(key: str, device: torch.device, prefill: Callable[[int], None], ma
     t1 = _timed(lambda: prefill(n1), device, reps=2)
     t2 = _timed(lambda: prefill(n2), device, reps=2)
     a, b = fit_prefill(n1, t1, n2, t2)
-    model = CostModel(d2h, h2d, a, b)
+    disk = measure_disk_read(disk_dir) if disk_dir is not None else None
+    model = CostModel(d2h, h2d, a, b, disk)
     logger.info("calibrated %s: %s", key, model)
     cached[key] = asdict(model)
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,14 +99,19 @@ class LLMEngine:
         return NVMeSpill(store, tier.pool, tier.data)
 
     def _cost_model(self) -> CostModel | None:
-        """Pinned in the config, else measured (only `auto` with a CPU tier needs one)."""
-        sched = self.config.scheduler
-        if sched.cost_model is not None or sched.preemption != "auto" or self.kv.offload is None:
+        """Pinned in the config, else measured (`auto` with a CPU tier, and an NVMe tier, need one)."""
+        sched, cache = self.config.scheduler, self.config.cache
+        needed = self.kv.offload is not None and (sched.preemption == "auto" or cache.nvme_path is not None)
+        if sched.cost_model is not None or not needed:
             return sched.cost_model
         device = self.runner.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         max_tokens = min(self.kv.num_blocks * self.kv.block_size, self.runner.max_model_len)
-        return calibrate(f"{name}/{self.fingerprint:016x}", device, self.runner.prefill_probe, max_tokens)
+        key = f"{name}/{self.fingerprint:016x}"
+        disk_dir = cache.nvme_path
+        if disk_dir is not None and not os.path.isdir(disk_dir):  # the store's file itself
+            disk_dir = os.path.dirname(os.path.abspath(disk_dir))
+        return calibrate(key, device, self.runner.prefill_probe, max_tokens, disk_dir)
 
     def _num_gpu_blocks(self) -> int:
         cache = self.config.cache

@@ -5,8 +5,8 @@ Preemption: what to do with a sequence that must leave the GPU.
 - `swap`: copy its KV to the CPU tier and back (needs CPU room).
 - `auto`: whichever the cost model says is cheaper, per sequence.
 
-Slow-tier hits: whether prefix blocks found on NVMe are loaded or recomputed
-(`choose_nvme_load`).
+Slow-tier hits: prefix blocks found on NVMe are loaded, recomputed, or both at once
+(`split_nvme_prefix`).
 """
 
 from __future__ import annotations
@@ -62,17 +62,27 @@ def choose_preemption(
     return "swap" if cost.swap_s(num_blocks * block_bytes) < cost.recompute_s(num_tokens) else "recompute"
 
 
-def choose_nvme_load(num_blocks: int, block_bytes: int, first_token: int, block_size: int, cost: CostModel | None) -> bool:
-    """Load `num_blocks` prefix blocks found on NVMe (starting at token `first_token`), or
-    recompute them? Loading costs disk reads plus the H2D copy; recomputing costs the extra
-    prefill of those tokens. Without a measured disk bandwidth, load."""
+def split_nvme_prefix(
+    num_blocks: int, block_bytes: int, first_token: int, block_size: int, cost: CostModel | None
+) -> int:
+    """How many of the `num_blocks` prefix blocks found on NVMe (from token `first_token` on)
+    to recompute; the rest, the later ones, are loaded at the same time.
+
+        tokens:  [ hits | compute c blocks ──► | ◄── load num_blocks - c blocks | rest of prompt ]
+
+    The GPU computes forward from the hits while the disk reads the later blocks; c is chosen
+    so both finish together (the larger of the two times is smallest). 0 loads everything,
+    `num_blocks` recomputes everything. Without a measured disk bandwidth, load everything.
+    """
     if cost is None or cost.disk_read_bytes_per_s is None:
-        return True
-    num_bytes = num_blocks * block_bytes
-    load_s = num_bytes / cost.disk_read_bytes_per_s + num_bytes / cost.h2d_bytes_per_s
-    end = first_token + num_blocks * block_size
-    recompute_s = cost.recompute_s(end) - cost.recompute_s(first_token)
-    return load_s < recompute_s
+        return 0
+    per_block_load = block_bytes / cost.disk_read_bytes_per_s + block_bytes / cost.h2d_bytes_per_s
+
+    def finish_s(c: int) -> float:
+        compute = cost.recompute_s(first_token + c * block_size) - cost.recompute_s(first_token)
+        return max(compute, (num_blocks - c) * per_block_load)
+
+    return min(range(num_blocks + 1), key=finish_s)
 
 
 @dataclass(frozen=True)
@@ -87,5 +97,5 @@ class TierPolicy:
     def preemption(self, num_tokens: int, num_blocks: int, cpu_free_blocks: int) -> PreemptionKind:
         return choose_preemption(self.mode, num_tokens, num_blocks, self.block_bytes, cpu_free_blocks, self.cost)
 
-    def load_from_nvme(self, num_blocks: int, first_token: int) -> bool:
-        return choose_nvme_load(num_blocks, self.block_bytes, first_token, self.block_size, self.cost)
+    def nvme_blocks_to_compute(self, num_blocks: int, first_token: int) -> int:
+        return split_nvme_prefix(num_blocks, self.block_bytes, first_token, self.block_size, self.cost)

@@ -6,10 +6,10 @@ Each `schedule()`:
    says) and retry;
 2. if nothing was preempted, swap sequences back in, oldest first;
 3. if none is left swapped out, admit waiting sequences in order, reusing cached prefixes,
-   while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow; a sequence
-   whose prefix blocks are still being read from NVMe is passed over until they arrive.
-Before all that, the first waiting sequences start loading their NVMe prefix blocks (if the
-policy says loading beats recomputing), so the reads overlap the steps before their turn.
+   while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow.
+Before all that, the first waiting sequences start reading the later part of their NVMe prefix
+blocks (as much as the policy says), so the reads overlap other work and the computation of
+the earlier part; a prefill that reaches the loaded part jumps over it once it has arrived.
 
 The scheduler talks to blocks only through `KVCacheManager`.
 """
@@ -85,7 +85,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._next_chunk(seq, budget)
+            if n == 0:  # waiting for its NVMe blocks
+                i += 1
+                continue
             while self.kv.allocate(seq, n) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -114,24 +117,49 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _next_chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute this step: up to its loaded NVMe blocks, if any, and past
+        them once they have landed (0 while they are still being read)."""
+        if seq.load_from is not None and seq.num_computed_tokens >= seq.load_from:
+            if self.kv.loading(seq):
+                return 0
+            self.kv.skip_loaded(seq)
+            seq.load_from = None
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if seq.load_from is not None:
+            n = min(n, seq.load_from - seq.num_computed_tokens)
+        return n
+
     def _prefetch(self) -> None:
         for seq in itertools.islice(self.waiting, PREFETCH_DEPTH):
-            if seq.prefetched:
-                continue
-            seq.prefetched = True
-            prefix = self.kv.match_prefix(seq)
-            first = prefix.num_tokens(self.kv.block_size)
-            if prefix.nvme_refs and self.policy.load_from_nvme(len(prefix.nvme_refs), first):
-                self.kv.start_loads(seq, prefix.nvme_refs)
+            self._plan_loads(seq)
+
+    def _plan_loads(self, seq: Sequence) -> None:
+        """Start reading the later part of the sequence's NVMe prefix blocks (once per stay
+        in the waiting queue)."""
+        if seq.prefetched:
+            return
+        seq.prefetched = True
+        prefix = self.kv.match_prefix(seq)
+        if not prefix.nvme_refs:
+            return
+        first = prefix.num_tokens(self.kv.block_size)
+        compute = self.policy.nvme_blocks_to_compute(len(prefix.nvme_refs), first)
+        if compute < len(prefix.nvme_refs) and self.kv.start_loads(seq, prefix.nvme_refs[compute:]):
+            seq.load_from = first + compute * self.kv.block_size
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if self.kv.loading(seq):
-                continue
+            self._plan_loads(seq)
             prefix = self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - prefix.num_tokens(self.kv.block_size), budget)
+            start = prefix.num_tokens(self.kv.block_size)
+            n = min(seq.num_tokens - start, budget)
+            if seq.load_from is not None and start < seq.load_from:
+                n = min(n, seq.load_from - start)
+            if n == 0:  # nothing to compute before its NVMe blocks arrive
+                continue
             if self.kv.allocate(seq, n, prefix) is None:
                 return
             self.waiting.remove(seq)
@@ -160,6 +188,7 @@ class Scheduler:
         """Back to the front of the waiting queue, to be prefilled again."""
         seq.num_computed_tokens = 0
         seq.prefetched = False
+        seq.load_from = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -106,6 +106,50 @@ class KVCacheManager:
         """Start reading NVMe prefix blocks into the CPU tier; how many reads started."""
         return self.offload.start_loads(seq.request_id, list(refs)) if refs else 0
 
+    def skip_loaded(self, seq: Sequence) -> int:
+        """Jump the sequence's prefill over prefix blocks that its NVMe loads brought into the
+        CPU tier: copy them into its next GPU blocks and count them computed. Returns the
+        number of blocks skipped (0 if none arrived intact or the GPU pool is short)."""
+        bs = self.block_size
+        start = seq.num_computed_tokens // bs
+        found = [] if seq.num_computed_tokens % bs else self._cpu_run(seq, start)
+        skipped = self._copy_loaded(seq, start, found) if found else 0
+        self.offload.release_loads(seq.request_id)
+        return skipped
+
+    def _cpu_run(self, seq: Sequence, start: int) -> list[Block]:
+        """The CPU-tier blocks holding the sequence's full blocks from block `start` on."""
+        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash)
+        found = []
+        for i in range(start, (seq.num_tokens - 1) // self.block_size):
+            parent = hashes[i - 1] if i else self.root_hash
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            block = self.offload.lookup(hashes[i], parent, tokens)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def _copy_loaded(self, seq: Sequence, start: int, cpu_blocks: list[Block]) -> int:
+        table = self._tables[seq.request_id]
+        need = start + len(cpu_blocks) - len(table)
+        if need > self.pool.num_free:
+            return 0
+        for block in cpu_blocks:
+            self.offload.pool.touch(block)
+        self._extend(seq.request_id, self.pool.allocate(max(need, 0)) or [])
+        targets = table[start : start + len(cpu_blocks)]
+        try:
+            self.offload.copy_in(cpu_blocks, [b.block_id for b in targets])
+        except TransferError:
+            return 0
+        for src, dst in zip(cpu_blocks, targets, strict=True):
+            self.pool.cache(dst, src.block_hash, src.parent_hash, src.token_ids)
+        seq.num_computed_tokens += len(cpu_blocks) * self.block_size
+        self._num_committed[seq.request_id] = start + len(cpu_blocks)
+        self.offload.hit_blocks += len(cpu_blocks)
+        return len(cpu_blocks)
+
     def loading(self, seq: Sequence) -> bool:
         """Whether NVMe reads for this sequence are still in flight."""
         return self.offload is not None and self.offload.loading(seq.request_id)

@@ -7,8 +7,8 @@ A backend is an object the store calls, and the seam where tests inject faults::
     backend.close()                                            # after all completions were reaped
 
 `submit` may raise OSError (nothing of that request is in flight then); every request that was
-submitted completes exactly once through `reap`, and its buffers stay untouched until then.
-One thread submits at a time and one (maybe another) reaps.
+submitted completes exactly once through `reap`, and the caller leaves its buffers alone until
+then. Several threads may submit; one thread reaps.
 
 Backends: `SyncBackend` (os.preadv / os.pwritev on a thread pool), `AiofilesBackend` (the
 same calls through aiofiles on a private event loop), `UringBackend` (io_uring through the
@@ -24,6 +24,7 @@ import errno
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -82,7 +83,7 @@ class BlockIO(ABC):
         """Release threads and kernel resources."""
 
 
-def run_request(req: IORequest) -> int:
+def _run_request(req: IORequest) -> int:
     """Do one request with a blocking syscall: bytes moved, or -errno."""
     try:
         if req.op == "read":
@@ -124,7 +125,7 @@ class SyncBackend(_QueueReaper, BlockIO):
             self._pool.submit(self._run, req)
 
     def _run(self, req: IORequest) -> None:
-        self._done.put(IOCompletion(req.tag, run_request(req)))
+        self._done.put(IOCompletion(req.tag, _run_request(req)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -174,8 +175,8 @@ class FaultyBackend(BlockIO):
     """Wraps a backend and spoils chosen requests, for tests of the failure paths.
 
     `inject("write", "raise", errno.ENOSPC)` makes the next write's submit raise;
-    `"error"` completes it with -errno without doing it; `"short"` does only all but the
-    last ALIGN bytes of it and reports that count.
+    `"error"` completes it with -errno without doing it; `"short"` does all but its last
+    `short_by` bytes and reports that count. (The store submits one request per call.)
     """
 
     def __init__(self, inner: BlockIO, short_by: int = 4096) -> None:
@@ -331,7 +332,5 @@ def uring_probe(directory: str | None = None) -> tuple[bool, str]:
     if done.returncode == 0 and done.stdout.strip().endswith("ok"):
         return True, ""
     if done.returncode < 0:
-        import signal
-
         return False, f"the liburing bindings crash with {signal.Signals(-done.returncode).name}"
     return False, (done.stderr.strip().splitlines() or ["probe failed"])[-1]

@@ -8,7 +8,7 @@ Two-phase API, one CPU block per job (a block is `block_bytes` contiguous bytes,
     store.poll() -> [(job, ok), ...]       # jobs finished since the last poll, each reported once
     store.wait([job, ...]) -> {job: ok}    # blocks; `await store.wait_async(jobs)` under asyncio
     store.contains(block_hash); store.stats()
-    store.sync()                           # every job done, file fsynced
+    store.sync() -> ok                     # every job done, file fsynced
     store.close()                          # or `with NVMeStore(...) as store:`
 
 `src`/`dst` must stay alive and untouched until their job is reported. `ok` is False when the
@@ -85,8 +85,6 @@ class NVMeStore:
             self.path = os.path.join(self.path, STORE_FILE_NAME)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._fingerprint = fingerprint_digest(fingerprint)
-        if isinstance(backend, str):
-            backend = make_backend(backend, queue_depth, os.path.dirname(self.path))
         self._cond = threading.Condition()
         self._jobs: dict[int, SlotJob] = {}  # in flight
         self._done: dict[int, bool] = {}  # finished, not reported yet
@@ -94,14 +92,22 @@ class NVMeStore:
         self._ids = itertools.count(1)
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._generation, self._sequence, self._closed = 0, 0, False
-        self._file: SlotFile | None = SlotFile(self.path, self.geometry)
         self._retired: list[SlotFile] = []  # files deleted under us, closed at close()
         self.index = SlotIndex(self.geometry.num_slots)
         try:
+            self._file: SlotFile | None = SlotFile(self.path, self.geometry)
+        except BaseException:
+            if not isinstance(backend, str):
+                backend.close()
+            raise
+        try:
+            if isinstance(backend, str):
+                backend = make_backend(backend, queue_depth, os.path.dirname(self.path))
             self._load_index(backend)
         except BaseException:
             self._file.close()
-            backend.close()
+            if not isinstance(backend, str):
+                backend.close()
             raise
         self._io = SlotIO(backend, self.geometry, self._fingerprint, queue_depth, self._finish)
 
@@ -125,8 +131,9 @@ class NVMeStore:
     ) -> int | None:
         """Start storing the block in `src`; a job id, or None if no I/O was started.
 
-        None: the block is stored or being written already (it becomes most recently used), or
-        every slot has I/O in flight (`write_rejected`). Either way `src` is free at once.
+        None: the block is stored or being written already (it becomes most recently used),
+        every slot has I/O in flight (`write_rejected`), or the store is closed. Either way `src`
+        is free at once.
         """
         payload = self._check_block(src, "src", token_ids)
         tokens = self._check_ids(block_hash, parent_hash, token_ids)
@@ -226,13 +233,19 @@ class NVMeStore:
             )
         return out
 
-    def sync(self) -> None:
-        """Wait until no job is in flight, then fsync the file (the blocks are on the disk)."""
+    def sync(self) -> bool:
+        """Wait until no job is in flight, then fsync the file; False (counted) if that failed."""
         with self._cond:
             self._cond.wait_for(lambda: not self._jobs)
             file = self._file
-        if file is not None:
-            os.fsync(file.fd)
+        try:
+            os.fsync(-1 if file is None else file.fd)
+            return True
+        except OSError as exc:
+            logger.warning("NVMe store: fsync of %s failed: %s", self.path, exc)
+            with self._cond:
+                self._counts["io_errors"] += 1
+            return False
 
     def close(self) -> None:
         """Finish in-flight jobs, stop the I/O threads, sync and close the file (idempotent)."""

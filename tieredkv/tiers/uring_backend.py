@@ -37,10 +37,13 @@ class UringBackend(BlockIO):
         self._lib = liburing
         self._ring = liburing.Ring()
         liburing.io_uring_queue_init(queue_depth, self._ring, 0)
+        self._efd = -1
         try:
             self._efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
             liburing.io_uring_register_eventfd(self._ring, self._efd)
         except OSError:
+            if self._efd >= 0:
+                os.close(self._efd)
             liburing.io_uring_queue_exit(self._ring)
             raise
         self._cqe = liburing.Cqe()
