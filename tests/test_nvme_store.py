@@ -340,7 +340,7 @@ def test_poll_reports_each_job_once_and_leaves_waited_ones(open_store):
     waiter.start()
     gated.release()
     waiter.join()
-    store.sync()
+    assert store.sync()
     assert results == {jobs[0]: True, jobs[1]: True}
     assert sorted(store.poll()) == [(jobs[2], True), (jobs[3], True)] and store.poll() == []
 
