@@ -55,8 +55,9 @@ def test_gpu_round_trip_is_bit_identical():
     original = kv.clone()
     tier = CPUTier(48, (4, 2, 16, 2, 64), torch.bfloat16, pin=True)
     assert tier.pinned
-    # a staging buffer of 5 blocks forces several chunks per job
-    engine = CudaTransferEngine(kv, tier.data, staging_bytes=5 * tier.data[0].numel() * 2)
+    # chunks of 4 blocks through a ring of 2 staging slots: 6 chunks a job, slots reused
+    block_bytes = tier.data[0].numel() * 2
+    engine = CudaTransferEngine(kv, tier.data, staging_bytes=8 * block_bytes, chunk_bytes=4 * block_bytes)
     gpu_ids = tuple(range(63, 0, -3))  # 21 scattered blocks
     cpu_ids = tuple(list(range(10, 20)) + list(range(30, 41)))
     out = engine.submit(TransferJob("d2h", gpu_ids, cpu_ids))
@@ -68,6 +69,16 @@ def test_gpu_round_trip_is_bit_identical():
     engine.order_compute()
     for g in gpu_ids:
         assert torch.equal(kv[:, :, g], original[:, :, g])
+    # a swap-out and a swap-in of other blocks at the same time do not disturb each other
+    kv.copy_(original)
+    engine.order_compute()
+    out = engine.submit(TransferJob("d2h", gpu_ids[:10], cpu_ids[:10]))
+    back = engine.submit(TransferJob("h2d", (1, 2, 4, 5), (30, 31, 32, 33)))  # holds gpu_ids[10:14]
+    engine.wait([out, back])
+    engine.order_compute()
+    for src, dst in zip(gpu_ids[10:14], (1, 2, 4, 5), strict=True):
+        assert torch.equal(kv[:, :, dst], original[:, :, src])
+    assert torch.equal(tier.data[torch.tensor(cpu_ids[:10])], original[:, :, list(gpu_ids[:10])].permute(2, 0, 1, 3, 4, 5).cpu())
     tier.close()
 
 

@@ -1,6 +1,21 @@
-"""The CUDA transfer engine: D2H and H2D streams, staging buffers, events per job."""
+"""The CUDA transfer engine: gathers, DMAs and scatters on side streams, ordered by events.
+
+A job is cut into chunks that cycle through a ring of staging slots in HBM:
+
+    D2H   gather stream:  gather chunk i ─► slot i%N        (waits until slot i%N is free)
+          copy stream:                       slot i%N ─DMA─► pinned CPU blocks (waits for gather i)
+    H2D   copy stream:    pinned CPU blocks ─DMA─► slot i%N  (waits until slot i%N is free)
+          scatter stream:                       slot i%N ─scatter─► GPU blocks (waits for DMA i)
+
+so the gather (or scatter) of one chunk overlaps the DMA of another, and a job that fits in
+the ring gathers all of its blocks at once: a forward pass that reuses its GPU blocks waits
+only for the gathers, never for the DMAs. Jobs wait for each other only where they touch the
+same GPU or CPU blocks.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -8,93 +23,156 @@ from tieredkv.kernels.block_copy import gather_blocks, scatter_blocks
 from tieredkv.transfer import TransferEngine, TransferJob, consecutive_runs
 
 DEFAULT_STAGING_BYTES = 1 << 30
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass
+class _Pending:
+    """A submitted job's blocks and events, until it is reported finished."""
+
+    job: TransferJob
+    gpu_ready: torch.cuda.Event  # its GPU blocks may be rewritten (D2H) / read (H2D)
+    done: torch.cuda.Event  # its CPU blocks hold the data (D2H) / may be rewritten (H2D)
 
 
 class CudaTransferEngine(TransferEngine):
-    """Transfers overlap compute: gathers and DMAs run on side streams ordered by events."""
+    """Transfers overlap compute and each other."""
 
-    def __init__(self, kv_cache: torch.Tensor, cpu_data: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, cpu_data: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
         super().__init__(kv_cache, cpu_data)
-        self.d2h_stream = torch.cuda.Stream(kv_cache.device)
-        self.h2d_stream = torch.cuda.Stream(kv_cache.device)
-        blocks = max(1, min(staging_bytes // self.block_bytes, kv_cache.shape[2]))
-        shape = (blocks, *cpu_data.shape[1:])
-        self.d2h_staging = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
-        self.h2d_staging = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
-        self._done: dict[int, torch.cuda.Event] = {}
+        device = kv_cache.device
+        self.chunk_blocks = max(1, chunk_bytes // self.block_bytes)
+        num_slots = max(2, staging_bytes // (self.chunk_blocks * self.block_bytes))
+        self.d2h = _Ring(num_slots, self.chunk_blocks, cpu_data.shape[1:], kv_cache.dtype, device)
+        self.h2d = _Ring(num_slots, self.chunk_blocks, cpu_data.shape[1:], kv_cache.dtype, device)
+        self._pending: dict[int, _Pending] = {}
         self._compute_waits: list[torch.cuda.Event] = []
-        self._last_d2h: torch.cuda.Event | None = None
 
     def _start(self, job_id: int, job: TransferJob) -> None:
         compute = torch.cuda.current_stream(self.kv_cache.device)
+        earlier = self._overlapping(job)
         if job.kind == "d2h":
-            done, gathered = self._d2h(job, compute)
-            self._last_d2h = done
-            # a block freed by this swap-out may be rewritten by the next forward pass: that pass
-            # must wait until the gather has read it (the DMA to the host may still run on)
-            self._compute_waits.append(gathered)
+            pending = self._d2h(job, compute, earlier)
+            # a GPU block freed by this job may be rewritten by the next forward pass: that pass
+            # must wait until the gathers have read it (the DMAs to the host may still run on)
         else:
-            done = self._h2d(job, compute)
+            pending = self._h2d(job, compute, earlier)
             # the next forward pass reads these blocks: it must wait until they have landed
-            self._compute_waits.append(done)
-        self._done[job_id] = done
+        self._compute_waits.append(pending.gpu_ready)
+        self._pending[job_id] = pending
 
-    def _chunks(self, job: TransferJob) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        n = self.d2h_staging.shape[0]
+    def _overlapping(self, job: TransferJob) -> list[_Pending]:
+        gpu, cpu = set(job.gpu_block_ids), set(job.cpu_block_ids)
         return [
-            (job.gpu_block_ids[i : i + n], job.cpu_block_ids[i : i + n])
-            for i in range(0, len(job.gpu_block_ids), n)
+            p for p in self._pending.values()
+            if not gpu.isdisjoint(p.job.gpu_block_ids) or not cpu.isdisjoint(p.job.cpu_block_ids)
         ]
 
-    def _d2h(self, job: TransferJob, compute: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        gathered = torch.cuda.Event()
-        done = torch.cuda.Event()
-        with torch.cuda.stream(self.d2h_stream):
-            # the blocks were written by forward passes queued on the compute stream: read after them
-            self.d2h_stream.wait_stream(compute)
-            for gpu_ids, cpu_ids in self._chunks(job):
-                ids = torch.tensor(gpu_ids, dtype=torch.int64, device=self.kv_cache.device)
-                staging = self.d2h_staging[: len(gpu_ids)]
-                # staging is reused chunk after chunk: the same stream orders this gather after
-                # the previous chunk's DMAs
-                gather_blocks(self.kv_cache, ids, staging)
-                gathered.record()
-                for pos, first, length in consecutive_runs(cpu_ids):
-                    self.cpu_data[first : first + length].copy_(staging[pos : pos + length], non_blocking=True)
-            done.record()
-        return done, gathered
+    def _chunks(self, job: TransferJob) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        n = self.chunk_blocks
+        return [(job.gpu_block_ids[i : i + n], job.cpu_block_ids[i : i + n]) for i in range(0, len(job.gpu_block_ids), n)]
 
-    def _h2d(self, job: TransferJob, compute: torch.cuda.Stream) -> torch.cuda.Event:
-        done = torch.cuda.Event()
-        with torch.cuda.stream(self.h2d_stream):
-            # the destination blocks may still be read or written by queued forward passes...
-            self.h2d_stream.wait_stream(compute)
-            # ...or still be read by a D2H gather (freed, then reallocated), and the source CPU
-            # blocks may still be being written by a D2H DMA (a just-demoted prefix)
-            if self._last_d2h is not None:
-                self.h2d_stream.wait_event(self._last_d2h)
-            for gpu_ids, cpu_ids in self._chunks(job):
-                staging = self.h2d_staging[: len(gpu_ids)]
+    def _gpu_ids(self, ids: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64).pin_memory().to(self.kv_cache.device, non_blocking=True)
+
+    def _d2h(self, job: TransferJob, compute: torch.cuda.Stream, earlier: list[_Pending]) -> _Pending:
+        ring = self.d2h
+        # the blocks were written by forward passes queued on the compute stream: read after them
+        ring.first.wait_stream(compute)
+        for p in earlier:  # an earlier H2D may still fill these GPU blocks, or read these CPU blocks
+            ring.first.wait_event(p.gpu_ready)
+            ring.second.wait_event(p.done)
+        for gpu_ids, cpu_ids in self._chunks(job):
+            slot = ring.acquire()
+            with torch.cuda.stream(ring.first):
+                gather_blocks(self.kv_cache, self._gpu_ids(gpu_ids), slot[: len(gpu_ids)])
+            ring.handoff()
+            with torch.cuda.stream(ring.second):
                 for pos, first, length in consecutive_runs(cpu_ids):
-                    staging[pos : pos + length].copy_(self.cpu_data[first : first + length], non_blocking=True)
-                ids = torch.tensor(gpu_ids, dtype=torch.int64, device=self.kv_cache.device)
-                scatter_blocks(staging, self.kv_cache, ids)
-            done.record()
-        return done
+                    self.cpu_data[first : first + length].copy_(slot[pos : pos + length], non_blocking=True)
+            ring.release()
+        return _Pending(job, ring.first_done(), ring.second_done())
+
+    def _h2d(self, job: TransferJob, compute: torch.cuda.Stream, earlier: list[_Pending]) -> _Pending:
+        ring = self.h2d
+        # the destination GPU blocks may still be read or written by queued forward passes
+        ring.second.wait_stream(compute)
+        for p in earlier:  # an earlier D2H may still read these GPU blocks or write these CPU blocks
+            ring.second.wait_event(p.gpu_ready)
+            ring.first.wait_event(p.done)
+        for gpu_ids, cpu_ids in self._chunks(job):
+            slot = ring.acquire()
+            with torch.cuda.stream(ring.first):
+                for pos, first, length in consecutive_runs(cpu_ids):
+                    slot[pos : pos + length].copy_(self.cpu_data[first : first + length], non_blocking=True)
+            ring.handoff()
+            with torch.cuda.stream(ring.second):
+                scatter_blocks(slot[: len(gpu_ids)], self.kv_cache, self._gpu_ids(gpu_ids))
+            ring.release()
+        done = ring.second_done()
+        return _Pending(job, done, ring.first_done())
 
     def poll(self) -> list[int]:
-        finished = [job_id for job_id, event in self._done.items() if event.query()]
+        finished = [
+            job_id for job_id, p in self._pending.items() if p.done.query() and p.gpu_ready.query()
+        ]
         for job_id in finished:
-            del self._done[job_id]
+            del self._pending[job_id]
         return finished
 
     def wait(self, job_ids: list[int]) -> None:
         for job_id in job_ids:
-            if job_id in self._done:
-                self._done[job_id].synchronize()
+            if job_id in self._pending:
+                self._pending[job_id].done.synchronize()
+                self._pending[job_id].gpu_ready.synchronize()
 
     def order_compute(self) -> None:
         compute = torch.cuda.current_stream(self.kv_cache.device)
         for event in self._compute_waits:
             compute.wait_event(event)
         self._compute_waits.clear()
+
+
+class _Ring:
+    """Staging slots shared by a producer stream (`first`) and a consumer stream (`second`)."""
+
+    def __init__(self, num_slots: int, chunk_blocks: int, block_shape: torch.Size, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.slots = torch.empty((num_slots, chunk_blocks, *block_shape), dtype=dtype, device=device)
+        self.first = torch.cuda.Stream(device)
+        self.second = torch.cuda.Stream(device)
+        self._freed: list[torch.cuda.Event | None] = [None] * num_slots
+        self._next = 0
+
+    def acquire(self) -> torch.Tensor:
+        """The next slot; the producer first waits until its last consumer is done with it."""
+        index = self._next % len(self._freed)
+        if self._freed[index] is not None:
+            self.first.wait_event(self._freed[index])
+        return self.slots[index]
+
+    def handoff(self) -> None:
+        """The consumer waits for what the producer just wrote into the slot."""
+        ready = torch.cuda.Event()
+        ready.record(self.first)
+        self.second.wait_event(ready)
+
+    def release(self) -> None:
+        """The slot is free again once the consumer's work queued so far is done."""
+        freed = torch.cuda.Event()
+        freed.record(self.second)
+        self._freed[self._next % len(self._freed)] = freed
+        self._next += 1
+
+    def first_done(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.first)
+        return event
+
+    def second_done(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.second)
+        return event
