@@ -24,13 +24,19 @@ def run_tieredkv(prompts: list[list[int]], new_tokens: int) -> tuple[float, LLM]
     llm = LLM(model="llama-3-8b", device="cuda", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, gpu_memory_utilization=0.5)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    # warm-up with other prompts of the same shape: compiles the kernels for these chunk sizes
+    warm = [[t + 1 for t in p] for p in prompts[:8]]
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == new_tokens for o in outs)
+    # every request's first token marks the end of the prefill phase
+    first_tokens = max(o.metrics.first_token_time for o in outs) - min(o.metrics.arrival_time for o in outs)
+    report("  prefill phase (until every request has its first token)", first_tokens, "s")
+    report("  decode phase (the rest)", elapsed - first_tokens, "s")
     return elapsed, llm
 
 

@@ -23,7 +23,7 @@ from tieredkv.kernels.block_copy import gather_blocks, scatter_blocks
 from tieredkv.transfer import TransferEngine, TransferJob, consecutive_runs
 
 DEFAULT_STAGING_BYTES = 1 << 30
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 128 << 20
 
 
 @dataclass
@@ -71,12 +71,15 @@ class CudaTransferEngine(TransferEngine):
             if not gpu.isdisjoint(p.job.gpu_block_ids) or not cpu.isdisjoint(p.job.cpu_block_ids)
         ]
 
-    def _chunks(self, job: TransferJob) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    def _chunks(self, job: TransferJob) -> list[tuple[slice, tuple[int, ...]]]:
         n = self.chunk_blocks
-        return [(job.gpu_block_ids[i : i + n], job.cpu_block_ids[i : i + n]) for i in range(0, len(job.gpu_block_ids), n)]
+        return [(slice(i, i + n), job.cpu_block_ids[i : i + n]) for i in range(0, len(job.gpu_block_ids), n)]
 
-    def _gpu_ids(self, ids: tuple[int, ...]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.int64).pin_memory().to(self.kv_cache.device, non_blocking=True)
+    def _gpu_ids(self, job: TransferJob, stream: torch.cuda.Stream) -> torch.Tensor:
+        """The job's GPU block ids on the device, allocated on the stream that reads them."""
+        with torch.cuda.stream(stream):
+            host = torch.tensor(job.gpu_block_ids, dtype=torch.int64).pin_memory()
+            return host.to(self.kv_cache.device, non_blocking=True)
 
     def _d2h(self, job: TransferJob, compute: torch.cuda.Stream, earlier: list[_Pending]) -> _Pending:
         ring = self.d2h
@@ -85,10 +88,11 @@ class CudaTransferEngine(TransferEngine):
         for p in earlier:  # an earlier H2D may still fill these GPU blocks, or read these CPU blocks
             ring.first.wait_event(p.gpu_ready)
             ring.second.wait_event(p.done)
-        for gpu_ids, cpu_ids in self._chunks(job):
+        gpu_ids = self._gpu_ids(job, ring.first)
+        for rows, cpu_ids in self._chunks(job):
             slot = ring.acquire()
             with torch.cuda.stream(ring.first):
-                gather_blocks(self.kv_cache, self._gpu_ids(gpu_ids), slot[: len(gpu_ids)])
+                gather_blocks(self.kv_cache, gpu_ids[rows], slot[: len(cpu_ids)])
             ring.handoff()
             with torch.cuda.stream(ring.second):
                 for pos, first, length in consecutive_runs(cpu_ids):
@@ -103,14 +107,15 @@ class CudaTransferEngine(TransferEngine):
         for p in earlier:  # an earlier D2H may still read these GPU blocks or write these CPU blocks
             ring.second.wait_event(p.gpu_ready)
             ring.first.wait_event(p.done)
-        for gpu_ids, cpu_ids in self._chunks(job):
+        gpu_ids = self._gpu_ids(job, ring.second)
+        for rows, cpu_ids in self._chunks(job):
             slot = ring.acquire()
             with torch.cuda.stream(ring.first):
                 for pos, first, length in consecutive_runs(cpu_ids):
                     slot[pos : pos + length].copy_(self.cpu_data[first : first + length], non_blocking=True)
             ring.handoff()
             with torch.cuda.stream(ring.second):
-                scatter_blocks(slot[: len(gpu_ids)], self.kv_cache, self._gpu_ids(gpu_ids))
+                scatter_blocks(slot[: len(cpu_ids)], self.kv_cache, gpu_ids[rows])
             ring.release()
         done = ring.second_done()
         return _Pending(job, done, ring.first_done())
