@@ -24,8 +24,9 @@ def run_tieredkv(prompts: list[list[int]], new_tokens: int) -> tuple[float, LLM]
     llm = LLM(model="llama-3-8b", device="cuda", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, gpu_memory_utilization=0.5)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    # warm-up with other prompts of the same shape: compiles the kernels for these chunk sizes
-    warm = [[t + 1 for t in p] for p in prompts[:8]]
+    # warm-up with other prompts of the same shapes (a serving engine is warm): compiles and
+    # tunes the kernels for the chunk sizes this workload produces
+    warm = [[t + 1 for t in p] for p in prompts]
     llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     start = time.perf_counter()

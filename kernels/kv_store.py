@@ -25,7 +25,8 @@ from ._checks import (
 )
 
 
-@triton.jit
+# per-step sizes are not specialized on: one compiled kernel serves every batch
+@triton.jit(do_not_specialize=["num_slots"])
 def _store_kv_kernel(
     key_ptr,
     value_ptr,

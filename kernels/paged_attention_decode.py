@@ -29,7 +29,8 @@ _MAX_SPLITS = 16
 _MIN_KEYS_PER_SPLIT = 512
 
 
-@triton.jit
+# per-step sizes are not specialized on: one compiled kernel serves every batch
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     table_ptr, cu_q_ptr, ctx_ptr,

@@ -23,7 +23,8 @@ from ._attention_common import LOG2_E, attend_tiles, find_seq
 from ._checks import check_launchable
 
 
-@triton.jit
+# per-step sizes are not specialized on: one compiled kernel serves every batch
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     table_ptr, cu_q_ptr, ctx_ptr,
