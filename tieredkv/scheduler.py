@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.config import SchedulerConfig
@@ -29,8 +30,7 @@ from tieredkv.transfer import TransferError
 PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of their turn
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     """`num_new_tokens` tokens of `seq`, from `seq.num_computed_tokens` on, run this step."""
 
     seq: Sequence
@@ -120,15 +120,16 @@ class Scheduler:
     def _next_chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to compute this step: up to its loaded NVMe blocks, if any, and past
         them once they have landed (0 while they are still being read)."""
-        if seq.load_from is not None and seq.num_computed_tokens >= seq.load_from:
-            if self.kv.loading(seq):
-                return 0
-            self.kv.skip_loaded(seq)
-            seq.load_from = None
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if seq.load_from is not None:
-            n = min(n, seq.load_from - seq.num_computed_tokens)
-        return n
+        n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+        if seq.load_from is None:
+            return n
+        if seq.num_computed_tokens < seq.load_from:
+            return min(n, seq.load_from - seq.num_computed_tokens)
+        if self.kv.loading(seq):
+            return 0
+        self.kv.skip_loaded(seq)
+        seq.load_from = None
+        return min(len(seq.token_ids) - seq.num_computed_tokens, budget)
 
     def _prefetch(self) -> None:
         for seq in itertools.islice(self.waiting, PREFETCH_DEPTH):

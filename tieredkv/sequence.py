@@ -65,9 +65,8 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token and finish the request if it hit a stop condition."""
-        now = time.monotonic()
         if self.first_token_time is None:
-            self.first_token_time = now
+            self.first_token_time = time.monotonic()
         self.token_ids.append(token_id)
         p = self.params
         if token_id in p.stop_token_ids or token_id == self.eos_token_id and not p.ignore_eos:

@@ -160,7 +160,7 @@ class KVCacheManager:
         table = self._tables.get(seq.request_id)
         if table is None:
             return self._allocate_new(seq, num_new_tokens, prefix or PrefixMatch())
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
         if need <= 0:
             return NO_NEW_BLOCKS
         fresh = self.pool.allocate(need)
