@@ -140,3 +140,16 @@ def check_invariants(kv: KVCacheManager, live: dict[str, Sequence]) -> None:
         if block.block_hash is not None:
             assert kv.pool.cached[block.block_hash] is block
     assert len(kv.pool.cached) == sum(b.block_hash is not None for b in kv.pool.blocks)
+
+
+def test_reset_prefix_cache_drops_only_unowned_blocks():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, root_hash=7)
+    a = make_seq("a", list(range(9)))
+    b = make_seq("b", [50 + i for i in range(8)])
+    run_prefill(kv, a)
+    run_prefill(kv, b)
+    kv.free(a)
+    assert kv.reset_prefix_cache() == 2  # a's two full blocks; b still owns its own
+    assert kv.match_prefix(make_seq("c", list(range(9)))).gpu_blocks == ()
+    assert len(kv.match_prefix(make_seq("d", [50 + i for i in range(9)])).gpu_blocks) == 2
+    check_invariants(kv, {"b": b})

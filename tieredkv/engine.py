@@ -191,6 +191,10 @@ class LLMEngine:
             seq.finish("abort")
             self.scheduler.finish(seq)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the GPU and CPU prefix caches (not the NVMe store); how many blocks were dropped."""
+        return self.kv.reset_prefix_cache()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -157,10 +157,10 @@ class Scheduler:
             prefix = self.kv.match_prefix(seq)
             start = prefix.num_tokens(self.kv.block_size)
             n = min(seq.num_tokens - start, budget)
-            if seq.load_from is not None and start < seq.load_from:
+            if seq.load_from is not None and self.kv.loading(seq):
+                if start >= seq.load_from:  # nothing to compute before its NVMe blocks arrive
+                    continue
                 n = min(n, seq.load_from - start)
-            if n == 0:  # nothing to compute before its NVMe blocks arrive
-                continue
             if self.kv.allocate(seq, n, prefix) is None:
                 return
             self.waiting.remove(seq)

@@ -94,7 +94,8 @@ class TransferEngine:
     def order_compute(self) -> None:
         """Make the next forward pass wait for the transfers submitted so far."""
 
-    def close(self) -> None:
+    def wait_all(self) -> None:
+        """Block the host until every submitted job has finished."""
         self.wait(list(range(next(self._ids))))
 
 

@@ -270,6 +270,20 @@ class KVCacheManager:
         self._block_ids.pop(seq.request_id, None)
         self._num_committed.pop(seq.request_id, None)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody owns, on the GPU and in the CPU tier (the NVMe store
+        keeps its blocks); returns how many were dropped."""
+        if self.offload:
+            self.offload.drain()  # finished transfers still hold blocks until retired
+        pools = [self.pool] + ([self.offload.pool] if self.offload else [])
+        dropped = 0
+        for pool in pools:
+            for block in list(pool.cached.values()):
+                if block.ref_count == 0:
+                    pool.uncache(block)
+                    dropped += 1
+        return dropped
+
     def retire(self) -> None:
         """Release what finished transfers held."""
         if self.offload:

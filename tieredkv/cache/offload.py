@@ -194,9 +194,13 @@ class CPUOffload:
             "nvme_failed_loads": self.nvme_failed_loads,
         }
 
-    def close(self) -> None:
-        self.transfers.close()
+    def drain(self) -> None:
+        """Wait for every transfer and release what they held."""
+        self.transfers.wait_all()
         self.retire()
+
+    def close(self) -> None:
+        self.drain()
         if self.nvme is not None:
             self.nvme.close()
         self.tier.close()

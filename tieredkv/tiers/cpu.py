@@ -13,6 +13,7 @@ import logging
 import torch
 
 from tieredkv.cache.block_pool import BlockPool, EvictCallback
+from tieredkv.tiers.slot_format import aligned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,10 @@ class CPUTier:
         self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
         on_evict: EvictCallback | None = None,
     ) -> None:
-        self.data = torch.zeros((num_blocks, *block_shape), dtype=dtype)
+        shape = (num_blocks, *block_shape)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        # page-aligned, so that NVMe I/O goes straight to and from the blocks (O_DIRECT)
+        self.data = aligned_empty(nbytes).view(dtype).view(shape).zero_()
         self.pinned = pin and _pin(self.data)
         self.pool = BlockPool(num_blocks, on_evict)
 
