@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 Prompt = str | list[int]
 DEFAULT_CPU_GPU_BLOCKS = 256
 MAX_GRAPH_BATCH = 256
+IO_WAIT_S = 0.0005  # a step with nothing to run sleeps this long (releases the GIL to the I/O threads)
 
 
 class LLMEngine:
@@ -205,6 +207,8 @@ class LLMEngine:
         self.kv.retire()
         batch = self.scheduler.schedule()
         if not batch.scheduled:
+            if self.has_unfinished():  # everything waits for NVMe reads: let their threads run
+                time.sleep(IO_WAIT_S)
             return []
         sampling = [s.seq for s in batch.scheduled if s.samples]
         tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
