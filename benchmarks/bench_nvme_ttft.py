@@ -89,7 +89,8 @@ def main() -> None:
     d2h, h2d = measure_bandwidth(runner.device)
     calibrated = CostModel(d2h, h2d, *fit_prefill(2048, t1, 8192, t2), disk_read_bytes_per_s=disk)
     print(f"calibrated cost model: {calibrated}")
-    load_only = dataclasses.replace(calibrated, disk_read_bytes_per_s=1e18)
+    # the fixed policies, as cost models under which the split puts every block on one side
+    load_only = dataclasses.replace(calibrated, prefill_s_per_token=1e3)
     recompute_only = dataclasses.replace(calibrated, disk_read_bytes_per_s=1e-3)
     rng = random.Random(0)
     records = []
