@@ -154,6 +154,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             self._plan_loads(seq)
+            if seq.load_from == 0 and self.kv.loading(seq):  # nothing to compute before its loads land
+                continue
             prefix = self.kv.match_prefix(seq)
             start = prefix.num_tokens(self.kv.block_size)
             n = min(seq.num_tokens - start, budget)

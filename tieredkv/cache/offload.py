@@ -45,6 +45,7 @@ class CPUOffload:
         self._held: dict[int, list[Block]] = {}
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
         self._reads: dict[int, tuple[str, Block, BlockRef]] = {}  # NVMe job -> what it fills
+        self._reads_left: dict[str, int] = {}  # request -> its reads in flight
         self._orphans: set[int] = set()  # reads whose request left before they finished
         self.hit_blocks = 0
         self.demoted_blocks = 0
@@ -143,10 +144,11 @@ class CPUOffload:
             held.append(taken[0])
             self._reads[job] = (request_id, taken[0], ref)
             started += 1
+        self._reads_left[request_id] = self._reads_left.get(request_id, 0) + started
         return started
 
     def loading(self, request_id: str) -> bool:
-        return any(rid == request_id for rid, _, _ in self._reads.values())
+        return self._reads_left.get(request_id, 0) > 0
 
     def release_loads(self, request_id: str) -> None:
         """Drop the request's hold on its loaded blocks (they stay cached in the CPU tier)."""
@@ -161,6 +163,9 @@ class CPUOffload:
 
     def _finish_read(self, job: int, ok: bool) -> None:
         request_id, block, ref = self._reads.pop(job)
+        self._reads_left[request_id] -= 1
+        if not self._reads_left[request_id]:
+            del self._reads_left[request_id]
         if ok:
             self.pool.cache(block, ref.block_hash, ref.parent_hash, ref.token_ids)
             self.nvme_loaded_blocks += 1
