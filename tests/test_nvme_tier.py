@@ -3,6 +3,7 @@ restart, with every I/O backend, and when the disk misbehaves."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -134,3 +135,36 @@ def test_load_and_recompute_at_once_is_exact(tmp_path, reference_outputs, monkey
     assert [o.token_ids for o in outs] == expected
     # prefills jumped over blocks loaded from disk while computing the ones before them
     assert skipped and stats["nvme_loaded_blocks"] > 0 and stats["nvme_failed_loads"] == 0
+
+
+@pytest.mark.parametrize(
+    "op, fault, err",
+    [("read", "error", errno.EIO), ("read", "short", 0), ("read", "raise", errno.EIO),
+     ("write", "error", errno.ENOSPC), ("write", "short", 0)],
+)
+def test_io_faults_cost_recompute_not_wrong_tokens(tmp_path, op, fault, err, reference_outputs, monkeypatch):
+    from tieredkv.tiers import nvme
+    from tieredkv.tiers.io_backends import FaultyBackend
+
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+    if op == "read":  # a first engine fills the store
+        with tiered_llm(tmp_path) as llm:
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+    real_make_backend = nvme.make_backend
+    faulty: list[FaultyBackend] = []
+
+    def make_faulty(*args, **kwargs):  # the store's I/O seam
+        faulty.append(FaultyBackend(real_make_backend(*args, **kwargs)))
+        return faulty[-1]
+
+    monkeypatch.setattr(nvme, "make_backend", make_faulty)
+    with tiered_llm(tmp_path) as llm:
+        faulty[-1].inject(op, fault, err, count=10)  # the next ten `op`s after the store opened
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+        again = llm.generate(prompts, GREEDY, use_tqdm=False)  # and it keeps serving
+    assert [o.token_ids for o in outs] == [o.token_ids for o in again] == expected
+    assert stats["nvme_io_errors"] > 0
+    if op == "read":
+        assert stats["nvme_failed_loads"] > 0
