@@ -101,3 +101,19 @@ def test_request_larger_than_the_cache_is_rejected():
     small = LLM(model="tiny-llama", block_size=4, num_gpu_blocks=4)
     with pytest.raises(ValueError, match="need 5 KV blocks but the GPU tier has 4"):
         small.add_request([1] * 12, SamplingParams(max_tokens=5))
+
+
+def test_from_yaml_reads_the_demo_config():
+    from pathlib import Path
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    text = demo.read_text().replace("nvme_path: results/demo/nvme", "nvme_path: null").replace("nvme_bytes: 16MiB", "nvme_bytes: 0")
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    with LLM.from_yaml(f.name) as llm:
+        assert llm.config.cache.block_size == 16 and llm.config.cache.num_gpu_blocks == 40
+        assert llm.config.scheduler.preemption == "auto" and llm.kv.offload is not None
+        outs = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+        assert len(outs[0].token_ids) == 3

@@ -185,6 +185,8 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
+EXPERIMENT_SECTIONS = ("name", "workload")  # YAML sections the engine itself does not read
+
 SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 
 

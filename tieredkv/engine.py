@@ -24,7 +24,7 @@ from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.cache.spill import NVMeSpill
 from tieredkv.calibrate import calibrate
-from tieredkv.config import EngineConfig, read_yaml
+from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import RequestMetrics, RequestOutput
 from tieredkv.policy import CostModel, TierPolicy
@@ -273,16 +273,14 @@ class LLMEngine:
 class LLM(LLMEngine):
     """Synchronous batch API: `LLM(model=..., **keywords).generate(prompts, params)`."""
 
-    def __init__(self, model: str = "tiny-llama", **kwargs: Any) -> None:
-        super().__init__(EngineConfig.from_kwargs(model=model, **kwargs))
+    def __init__(self, model: str = "tiny-llama", config: EngineConfig | None = None, **kwargs: Any) -> None:
+        """`LLM(model=..., **keywords)`, or `LLM(config=EngineConfig(...))`."""
+        super().__init__(config or EngineConfig.from_kwargs(model=model, **kwargs))
 
     @classmethod
     def from_yaml(cls, path: str) -> LLM:
-        """An engine built from a YAML experiment file (its `workload` section is ignored)."""
-        config = EngineConfig.from_dict(read_yaml(path), extra_sections=("workload", "name", "variants"))
-        engine = cls.__new__(cls)
-        LLMEngine.__init__(engine, config)
-        return engine
+        """An engine built from a YAML experiment file (its experiment sections are ignored)."""
+        return cls(config=EngineConfig.from_dict(read_yaml(path), extra_sections=EXPERIMENT_SECTIONS))
 
     def generate(
         self,

@@ -13,13 +13,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from tieredkv.config import EngineConfig, read_yaml
+from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
 from tieredkv.engine import LLMEngine
 from tieredkv.outputs import RequestOutput
 from tieredkv.sampling import SamplingParams
 from tieredkv.workloads import make_workload
-
-EXPERIMENT_SECTIONS = ("name", "workload")
 
 
 @dataclass
