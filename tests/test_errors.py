@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tieredkv import LLM, SamplingParams
@@ -103,16 +105,12 @@ def test_request_larger_than_the_cache_is_rejected():
         small.add_request([1] * 12, SamplingParams(max_tokens=5))
 
 
-def test_from_yaml_reads_the_demo_config():
-    from pathlib import Path
-
+def test_from_yaml_reads_the_demo_config(tmp_path):
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
-    text = demo.read_text().replace("nvme_path: results/demo/nvme", "nvme_path: null").replace("nvme_bytes: 16MiB", "nvme_bytes: 0")
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(text)
-    with LLM.from_yaml(f.name) as llm:
+    no_disk = demo.read_text().replace("nvme_path: results/demo/nvme", "nvme_path: null")
+    config = tmp_path / "demo.yaml"
+    config.write_text(no_disk.replace("nvme_bytes: 16MiB", "nvme_bytes: 0"))
+    with LLM.from_yaml(str(config)) as llm:
         assert llm.config.cache.block_size == 16 and llm.config.cache.num_gpu_blocks == 40
         assert llm.config.scheduler.preemption == "auto" and llm.kv.offload is not None
         outs = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
