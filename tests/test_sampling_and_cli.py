@@ -91,7 +91,7 @@ def test_cli_runs_the_default_config(capsys, tmp_path, monkeypatch):
     assert main(["run", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "requests                18 (0 errors)" in out
-    assert "preemptions" in out and "TTFT p50 / p99" in out
+    assert "preemptions" in out and "TTFT p50 / p90 / p99" in out
 
 
 def test_cli_help_and_errors(tmp_path):

@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     """Streaming, concurrent front end of `LLMEngine`; takes the same keywords as `LLM`."""
 
-    def __init__(self, model: str = "tiny-llama", **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+    def __init__(self, model: str = "tiny-llama", config: EngineConfig | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(config or EngineConfig.from_kwargs(model=model, **kwargs))
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending: list = []
         self._aborts: list[str] = []

@@ -18,9 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="run a YAML experiment and print its summary",
         description="Build the engine from a YAML file, run its workload with a progress bar and print a "
-        "summary table (requests, tokens/s, TTFT p50/p99, prefix hit rate, preemptions).",
+        "summary table (requests, tokens/s, TTFT and inter-token latency percentiles, prefix hits per tier, "
+        "preemptions, bytes moved); writes OUT/<name>/result.json and PNG plots.",
     )
     run.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"YAML file (default: {DEFAULT_CONFIG})")
+    run.add_argument("--compare", action="store_true",
+                     help="run every entry of the file's `variants:` list and print them side by side")
+    run.add_argument("--out", default="results", help="where result.json and the plots go (default: results/)")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 
@@ -31,14 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 0
-    from tieredkv.experiment import format_summary, run_experiment
+    from tieredkv.experiment import format_comparison, format_summary, run_experiment
 
     try:
-        summary = run_experiment(args.config, use_tqdm=not args.no_progress)
+        summaries = run_experiment(args.config, args.out, args.compare, use_tqdm=not args.no_progress)
     except ValueError as err:
         print(f"tieredkv: error: {err}", file=sys.stderr)
         return 2
-    print(format_summary(summary))
+    for summary in summaries:
+        print(format_summary(summary))
+    if len(summaries) > 1:
+        print(format_comparison(summaries))
+    print(f"results in {args.out}/")
     return 0
 
 

@@ -185,7 +185,7 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
-EXPERIMENT_SECTIONS = ("name", "workload")  # YAML sections the engine itself does not read
+EXPERIMENT_SECTIONS = ("name", "workload", "variants")  # YAML sections the engine does not read
 
 SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 

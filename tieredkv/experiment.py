@@ -1,23 +1,64 @@
-"""Run a YAML experiment: build the engine, drive its workload, summarise.
+"""Run a YAML experiment: clients drive `AsyncLLM` as the workload says; record every request.
 
 Operations:
-- `run_experiment(path)`: the whole run; returns a `Summary`.
-- `format_summary(summary)`: the table `tieredkv run` prints.
+- `run_experiment(path, out_dir)`: the run, or one run per entry of `variants:` (compare);
+  writes `result.json` (and PNG plots) per variant under `out_dir/<name>/`; returns summaries.
+- `format_summary(summary)` / `format_comparison(summaries)`: the tables `tieredkv run` prints.
+
+A variant is a partial config merged over the base one, e.g.
+    variants:
+      - {name: recompute-only, cache: {cpu_cache_bytes: 0}, scheduler: {preemption: recompute}}
+      - {name: gpu+cpu, cache: {nvme_path: null, nvme_bytes: 0}}
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import json
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from tieredkv.async_engine import AsyncLLM
 from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
-from tieredkv.engine import LLMEngine
-from tieredkv.outputs import RequestOutput
+from tieredkv.plots import write_plots
 from tieredkv.sampling import SamplingParams
-from tieredkv.workloads import make_workload
+from tieredkv.workloads import Workload, make_workload
+
+TIMELINE_PERIOD_S = 0.05
+
+
+@dataclass
+class RequestRecord:
+    """What one client saw (monotonic seconds)."""
+
+    tag: str
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
 
 
 @dataclass
@@ -30,69 +71,148 @@ class Summary:
     prompt_tokens: int
     output_tokens: int
     elapsed_s: float
-    ttft_s: list[float] = field(default_factory=list)
-    stats: dict[str, Any] = field(default_factory=dict)
+    ttft_s: dict[str, float]
+    itl_s: dict[str, float]
+    stats: dict[str, Any]
 
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.elapsed_s if self.elapsed_s else 0.0
 
     @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
     def prefix_hit_rate(self) -> float:
         return self.stats.get("prefix_hit_tokens", 0) / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
+class _Client:
+    """Sends a workload's requests through AsyncLLM and records what it sees."""
+
+    def __init__(self, llm: AsyncLLM, bar: tqdm) -> None:
+        self.llm, self.bar = llm, bar
+        self.records: list[RequestRecord] = []
+
+    async def request(self, prompt: list[int] | str, max_tokens: int, tag: str) -> list[int]:
+        record = RequestRecord(tag, time.monotonic())
+        self.records.append(record)
+        tokens: list[int] = []
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        try:
+            async for out in self.llm.generate_stream(prompt, params):
+                record.token_times.append(time.monotonic())
+                tokens = out.token_ids
+                record.prompt_tokens = len(out.prompt_token_ids)
+                record.cached_tokens = out.metrics.num_cached_tokens if out.metrics else 0
+        except ValueError as err:
+            record.error = str(err)
+        self.bar.update(1)
+        return tokens
 
 
-def run_experiment(path: str, use_tqdm: bool = True) -> Summary:
-    doc = read_yaml(path)
-    config = EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS)
-    workload = make_workload(doc.get("workload") or {})
-    engine = LLMEngine(config)
-    conversations = workload.conversations(engine.runner.model.config.vocab_size)
-    params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
-    outputs: list[RequestOutput] = []
-    total = workload.users * workload.turns
-    start = time.monotonic()
-    with tqdm(total=total, desc=doc.get("name", "experiment"), unit="req", disable=not use_tqdm) as bar:
-        for _ in range(workload.turns):
-            ids = [engine.add_request(p, params) for p in conversations.next_prompts()]
-            finished: dict[str, RequestOutput] = {}
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-            conversations.record_replies([finished[i].token_ids for i in ids])
-            outputs += finished.values()
-    elapsed = time.monotonic() - start
-    return Summary(
-        name=str(doc.get("name", path)),
-        requests=len(outputs),
-        errors=sum(o.error is not None for o in outputs),
-        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
-        output_tokens=sum(len(o.token_ids) for o in outputs),
-        elapsed_s=elapsed,
-        ttft_s=[o.metrics.ttft for o in outputs if o.metrics and o.metrics.ttft is not None],
-        stats=engine.stats(),
+async def _timeline(llm: AsyncLLM, start: float, samples: list[dict[str, Any]], stop: asyncio.Event) -> None:
+    keys = ("gpu_blocks_used", "cpu_blocks_used", "cpu_blocks_cached", "nvme_slots_used", "decode_tokens")
+    while not stop.is_set():
+        stats = llm.stats()
+        samples.append({"t": time.monotonic() - start, **{k: stats.get(k, 0) for k in keys}})
+        try:
+            await asyncio.wait_for(stop.wait(), TIMELINE_PERIOD_S)
+        except TimeoutError:
+            pass
+
+
+async def _run(config: EngineConfig, workload: Workload, name: str, use_tqdm: bool) -> tuple[Summary, dict]:
+    llm = AsyncLLM(config=config)
+    vocab = llm.engine.runner.model.config.vocab_size
+    timeline: list[dict[str, Any]] = []
+    stop = asyncio.Event()
+    with tqdm(total=workload.num_requests, desc=name, unit="req", disable=not use_tqdm) as bar:
+        client = _Client(llm, bar)
+        start = time.monotonic()
+        sampler = asyncio.create_task(_timeline(llm, start, timeline, stop))
+        await workload.run(client, vocab)
+        elapsed = time.monotonic() - start
+        stop.set()
+        await sampler
+    stats = llm.stats()
+    await llm.close()
+    records = client.records
+    ttfts = [r.ttft for r in records if r.ttft is not None]
+    itls = [x for r in records for x in r.itls]
+    summary = Summary(
+        name=name, requests=len(records), errors=sum(r.error is not None for r in records),
+        prompt_tokens=sum(r.prompt_tokens for r in records),
+        output_tokens=sum(len(r.token_times) for r in records), elapsed_s=elapsed,
+        ttft_s={f"p{q}": percentile(ttfts, q) for q in (50, 90, 99)},
+        itl_s={f"p{q}": percentile(itls, q) for q in (50, 90, 99)},
+        stats=stats,
     )
+    result = {
+        "name": name, "config": config.to_dict(), "workload": asdict(workload),
+        "summary": {**asdict(summary), "output_tokens_per_s": summary.output_tokens_per_s},
+        "requests": [{**asdict(r), "arrival": r.arrival - start, "ttft": r.ttft,
+                      "token_times": [t - start for t in r.token_times]} for r in records],
+        "timeline": timeline,
+    }
+    return summary, result
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def variants(doc: dict[str, Any], compare: bool) -> list[tuple[str, dict[str, Any]]]:
+    """(name, engine config document) of each run: the base, or every listed variant."""
+    base = {k: v for k, v in doc.items() if k not in EXPERIMENT_SECTIONS}
+    name = str(doc.get("name", "experiment"))
+    listed = doc.get("variants") or []
+    if not compare:
+        return [(name, base)]
+    if not isinstance(listed, list) or not listed:
+        raise ValueError("variants: --compare needs a list of variants in the YAML file")
+    runs = []
+    for i, variant in enumerate(listed):
+        if not isinstance(variant, dict) or "name" not in variant:
+            raise ValueError(f"variants[{i}]: expected a mapping with a 'name' and the keys it changes")
+        override = {k: v for k, v in variant.items() if k != "name"}
+        runs.append((f"{name}/{variant['name']}", _merge(base, override)))
+    return runs
+
+
+def run_experiment(path: str, out_dir: str = "results", compare: bool = False, use_tqdm: bool = True) -> list[Summary]:
+    doc = read_yaml(path)
+    EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS)  # the base must be valid on its own
+    workload = make_workload(doc.get("workload") or {})
+    summaries = []
+    for name, engine_doc in variants(doc, compare):
+        config = EngineConfig.from_dict(engine_doc)
+        summary, result = asyncio.run(_run(config, workload, name, use_tqdm))
+        folder = os.path.join(out_dir, name)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "result.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        write_plots(result, folder)
+        summaries.append(summary)
+    return summaries
 
 
 def format_summary(s: Summary) -> str:
     preempt = s.stats.get("preemptions", {})
     rows = [
-        ("requests", f"{s.requests} ({s.errors} errors)"),
+        ("requests", f"{s.requests} ({s.errors} errors), {s.requests_per_s:.2f} req/s"),
         ("prompt / output tokens", f"{s.prompt_tokens} / {s.output_tokens}"),
         ("elapsed", f"{s.elapsed_s:.2f} s"),
         ("output tokens/s", f"{s.output_tokens_per_s:.1f}"),
-        ("TTFT p50 / p99", f"{percentile(s.ttft_s, 50) * 1e3:.1f} / {percentile(s.ttft_s, 99) * 1e3:.1f} ms"),
+        ("TTFT p50 / p90 / p99", " / ".join(f"{v * 1e3:.1f}" for v in s.ttft_s.values()) + " ms"),
+        ("ITL p50 / p90 / p99", " / ".join(f"{v * 1e3:.1f}" for v in s.itl_s.values()) + " ms"),
         ("prefix hit rate", f"{s.prefix_hit_rate:.1%} ({s.stats.get('prefix_hit_tokens', 0)} tokens)"),
         ("  from CPU / NVMe", f"{s.stats.get('cpu_hit_blocks', 0)} / {s.stats.get('nvme_loaded_blocks', 0)} blocks"),
         ("preemptions", ", ".join(f"{k} {v}" for k, v in preempt.items())),
@@ -101,5 +221,26 @@ def format_summary(s: Summary) -> str:
         ("spilled to NVMe", f"{s.stats.get('nvme_spilled_blocks', 0)} blocks"),
     ]
     width = max(len(k) for k, _ in rows)
-    lines = [f"== {s.name} =="] + [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join([f"== {s.name} =="] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def format_comparison(summaries: list[Summary]) -> str:
+    """Side by side, with each figure's ratio to the first variant's."""
+    first = summaries[0]
+    figures = [
+        ("output tok/s", lambda s: s.output_tokens_per_s, True),
+        ("TTFT p50 ms", lambda s: s.ttft_s["p50"] * 1e3, False),
+        ("TTFT p99 ms", lambda s: s.ttft_s["p99"] * 1e3, False),
+        ("ITL p50 ms", lambda s: s.itl_s["p50"] * 1e3, False),
+        ("prefix hit %", lambda s: s.prefix_hit_rate * 100, True),
+    ]
+    width = max(len(s.name) for s in summaries) + 2
+    lines = [f"{'variant':<{width}}" + "".join(f"{name:>22}" for name, _, _ in figures)]
+    for s in summaries:
+        cells = []
+        for _, get, _ in figures:
+            value, base = get(s), get(first)
+            ratio = f"({value / base:.2f}x)" if base else ""
+            cells.append(f"{value:>12.1f} {ratio:>9}")
+        lines.append(f"{s.name:<{width}}" + "".join(cells))
     return "\n".join(lines)

@@ -1,18 +1,59 @@
 """Seeded workload generators for experiments (`workload:` in the YAML file).
 
-- `multi_turn`: U users hold T-turn conversations that share a system prompt; each turn's
-  prompt is the whole conversation so far plus a new user message, so returning
-  conversations find their prefix in the cache.
+Each workload is an async program of clients: `await workload.run(client, vocab_size)` sends
+requests through `client.request(prompt, max_tokens, tag)` at the times it chooses.
+
+- `multi_turn`: U users hold T-turn conversations sharing a system prompt; each turn's prompt
+  is the whole conversation so far plus a new message; users think between turns.
+- `long_doc_qa`: D documents of L tokens, Q questions each, interleaved so documents fall out
+  of the GPU between their questions.
+- `preemption_storm`: many long generations that together exceed the GPU KV budget.
+- `replay`: a JSONL file of `{"time": s, "prompt": [ids] | "text": str, "max_tokens": n}`.
+
+Arrivals (`rate`): None sends requests at once, a number draws Poisson arrivals at that many
+requests per second. The same seed sends the same requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from tieredkv.config import check_int, unknown_key
+
+FIRST_TOKEN_ID = 4  # ids below are often special tokens
+
+
+class Client(Protocol):
+    async def request(self, prompt: list[int] | str, max_tokens: int, tag: str) -> list[int]: ...
+
+
+def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
+
+
+def _check_fields(workload: Any, allow_zero: tuple[str, ...] = ()) -> None:
+    for f in dataclasses.fields(workload):
+        value = getattr(workload, f.name)
+        if f.type in ("int", int):
+            check_int(f"workload.{f.name}", value, 0 if f.name in (*allow_zero, "seed") else 1)
+    rate = getattr(workload, "rate", None)
+    if rate is not None and (not isinstance(rate, (int, float)) or rate <= 0):
+        raise ValueError(f"workload.rate: expected requests per second > 0, or null for all at once, got {rate!r}")
+
+
+def _arrival_times(rng: random.Random, rate: float, n: int) -> list[float]:
+    times, t = [], 0.0
+    state = rng.getstate()
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        times.append(t)
+    rng.setstate(state)
+    return times
 
 
 @dataclass(frozen=True)
@@ -24,44 +65,147 @@ class MultiTurnWorkload:
     system_prompt_tokens: int = 64
     message_tokens: int = 24
     max_tokens: int = 16
+    think_time_s: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            check_int(f"workload.{f.name}", getattr(self, f.name), 0 if f.name == "seed" else 1)
+        _check_fields(self)
 
-    def conversations(self, vocab_size: int) -> Conversations:
-        return Conversations(self, vocab_size)
+    @property
+    def num_requests(self) -> int:
+        return self.users * self.turns
 
+    async def run(self, client: Client, vocab_size: int) -> None:
+        rng = random.Random(self.seed)
+        system = random_tokens(rng, self.system_prompt_tokens, vocab_size)
+        messages = [[random_tokens(rng, self.message_tokens, vocab_size) for _ in range(self.turns)]
+                    for _ in range(self.users)]
 
-class Conversations:
-    """The token streams of a multi-turn workload. Ids 0-3 are left out (often special)."""
+        async def user(u: int) -> None:
+            history = list(system)
+            for t in range(self.turns):
+                history += messages[u][t]
+                history += await client.request(list(history), self.max_tokens, f"user{u}/turn{t}")
+                await asyncio.sleep(self.think_time_s)
 
-    def __init__(self, workload: MultiTurnWorkload, vocab_size: int) -> None:
-        self.workload = workload
-        self.rng = random.Random(workload.seed)
-        self.vocab_size = vocab_size
-        system = self._tokens(workload.system_prompt_tokens)
-        self.history = [list(system) for _ in range(workload.users)]
-
-    def _tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(4, self.vocab_size) for _ in range(n)]
-
-    def next_prompts(self) -> list[list[int]]:
-        """Each user's next prompt: the conversation so far plus a fresh message."""
-        for h in self.history:
-            h.extend(self._tokens(self.workload.message_tokens))
-        return [list(h) for h in self.history]
-
-    def record_replies(self, replies: list[list[int]]) -> None:
-        for h, reply in zip(self.history, replies, strict=True):
-            h.extend(reply)
+        await asyncio.gather(*(user(u) for u in range(self.users)))
 
 
-WORKLOADS = {"multi_turn": MultiTurnWorkload}
+@dataclass(frozen=True)
+class LongDocQAWorkload:
+    """`documents` documents of `document_tokens` tokens, `questions` questions about each,
+    asked round-robin over the documents."""
+
+    documents: int = 4
+    document_tokens: int = 512
+    questions: int = 3
+    question_tokens: int = 16
+    max_tokens: int = 16
+    rate: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+    @property
+    def num_requests(self) -> int:
+        return self.documents * self.questions
+
+    async def run(self, client: Client, vocab_size: int) -> None:
+        rng = random.Random(self.seed)
+        docs = [random_tokens(rng, self.document_tokens, vocab_size) for _ in range(self.documents)]
+        prompts = [(f"doc{d}/q{q}", docs[d] + random_tokens(rng, self.question_tokens, vocab_size))
+                   for q in range(self.questions) for d in range(self.documents)]
+        await _send_all(client, prompts, self.max_tokens, rng, self.rate)
 
 
-def make_workload(section: dict[str, Any]) -> MultiTurnWorkload:
+@dataclass(frozen=True)
+class PreemptionStormWorkload:
+    """`requests` long generations arriving together (or at `rate`)."""
+
+    requests: int = 16
+    prompt_tokens: int = 256
+    max_tokens: int = 256
+    rate: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+    @property
+    def num_requests(self) -> int:
+        return self.requests
+
+    async def run(self, client: Client, vocab_size: int) -> None:
+        rng = random.Random(self.seed)
+        prompts = [(f"gen{i}", random_tokens(rng, self.prompt_tokens, vocab_size)) for i in range(self.requests)]
+        await _send_all(client, prompts, self.max_tokens, rng, self.rate)
+
+
+@dataclass(frozen=True)
+class ReplayWorkload:
+    """Requests read from a JSONL file, sent at their `time` (seconds from the start)."""
+
+    path: str = ""
+    max_tokens: int = 16  # for lines that do not say
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("workload.path: a replay needs the JSONL file of requests")
+        check_int("workload.max_tokens", self.max_tokens, 1)
+
+    def lines(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            raise ValueError(f"workload.path: {self.path!r} does not exist") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"workload.path: {self.path} is not JSONL: {err}") from None
+        for i, row in enumerate(rows):
+            if "prompt" not in row and "text" not in row:
+                raise ValueError(f"workload.path: line {i + 1} of {self.path} has neither 'prompt' nor 'text'")
+        return rows
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.lines())
+
+    async def run(self, client: Client, vocab_size: int) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(i: int, row: dict[str, Any]) -> None:
+            await asyncio.sleep(max(0.0, start + float(row.get("time", 0.0)) - loop.time()))
+            await client.request(row.get("prompt", row.get("text")), int(row.get("max_tokens", self.max_tokens)),
+                                 f"line{i + 1}")
+
+        await asyncio.gather(*(one(i, row) for i, row in enumerate(self.lines())))
+
+
+async def _send_all(client: Client, prompts: list[tuple[str, list[int]]], max_tokens: int,
+                    rng: random.Random, rate: float | None) -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    times = _arrival_times(rng, rate, len(prompts)) if rate else [0.0] * len(prompts)
+
+    async def one(when: float, tag: str, prompt: list[int]) -> None:
+        await asyncio.sleep(max(0.0, start + when - loop.time()))
+        await client.request(prompt, max_tokens, tag)
+
+    await asyncio.gather(*(one(t, tag, p) for t, (tag, p) in zip(times, prompts, strict=True)))
+
+
+WORKLOADS: dict[str, type] = {
+    "multi_turn": MultiTurnWorkload,
+    "long_doc_qa": LongDocQAWorkload,
+    "preemption_storm": PreemptionStormWorkload,
+    "replay": ReplayWorkload,
+}
+Workload = MultiTurnWorkload | LongDocQAWorkload | PreemptionStormWorkload | ReplayWorkload
+
+
+def make_workload(section: dict[str, Any]) -> Workload:
     """Build the workload named by `section["kind"]` from the rest of its keys."""
     section = dict(section)
     kind = section.pop("kind", "multi_turn")

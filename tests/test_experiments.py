@@ -1,0 +1,104 @@
+"""Experiments: every workload kind through AsyncLLM, result.json, plots, --compare."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tieredkv.cli import main
+from tieredkv.experiment import run_experiment
+from tieredkv.workloads import make_workload
+
+ENGINE = {"model": "tiny-llama", "cache": {"block_size": 4, "num_gpu_blocks": 48, "cpu_cache_bytes": "128KiB"},
+          "scheduler": {"max_num_batched_tokens": 64}}
+
+
+def write_config(tmp_path, workload: dict, **extra) -> str:
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({"name": "exp", **ENGINE, "workload": workload, **extra}))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "workload, requests",
+    [
+        ({"kind": "multi_turn", "users": 3, "turns": 2, "system_prompt_tokens": 20, "message_tokens": 6,
+          "max_tokens": 4, "think_time_s": 0.01}, 6),
+        ({"kind": "long_doc_qa", "documents": 3, "document_tokens": 40, "questions": 2, "max_tokens": 3}, 6),
+        ({"kind": "preemption_storm", "requests": 6, "prompt_tokens": 16, "max_tokens": 24, "rate": 200.0}, 6),
+    ],
+)
+def test_workloads_run_and_record_every_request(tmp_path, workload, requests):
+    [summary] = run_experiment(write_config(tmp_path, workload), str(tmp_path / "out"), use_tqdm=False)
+    assert summary.requests == requests and summary.errors == 0
+    result = json.loads((tmp_path / "out" / "exp" / "result.json").read_text())
+    assert len(result["requests"]) == requests
+    for r in result["requests"]:
+        assert r["ttft"] > 0 and len(r["token_times"]) == workload["max_tokens"]
+        assert r["token_times"] == sorted(r["token_times"])
+    assert result["timeline"] and {"gpu_blocks_used", "cpu_blocks_used"} <= set(result["timeline"][0])
+    for plot in ("ttft_cdf.png", "throughput.png", "blocks.png"):
+        assert (tmp_path / "out" / "exp" / plot).stat().st_size > 0
+
+
+def test_long_doc_qa_returns_to_documents(tmp_path):
+    workload = {"kind": "long_doc_qa", "documents": 2, "document_tokens": 64, "questions": 3, "max_tokens": 2}
+    [summary] = run_experiment(write_config(tmp_path, workload), str(tmp_path / "out"), use_tqdm=False)
+    # every question after the first about a document finds the document's full blocks cached
+    assert summary.stats["prefix_hit_tokens"] >= 2 * 2 * 64
+
+
+def test_replay(tmp_path):
+    lines = [{"time": 0.0, "prompt": [5, 6, 7], "max_tokens": 3}, {"time": 0.05, "prompt": [8, 9]},
+             {"time": 0.02, "prompt": []}]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    [summary] = run_experiment(write_config(tmp_path, {"kind": "replay", "path": str(trace), "max_tokens": 2}),
+                               str(tmp_path / "out"), use_tqdm=False)
+    assert summary.requests == 3 and summary.errors == 1  # the empty prompt, reported alone
+    result = json.loads((tmp_path / "out" / "exp" / "result.json").read_text())
+    by_tag = {r["tag"]: r for r in result["requests"]}
+    assert len(by_tag["line1"]["token_times"]) == 3 and len(by_tag["line2"]["token_times"]) == 2
+    assert by_tag["line2"]["arrival"] >= 0.05
+    assert "empty" in by_tag["line3"]["error"]
+
+
+def test_same_seed_same_requests():
+    from tieredkv.workloads import LongDocQAWorkload
+
+    a, b = LongDocQAWorkload(seed=3), LongDocQAWorkload(seed=3)
+    assert a == b and make_workload({"kind": "long_doc_qa", "seed": 3}) == a
+
+
+def test_compare_prints_variants_side_by_side(tmp_path, capsys):
+    workload = {"kind": "multi_turn", "users": 2, "turns": 2, "system_prompt_tokens": 16, "message_tokens": 4,
+                "max_tokens": 3}
+    variants = [{"name": "recompute-only", "cache": {"cpu_cache_bytes": 0}, "scheduler": {"preemption": "recompute"}},
+                {"name": "gpu+cpu", "scheduler": {"preemption": "swap"}}]
+    config = write_config(tmp_path, workload, variants=variants)
+    assert main(["run", config, "--compare", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "exp/recompute-only" in out and "exp/gpu+cpu" in out and "(1.00x)" in out
+    assert (tmp_path / "out" / "exp" / "gpu+cpu" / "result.json").exists()
+
+
+@pytest.mark.parametrize(
+    "workload, message",
+    [
+        ({"kind": "chat"}, "workload.kind: 'chat' is not allowed"),
+        ({"kind": "multi_turn", "userz": 3}, "did you mean 'workload.users'"),
+        ({"kind": "long_doc_qa", "rate": -1}, "workload.rate: expected requests per second > 0"),
+        ({"kind": "replay"}, "a replay needs the JSONL file"),
+    ],
+)
+def test_workload_errors(workload, message):
+    with pytest.raises(ValueError, match=message):
+        make_workload(workload)
+
+
+def test_compare_needs_variants(tmp_path):
+    config = write_config(tmp_path, {"kind": "multi_turn", "users": 1, "turns": 1})
+    with pytest.raises(ValueError, match="--compare needs a list of variants"):
+        run_experiment(config, str(tmp_path / "out"), compare=True, use_tqdm=False)
