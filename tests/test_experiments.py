@@ -102,3 +102,19 @@ def test_compare_needs_variants(tmp_path):
     config = write_config(tmp_path, {"kind": "multi_turn", "users": 1, "turns": 1})
     with pytest.raises(ValueError, match="--compare needs a list of variants"):
         run_experiment(config, str(tmp_path / "out"), compare=True, use_tqdm=False)
+
+
+def test_every_shipped_config_is_valid():
+    from pathlib import Path
+
+    from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
+    from tieredkv.experiment import variants
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(configs) >= 4
+    for path in configs:
+        doc = read_yaml(str(path))
+        EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS)
+        make_workload(doc["workload"])
+        for _, engine_doc in variants(doc, compare="variants" in doc):
+            EngineConfig.from_dict(engine_doc)
