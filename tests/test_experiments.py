@@ -91,6 +91,7 @@ def test_compare_prints_variants_side_by_side(tmp_path, capsys):
         ({"kind": "multi_turn", "userz": 3}, "did you mean 'workload.users'"),
         ({"kind": "long_doc_qa", "rate": -1}, "workload.rate: expected requests per second > 0"),
         ({"kind": "replay"}, "a replay needs the JSONL file"),
+        ({"kind": "multi_turn", "think_time_s": -1}, "workload.think_time_s: expected seconds >= 0"),
     ],
 )
 def test_workload_errors(workload, message):

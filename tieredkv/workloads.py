@@ -36,11 +36,13 @@ def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
 
 
-def _check_fields(workload: Any, allow_zero: tuple[str, ...] = ()) -> None:
+def _check_fields(workload: Any) -> None:
     for f in dataclasses.fields(workload):
         value = getattr(workload, f.name)
         if f.type in ("int", int):
-            check_int(f"workload.{f.name}", value, 0 if f.name in (*allow_zero, "seed") else 1)
+            check_int(f"workload.{f.name}", value, 0 if f.name == "seed" else 1)
+        elif f.name.endswith("_s") and (not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"workload.{f.name}: expected seconds >= 0, got {value!r}")
     rate = getattr(workload, "rate", None)
     if rate is not None and (not isinstance(rate, (int, float)) or rate <= 0):
         raise ValueError(f"workload.rate: expected requests per second > 0, or null for all at once, got {rate!r}")
