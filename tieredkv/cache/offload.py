@@ -153,7 +153,10 @@ class CPUOffload:
     def release_loads(self, request_id: str) -> None:
         """Drop the request's hold on its loaded blocks (they stay cached in the CPU tier)."""
         held = self._loads.pop(request_id, [])
-        in_flight = {id(block): job for job, (_, block, _) in self._reads.items()}
+        if not self.loading(request_id):  # the common case (called on every admission and free)
+            self.pool.release(held)
+            return
+        in_flight = {id(block): job for job, (rid, block, _) in self._reads.items() if rid == request_id}
         for block in held:
             job = in_flight.get(id(block))
             if job is None:
