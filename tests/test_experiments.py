@@ -38,6 +38,12 @@ def test_workloads_run_and_record_every_request(tmp_path, workload, requests):
     for r in result["requests"]:
         assert r["ttft"] > 0 and len(r["token_times"]) == workload["max_tokens"]
         assert r["token_times"] == sorted(r["token_times"])
+    # later turns and later questions return to a prefix; a storm's generations never do
+    returning = {r["tag"] for r in result["requests"] if r["returning"]}
+    expected = {"multi_turn": {"user0/turn1", "user1/turn1", "user2/turn1"},
+                "long_doc_qa": {"doc0/q1", "doc1/q1", "doc2/q1"}, "preemption_storm": set()}[workload["kind"]]
+    assert returning == expected
+    assert (summary.ttft_returning_s["p50"] > 0) == bool(expected)
     assert result["timeline"] and {"gpu_blocks_used", "cpu_blocks_used"} <= set(result["timeline"][0])
     for plot in ("ttft_cdf.png", "throughput.png", "blocks.png"):
         assert (tmp_path / "out" / "exp" / plot).stat().st_size > 0
@@ -119,3 +125,38 @@ def test_every_shipped_config_is_valid():
         make_workload(doc["workload"])
         for _, engine_doc in variants(doc, compare="variants" in doc):
             EngineConfig.from_dict(engine_doc)
+
+
+def test_transformers_peer_serves_the_same_workload(tmp_path):
+    """benchmarks/bench_serving_peer.py: the workload through transformers' continuous batching."""
+    import importlib.util
+    from pathlib import Path
+
+    import transformers
+
+    if not hasattr(transformers, "ContinuousBatchingConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no continuous batching manager (needs >= 5.17)")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving_peer.py"
+    spec = importlib.util.spec_from_file_location("bench_serving_peer", path)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    workload = {"kind": "multi_turn", "users": 2, "turns": 2, "system_prompt_tokens": 20, "message_tokens": 6,
+                "max_tokens": 4, "think_time_s": 0.0}
+    config = write_config(tmp_path, workload)
+    out = tmp_path / "peer" / "result.json"
+    assert peer.main([config, "--out", str(out), "--no-progress"]) == 0
+    [ours] = run_experiment(config, str(tmp_path / "out"), use_tqdm=False)
+    theirs, mine = json.loads(out.read_text()), json.loads((tmp_path / "out" / "exp" / "result.json").read_text())
+    assert theirs["name"] == "exp/transformers" and theirs["summary"]["errors"] == 0
+    assert set(theirs) == set(mine) and set(theirs["summary"]) == set(mine["summary"])
+    assert set(theirs["requests"][0]) == set(mine["requests"][0])
+    # the same requests (a later turn's prompt holds the earlier turns' outputs), each with max_tokens tokens
+    assert {(r["tag"], r["prompt_tokens"], r["returning"]) for r in theirs["requests"]} == {
+        (r["tag"], r["prompt_tokens"], r["returning"]) for r in mine["requests"]}
+    for r in theirs["requests"]:
+        assert r["ttft"] > 0 and len(r["token_times"]) == workload["max_tokens"]
+        assert r["token_times"] == sorted(r["token_times"])
+    assert theirs["summary"]["output_tokens"] == ours.output_tokens == 4 * workload["max_tokens"]
+    # turn 1 finds (at least) the whole blocks of its own turn 0 cached: 26 prompt + 4 output tokens, blocks of 4
+    assert all(r["cached_tokens"] >= 28 for r in theirs["requests"] if r["returning"])
+    assert theirs["config"]["peer"]["requested"]["num_blocks"] == ENGINE["cache"]["num_gpu_blocks"]

@@ -30,6 +30,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton.language as tl  # noqa: E402
+from transformers.models.llama.modeling_llama import (  # noqa: E402
+    LlamaRMSNorm,
+    apply_rotary_pos_emb,
+)
 from triton.runtime import interpreter  # noqa: E402
 
 INTERPRETED = isinstance(tl.zeros, interpreter.InterpretedFunction)
@@ -59,8 +63,31 @@ def _patch_interpreter_bf16_dot() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _patch_interpreter_bf16_rounding() -> None:
+    """Triton's interpreter (3.9) truncates float32 -> bfloat16 casts.
+
+    Round to nearest even instead, as the GPU's conversion (cvt.rn.bf16.f32) and torch do.
+    """
+    original = interpreter.InterpreterBuilder.cast_impl
+    if getattr(original, "rounds_bf16", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return original(self, src, dst_type)
+        data = np.asarray(src.data, dtype=np.float32)
+        bits = data.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = np.where(np.isnan(data), (bits >> 16) | 0x40, rounded)  # NaN stays NaN
+        return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
+
+    cast_impl.rounds_bf16 = True
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
 if INTERPRETED:
     _patch_interpreter_bf16_dot()
+    _patch_interpreter_bf16_rounding()
 
 # Modules, not the functions that tieredkv.kernels re-exports under the same names.
 checks = importlib.import_module("tieredkv.kernels._checks")
@@ -69,6 +96,9 @@ block_copy = importlib.import_module("tieredkv.kernels.block_copy")
 pa = importlib.import_module("tieredkv.kernels.paged_attention")
 pa_decode = importlib.import_module("tieredkv.kernels.paged_attention_decode")
 pa_prefill = importlib.import_module("tieredkv.kernels.paged_attention_prefill")
+rms_norm = importlib.import_module("tieredkv.kernels.rms_norm")
+rotary = importlib.import_module("tieredkv.kernels.rotary")
+silu_mul = importlib.import_module("tieredkv.kernels.silu_mul")
 
 
 @pytest.fixture(autouse=True)
@@ -375,6 +405,154 @@ def test_block_copy_is_bit_exact_for_nan_payloads() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# rms_norm, apply_rotary, silu_mul: bit-exact with transformers' own ops
+
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# Triton's and torch's float32 sums of squares round in different orders (rms_norm's module doc).
+# A float32 output then moves by a few ulps (at most 5 seen over millions of rows); in 16-bit the
+# difference rarely survives the rounding of h, and then by one ulp of h times the weight: at most
+# 2 ulps of the output. Inputs whose sums are exact in any order must match bit for bit.
+RMS_SUM_ORDER_RTOL_EPS = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 2}
+
+# torch's CPU silu uses its own vectorized exp, a few float32 ulps from the correctly rounded one
+# that the interpreter computes; on CUDA both sides call expf and must agree bit for bit. The
+# rounding to 16 bits absorbs those ulps.
+SILU_RTOL_EPS = {torch.float32: 0 if HAS_CUDA else 8, torch.float16: 0, torch.bfloat16: 0}
+
+
+def _assert_bits(actual: torch.Tensor, expected: torch.Tensor, rtol_eps: int = 0) -> None:
+    """Bit-exact, or (rtol_eps > 0) within rtol_eps * eps(dtype), relative, with atol 0."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if rtol_eps == 0:
+        differ = (actual != expected).sum().item()
+        assert torch.equal(actual, expected), f"{differ} of {actual.numel()} elements differ"
+    else:
+        rtol = rtol_eps * torch.finfo(actual.dtype).eps
+        torch.testing.assert_close(actual, expected, atol=0, rtol=rtol)
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = LlamaRMSNorm(x.shape[-1], eps).to(x.device)
+    norm.weight.data = weight  # keeps weight's dtype, which may differ from x's
+    with torch.no_grad():
+        return norm(x)
+
+
+def _rms_inputs(
+    shape: tuple[int, ...], dtype: torch.dtype, *, exact_sums: bool, seed: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x and weight; with exact_sums, x holds k/16 for |k| <= 40, so every sum of squares (of
+    up to 2**24 / 1600 terms) is exact in float32 in any order."""
+    gen = torch.Generator().manual_seed(seed)
+    if exact_sums:
+        x = torch.randint(-40, 41, shape, generator=gen) / 16
+    else:
+        x = torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen) * 5
+    weight = torch.randn(shape[-1], generator=gen)
+    return x.to(dtype).to(DEVICE), weight.to(dtype).to(DEVICE)
+
+
+# 1, 5 and 17 rows (and a 3-d input); hidden sizes that are not powers of two
+RMS_SHAPES = [(1, 96), (5, 48), (17, 96), (2, 3, 48)]
+
+
+@pytest.mark.parametrize("shape", RMS_SHAPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rms_norm_bit_exact_when_sums_are_exact(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Mean, eps, rsqrt, both roundings and the weight product are torch's, bit for bit."""
+    x, weight = _rms_inputs(shape, dtype, exact_sums=True)
+    out = rms_norm.rms_norm(x, weight, 1e-6)
+    assert out.is_contiguous()
+    _assert_bits(out, rms_norm.rms_norm_ref(x, weight, 1e-6))
+    _assert_bits(out, _hf_rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("shape", RMS_SHAPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rms_norm_random_within_sum_order(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x, weight = _rms_inputs(shape, dtype, exact_sums=False)
+    out = rms_norm.rms_norm(x, weight, 1e-5)
+    for expected in (rms_norm.rms_norm_ref(x, weight, 1e-5), _hf_rms_norm(x, weight, 1e-5)):
+        _assert_bits(out, expected, RMS_SUM_ORDER_RTOL_EPS[dtype])
+        assert (out == expected).float().mean() > 0.5  # only rows whose sums differ may differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rms_norm_strided_heads_and_float32_weight(dtype: torch.dtype) -> None:
+    """Qwen3's per-head q_norm on a [T, heads, head_dim] view of a fused projection."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = (torch.randint(-40, 41, (17, 7 * 48), generator=gen) / 16).to(dtype).to(DEVICE)
+    q = qkv[:, : 3 * 48].view(17, 3, 48)
+    weight = torch.randn(48, generator=gen).to(dtype).to(DEVICE)
+    out = rms_norm.rms_norm(q, weight, 1e-6)
+    _assert_bits(out, _hf_rms_norm(q, weight, 1e-6))
+    _assert_bits(out, rms_norm.rms_norm(q.contiguous(), weight, 1e-6))
+    weight32 = weight.float() * 1.001  # float32 weight: the product is float32 (promotion)
+    _assert_bits(rms_norm.rms_norm(q, weight32, 1e-6), _hf_rms_norm(q, weight32, 1e-6))
+
+
+def test_row_layout_merges_leading_dims() -> None:
+    fused = torch.zeros(5, 7 * 48)
+    blocks = torch.zeros(2, 3, 4, 48)
+    assert rms_norm.row_layout("x", torch.zeros(5, 48)) == (5, 1, 48, 0)
+    assert rms_norm.row_layout("x", torch.zeros(2, 3, 48)) == (6, 1, 48, 0)
+    assert rms_norm.row_layout("x", torch.zeros(4, 1, 48)) == (4, 1, 48, 0)
+    assert rms_norm.row_layout("x", torch.zeros(48)) == (1, 1, 0, 0)
+    assert rms_norm.row_layout("x", fused[:, : 3 * 48].view(5, 3, 48)) == (15, 3, 7 * 48, 48)
+    assert rms_norm.row_layout("x", blocks[:, :, :2]) == (12, 2, 4 * 48, 48)
+    with pytest.raises(ValueError, match="do not merge into two"):
+        rms_norm.row_layout("x", blocks[:, :2, :2])
+
+
+def _rotary_inputs(
+    batch: int, seq_len: int, head_dim: int, dtype: torch.dtype, seed: int = 4
+) -> tuple[torch.Tensor, ...]:
+    """q [B, 6, T, D] and k [B, 2, T, D] as transposed views of one fused projection; cos
+    [B, T, D] contiguous, sin broadcast over the batch (stride 0). Random cos/sin rather than a
+    rope table, so that the two halves of a row differ."""
+    gen = torch.Generator().manual_seed(seed)
+    q_heads, k_heads = 6, 2
+    qkv = torch.randn(batch, seq_len, (q_heads + 2 * k_heads) * head_dim, generator=gen)
+    qkv = qkv.to(dtype).to(DEVICE)
+    q = qkv[..., : q_heads * head_dim].view(batch, seq_len, q_heads, head_dim).transpose(1, 2)
+    k = qkv[..., q_heads * head_dim : (q_heads + k_heads) * head_dim]
+    k = k.view(batch, seq_len, k_heads, head_dim).transpose(1, 2)
+    cos = (torch.rand(batch, seq_len, head_dim, generator=gen) * 2 - 1).to(dtype).to(DEVICE)
+    sin = (torch.rand(1, seq_len, head_dim, generator=gen) * 2 - 1).to(dtype).to(DEVICE)
+    return q, k, cos, sin.expand(batch, -1, -1)
+
+
+@pytest.mark.parametrize(("batch", "seq_len", "head_dim"), [(2, 5, 64), (1, 17, 128), (3, 1, 64)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_apply_rotary_bit_exact(
+    batch: int, seq_len: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    q, k, cos, sin = _rotary_inputs(batch, seq_len, head_dim, dtype)
+    q_out, k_out = rotary.apply_rotary(q, k, cos, sin)
+    assert q_out.transpose(1, 2).is_contiguous() and k_out.transpose(1, 2).is_contiguous()
+    for q_expected, k_expected in (rotary.apply_rotary_ref(q, k, cos, sin),
+                                   apply_rotary_pos_emb(q, k, cos, sin)):
+        _assert_bits(q_out, q_expected)
+        _assert_bits(k_out, k_expected)
+
+
+@pytest.mark.parametrize("shape", [(1, 96), (5, 48), (17, 96), (2, 3, 48)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_silu_mul_bit_exact(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """gate and up are the halves of a fused gate_up projection (strided rows)."""
+    gen = torch.Generator().manual_seed(6)
+    *lead, inter = shape
+    gate_up = (torch.randn(*lead, 2 * inter, generator=gen) * 4).to(dtype).to(DEVICE)
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    gate[..., :3] = torch.tensor([-100.0, 90.0, -20.0])  # exp overflows, underflows, is large
+    out = silu_mul.silu_mul(gate, up)
+    assert out.is_contiguous()
+    _assert_bits(out, silu_mul.silu_mul_ref(gate, up), SILU_RTOL_EPS[dtype])
+    _assert_bits(out, F.silu(gate) * up, SILU_RTOL_EPS[dtype])
+
+
+# ---------------------------------------------------------------------------------------------
 # Argument errors
 
 
@@ -459,6 +637,51 @@ def test_block_copy_rejects_bad_arguments() -> None:
         block_copy.gather_blocks(wide[..., :8], ids, out)
 
 
+def test_rms_norm_rejects_bad_arguments() -> None:
+    x = torch.zeros(3, 4, 48, device=DEVICE)
+    weight = torch.ones(48, device=DEVICE)
+    with pytest.raises(ValueError, match="x has dtype"):
+        rms_norm.rms_norm(x.int(), weight, 1e-6)
+    with pytest.raises(ValueError, match=r"weight has shape \(40,\)"):
+        rms_norm.rms_norm(x, weight[:40], 1e-6)
+    with pytest.raises(ValueError, match="x needs a contiguous last dim"):
+        rms_norm.rms_norm(x.transpose(1, 2), torch.ones(4, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="do not merge into two"):
+        rms_norm.rms_norm(torch.zeros(2, 3, 4, 48, device=DEVICE)[:, :2, :2], weight, 1e-6)
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        rms_norm.rms_norm(x, torch.ones(48, device="meta"), 1e-6)
+
+
+def test_apply_rotary_rejects_bad_arguments() -> None:
+    q, k, cos, sin = _rotary_inputs(1, 3, 64, torch.float32)
+    with pytest.raises(ValueError, match="head_dim 63 is odd"):
+        rotary.apply_rotary(q[..., :63], k[..., :63], cos[..., :63], sin[..., :63])
+    with pytest.raises(ValueError, match=r"k has shape \(1, 2, 2, 64\)"):
+        rotary.apply_rotary(q, k[:, :, :2], cos, sin)
+    with pytest.raises(ValueError, match="cos has dtype"):
+        rotary.apply_rotary(q, k, cos.half(), sin)
+    with pytest.raises(ValueError, match=r"sin has shape \(1, 3, 32\)"):
+        rotary.apply_rotary(q, k, cos, sin[..., :32])
+    with pytest.raises(ValueError, match="q must have 4 dims"):
+        rotary.apply_rotary(q[0], k, cos, sin)
+    with pytest.raises(ValueError, match="q needs a contiguous last dim"):
+        rotary.apply_rotary(q.transpose(2, 3), k, cos, sin)
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        rotary.apply_rotary(q, k, cos, sin.to("meta"))
+
+
+def test_silu_mul_rejects_bad_arguments() -> None:
+    gate = torch.zeros(3, 48, device=DEVICE)
+    with pytest.raises(ValueError, match=r"up has shape \(3, 40\)"):
+        silu_mul.silu_mul(gate, gate[:, :40])
+    with pytest.raises(ValueError, match="up has dtype"):
+        silu_mul.silu_mul(gate, gate.half())
+    with pytest.raises(ValueError, match="gate has dtype"):
+        silu_mul.silu_mul(gate.long(), gate.long())
+    with pytest.raises(ValueError, match="gate needs a contiguous last dim"):
+        silu_mul.silu_mul(gate.t(), gate.t().contiguous())
+
+
 def test_cpu_tensors_without_interpreter_point_to_ref() -> None:
     with pytest.raises(ValueError, match="call store_kv_ref instead"):
         checks.check_launchable("store_kv", torch.device("cpu"), object())
@@ -530,3 +753,42 @@ def test_gpu_store_kv_llama3_8b() -> None:
     kv_store.store_kv_ref(key, value, caches[2], caches[3], slots)
     torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0)
     torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_rms_norm_llama3_8b(dtype: torch.dtype) -> None:
+    x, weight = _rms_inputs((4096, 4096), dtype, exact_sums=False)
+    out = rms_norm.rms_norm(x, weight, 1e-5)
+    _assert_bits(out, _hf_rms_norm(x, weight, 1e-5), RMS_SUM_ORDER_RTOL_EPS[dtype])
+    x, weight = _rms_inputs((4096, 4096), dtype, exact_sums=True)
+    _assert_bits(rms_norm.rms_norm(x, weight, 1e-5), _hf_rms_norm(x, weight, 1e-5))
+    heads = x[:, :2048].view(4096, 16, 128)  # per-head norm on a strided view
+    _assert_bits(rms_norm.rms_norm(heads, weight[:128], 1e-6),
+                 _hf_rms_norm(heads, weight[:128], 1e-6))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_apply_rotary_llama3_8b(dtype: torch.dtype) -> None:
+    for batch, seq_len in ((1, 4096), (64, 1)):  # prefill, decode
+        qkv = torch.randn(batch, seq_len, 48 * 128, device="cuda").to(dtype)
+        q = qkv[..., : 32 * 128].view(batch, seq_len, 32, 128).transpose(1, 2)
+        k = qkv[..., 32 * 128 : 40 * 128].view(batch, seq_len, 8, 128).transpose(1, 2)
+        cos = (torch.rand(batch, seq_len, 128, device="cuda") * 2 - 1).to(dtype)
+        sin = (torch.rand(batch, seq_len, 128, device="cuda") * 2 - 1).to(dtype)
+        q_out, k_out = rotary.apply_rotary(q, k, cos, sin)
+        q_expected, k_expected = apply_rotary_pos_emb(q, k, cos, sin)
+        _assert_bits(q_out, q_expected)
+        _assert_bits(k_out, k_expected)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_silu_mul_llama3_8b(dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(4096, 2 * 14336, device="cuda") * 4).to(dtype)
+    gate, up = gate_up[:, :14336], gate_up[:, 14336:]
+    _assert_bits(silu_mul.silu_mul(gate, up), F.silu(gate) * up)

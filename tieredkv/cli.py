@@ -38,12 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     from tieredkv.experiment import format_comparison, format_summary, run_experiment
 
     try:
-        summaries = run_experiment(args.config, args.out, args.compare, use_tqdm=not args.no_progress)
+        summaries = run_experiment(args.config, args.out, args.compare, use_tqdm=not args.no_progress,
+                                   on_summary=lambda s: print(format_summary(s), flush=True))
     except ValueError as err:
         print(f"tieredkv: error: {err}", file=sys.stderr)
         return 2
-    for summary in summaries:
-        print(format_summary(summary))
     if len(summaries) > 1:
         print(format_comparison(summaries))
     print(f"results in {args.out}/")

@@ -3,6 +3,8 @@
 Operations:
 - `run_experiment(path, out_dir)`: the run, or one run per entry of `variants:` (compare);
   writes `result.json` (and PNG plots) per variant under `out_dir/<name>/`; returns summaries.
+- `summarize(name, records, elapsed_s, stats)` / `result_document(...)`: a run's `Summary` and
+  result.json from its `RequestRecord`s (also used by benchmarks/bench_serving_peer.py).
 - `format_summary(summary)` / `format_comparison(summaries)`: the tables `tieredkv run` prints.
 
 A variant is a partial config merged over the base one, e.g.
@@ -18,6 +20,7 @@ import copy
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,6 +41,7 @@ class RequestRecord:
 
     tag: str
     arrival: float
+    returning: bool = False
     token_times: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -72,6 +76,7 @@ class Summary:
     output_tokens: int
     elapsed_s: float
     ttft_s: dict[str, float]
+    ttft_returning_s: dict[str, float]
     itl_s: dict[str, float]
     stats: dict[str, Any]
 
@@ -88,6 +93,34 @@ class Summary:
         return self.stats.get("prefix_hit_tokens", 0) / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+def summarize(name: str, records: list[RequestRecord], elapsed_s: float, stats: dict[str, Any]) -> Summary:
+    """The figures of a run from what its clients recorded and the engine's `stats`."""
+    ttfts = [r.ttft for r in records if r.ttft is not None]
+    returning = [r.ttft for r in records if r.ttft is not None and r.returning]
+    itls = [x for r in records for x in r.itls]
+    return Summary(
+        name=name, requests=len(records), errors=sum(r.error is not None for r in records),
+        prompt_tokens=sum(r.prompt_tokens for r in records),
+        output_tokens=sum(len(r.token_times) for r in records), elapsed_s=elapsed_s,
+        ttft_s={f"p{q}": percentile(ttfts, q) for q in (50, 90, 99)},
+        ttft_returning_s={f"p{q}": percentile(returning, q) for q in (50, 90, 99)},
+        itl_s={f"p{q}": percentile(itls, q) for q in (50, 90, 99)},
+        stats=stats,
+    )
+
+
+def result_document(name: str, config: dict[str, Any], workload: Workload, summary: Summary,
+                    records: list[RequestRecord], start: float, timeline: list[dict[str, Any]]) -> dict[str, Any]:
+    """What result.json holds; times are seconds since `start` (the monotonic clock of the records)."""
+    return {
+        "name": name, "config": config, "workload": asdict(workload),
+        "summary": {**asdict(summary), "output_tokens_per_s": summary.output_tokens_per_s},
+        "requests": [{**asdict(r), "arrival": r.arrival - start, "ttft": r.ttft,
+                      "token_times": [t - start for t in r.token_times]} for r in records],
+        "timeline": timeline,
+    }
+
+
 class _Client:
     """Sends a workload's requests through AsyncLLM and records what it sees."""
 
@@ -95,8 +128,8 @@ class _Client:
         self.llm, self.bar = llm, bar
         self.records: list[RequestRecord] = []
 
-    async def request(self, prompt: list[int] | str, max_tokens: int, tag: str) -> list[int]:
-        record = RequestRecord(tag, time.monotonic())
+    async def request(self, prompt: list[int] | str, max_tokens: int, tag: str, returning: bool = False) -> list[int]:
+        record = RequestRecord(tag, time.monotonic(), returning)
         self.records.append(record)
         tokens: list[int] = []
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -138,24 +171,8 @@ async def _run(config: EngineConfig, workload: Workload, name: str, use_tqdm: bo
         await sampler
     stats = llm.stats()
     await llm.close()
-    records = client.records
-    ttfts = [r.ttft for r in records if r.ttft is not None]
-    itls = [x for r in records for x in r.itls]
-    summary = Summary(
-        name=name, requests=len(records), errors=sum(r.error is not None for r in records),
-        prompt_tokens=sum(r.prompt_tokens for r in records),
-        output_tokens=sum(len(r.token_times) for r in records), elapsed_s=elapsed,
-        ttft_s={f"p{q}": percentile(ttfts, q) for q in (50, 90, 99)},
-        itl_s={f"p{q}": percentile(itls, q) for q in (50, 90, 99)},
-        stats=stats,
-    )
-    result = {
-        "name": name, "config": config.to_dict(), "workload": asdict(workload),
-        "summary": {**asdict(summary), "output_tokens_per_s": summary.output_tokens_per_s},
-        "requests": [{**asdict(r), "arrival": r.arrival - start, "ttft": r.ttft,
-                      "token_times": [t - start for t in r.token_times]} for r in records],
-        "timeline": timeline,
-    }
+    summary = summarize(name, client.records, elapsed, stats)
+    result = result_document(name, config.to_dict(), workload, summary, client.records, start, timeline)
     return summary, result
 
 
@@ -187,7 +204,11 @@ def variants(doc: dict[str, Any], compare: bool) -> list[tuple[str, dict[str, An
     return runs
 
 
-def run_experiment(path: str, out_dir: str = "results", compare: bool = False, use_tqdm: bool = True) -> list[Summary]:
+def run_experiment(
+    path: str, out_dir: str = "results", compare: bool = False, use_tqdm: bool = True,
+    on_summary: Callable[[Summary], None] | None = None,
+) -> list[Summary]:
+    """Run the experiment (or each variant); `on_summary` sees each run's summary as it ends."""
     doc = read_yaml(path)
     EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS)  # the base must be valid on its own
     workload = make_workload(doc.get("workload") or {})
@@ -201,6 +222,8 @@ def run_experiment(path: str, out_dir: str = "results", compare: bool = False, u
             json.dump(result, f, indent=1, default=str)
         write_plots(result, folder)
         summaries.append(summary)
+        if on_summary is not None:
+            on_summary(summary)
     return summaries
 
 
@@ -212,12 +235,14 @@ def format_summary(s: Summary) -> str:
         ("elapsed", f"{s.elapsed_s:.2f} s"),
         ("output tokens/s", f"{s.output_tokens_per_s:.1f}"),
         ("TTFT p50 / p90 / p99", " / ".join(f"{v * 1e3:.1f}" for v in s.ttft_s.values()) + " ms"),
+        ("  returning requests", " / ".join(f"{v * 1e3:.1f}" for v in s.ttft_returning_s.values()) + " ms"),
         ("ITL p50 / p90 / p99", " / ".join(f"{v * 1e3:.1f}" for v in s.itl_s.values()) + " ms"),
         ("prefix hit rate", f"{s.prefix_hit_rate:.1%} ({s.stats.get('prefix_hit_tokens', 0)} tokens)"),
         ("  from CPU / NVMe", f"{s.stats.get('cpu_hit_blocks', 0)} / {s.stats.get('nvme_loaded_blocks', 0)} blocks"),
         ("preemptions", ", ".join(f"{k} {v}" for k, v in preempt.items())),
         ("GPU blocks evicted", str(s.stats.get("gpu_evictions", 0))),
         ("moved D2H / H2D", f"{s.stats.get('bytes_d2h', 0) / 2**20:.1f} / {s.stats.get('bytes_h2d', 0) / 2**20:.1f} MiB"),
+        ("compute waited on transfers", f"{s.stats.get('transfer_wait_s', 0.0):.3f} s"),
         ("spilled to NVMe", f"{s.stats.get('nvme_spilled_blocks', 0)} blocks"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -231,6 +256,7 @@ def format_comparison(summaries: list[Summary]) -> str:
         ("output tok/s", lambda s: s.output_tokens_per_s, True),
         ("TTFT p50 ms", lambda s: s.ttft_s["p50"] * 1e3, False),
         ("TTFT p99 ms", lambda s: s.ttft_s["p99"] * 1e3, False),
+        ("return TTFT p50 ms", lambda s: s.ttft_returning_s["p50"] * 1e3, False),
         ("ITL p50 ms", lambda s: s.itl_s["p50"] * 1e3, False),
         ("prefix hit %", lambda s: s.prefix_hit_rate * 100, True),
     ]

@@ -15,6 +15,7 @@ On the CPU, jobs copy synchronously behind the same API.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,6 +62,7 @@ class TransferEngine:
         self._finished: list[int] = []
         self.bytes_moved = {"d2h": 0, "h2d": 0}
         self.num_failures = 0
+        self._wait_s = 0.0  # compute time lost to transfers, see `compute_wait_s`
 
     def submit(self, job: TransferJob) -> int:
         """Start `job`; raise TransferError if it cannot run (nothing was copied)."""
@@ -74,7 +76,13 @@ class TransferEngine:
         self.bytes_moved[job.kind] += len(job.gpu_block_ids) * self.block_bytes
         return job_id
 
+    @property
+    def compute_wait_s(self) -> float:
+        """Seconds the forward passes stood still for transfers (here: the synchronous copies)."""
+        return self._wait_s
+
     def _start(self, job_id: int, job: TransferJob) -> None:
+        start = time.perf_counter()
         gpu = torch.tensor(job.gpu_block_ids, dtype=torch.int64)
         cpu = torch.tensor(job.cpu_block_ids, dtype=torch.int64)
         if job.kind == "d2h":
@@ -82,6 +90,7 @@ class TransferEngine:
         else:
             self.kv_cache[:, :, gpu] = self.cpu_data[cpu].permute(BLOCK_TO_KV_MAJOR)
         self._finished.append(job_id)
+        self._wait_s += time.perf_counter() - start
 
     def poll(self) -> list[int]:
         """Ids of jobs that finished since the last call."""

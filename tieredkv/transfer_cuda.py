@@ -50,6 +50,7 @@ class CudaTransferEngine(TransferEngine):
         self.h2d = _Ring(num_slots, self.chunk_blocks, cpu_data.shape[1:], kv_cache.dtype, device)
         self._pending: dict[int, _Pending] = {}
         self._compute_waits: list[torch.cuda.Event] = []
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around each compute wait
 
     def _start(self, job_id: int, job: TransferJob) -> None:
         compute = torch.cuda.current_stream(self.kv_cache.device)
@@ -135,10 +136,25 @@ class CudaTransferEngine(TransferEngine):
                 self._pending[job_id].gpu_ready.synchronize()
 
     def order_compute(self) -> None:
+        if not self._compute_waits:
+            return
         compute = torch.cuda.current_stream(self.kv_cache.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
         for event in self._compute_waits:
             compute.wait_event(event)
+        after.record(compute)
+        self._stalls.append((before, after))
         self._compute_waits.clear()
+
+    @property
+    def compute_wait_s(self) -> float:
+        """Seconds the compute stream stood between its two events around each wait (only
+        the waits that have finished; never blocks)."""
+        while self._stalls and self._stalls[0][1].query():
+            before, after = self._stalls.pop(0)
+            self._wait_s += before.elapsed_time(after) / 1e3
+        return self._wait_s
 
 
 class _Ring:

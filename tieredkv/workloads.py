@@ -29,7 +29,10 @@ FIRST_TOKEN_ID = 4  # ids below are often special tokens
 
 
 class Client(Protocol):
-    async def request(self, prompt: list[int] | str, max_tokens: int, tag: str) -> list[int]: ...
+    async def request(self, prompt: list[int] | str, max_tokens: int, tag: str, returning: bool = False) -> list[int]:
+        """Send one request; `returning` marks a prompt that extends one sent before (a later
+        turn, another question on a document), whose prefix some tier may still hold."""
+        ...
 
 
 def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -87,7 +90,7 @@ class MultiTurnWorkload:
             history = list(system)
             for t in range(self.turns):
                 history += messages[u][t]
-                history += await client.request(list(history), self.max_tokens, f"user{u}/turn{t}")
+                history += await client.request(list(history), self.max_tokens, f"user{u}/turn{t}", t > 0)
                 await asyncio.sleep(self.think_time_s)
 
         await asyncio.gather(*(user(u) for u in range(self.users)))
@@ -116,7 +119,7 @@ class LongDocQAWorkload:
     async def run(self, client: Client, vocab_size: int) -> None:
         rng = random.Random(self.seed)
         docs = [random_tokens(rng, self.document_tokens, vocab_size) for _ in range(self.documents)]
-        prompts = [(f"doc{d}/q{q}", docs[d] + random_tokens(rng, self.question_tokens, vocab_size))
+        prompts = [(f"doc{d}/q{q}", docs[d] + random_tokens(rng, self.question_tokens, vocab_size), q > 0)
                    for q in range(self.questions) for d in range(self.documents)]
         await _send_all(client, prompts, self.max_tokens, rng, self.rate)
 
@@ -140,7 +143,8 @@ class PreemptionStormWorkload:
 
     async def run(self, client: Client, vocab_size: int) -> None:
         rng = random.Random(self.seed)
-        prompts = [(f"gen{i}", random_tokens(rng, self.prompt_tokens, vocab_size)) for i in range(self.requests)]
+        prompts = [(f"gen{i}", random_tokens(rng, self.prompt_tokens, vocab_size), False)
+                   for i in range(self.requests)]
         await _send_all(client, prompts, self.max_tokens, rng, self.rate)
 
 
@@ -185,17 +189,17 @@ class ReplayWorkload:
         await asyncio.gather(*(one(i, row) for i, row in enumerate(self.lines())))
 
 
-async def _send_all(client: Client, prompts: list[tuple[str, list[int]]], max_tokens: int,
+async def _send_all(client: Client, prompts: list[tuple[str, list[int], bool]], max_tokens: int,
                     rng: random.Random, rate: float | None) -> None:
     loop = asyncio.get_running_loop()
     start = loop.time()
     times = _arrival_times(rng, rate, len(prompts)) if rate else [0.0] * len(prompts)
 
-    async def one(when: float, tag: str, prompt: list[int]) -> None:
+    async def one(when: float, tag: str, prompt: list[int], returning: bool) -> None:
         await asyncio.sleep(max(0.0, start + when - loop.time()))
-        await client.request(prompt, max_tokens, tag)
+        await client.request(prompt, max_tokens, tag, returning)
 
-    await asyncio.gather(*(one(t, tag, p) for t, (tag, p) in zip(times, prompts, strict=True)))
+    await asyncio.gather(*(one(t, *request) for t, request in zip(times, prompts, strict=True)))
 
 
 WORKLOADS: dict[str, type] = {

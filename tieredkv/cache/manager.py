@@ -294,7 +294,7 @@ class KVCacheManager:
         if self.offload:
             self.offload.before_forward()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         stats = {
             "gpu_blocks_total": self.num_blocks,
             "gpu_blocks_used": self.num_blocks - self.pool.num_free,

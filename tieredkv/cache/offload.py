@@ -182,7 +182,7 @@ class CPUOffload:
         self.flush()
         self.transfers.order_compute()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return {
             "cpu_blocks_total": self.tier.num_blocks,
             "cpu_blocks_used": self.tier.num_blocks - self.pool.num_free,
@@ -192,6 +192,7 @@ class CPUOffload:
             "bytes_d2h": self.transfers.bytes_moved["d2h"],
             "bytes_h2d": self.transfers.bytes_moved["h2d"],
             "transfer_failures": self.transfers.num_failures,
+            "transfer_wait_s": self.transfers.compute_wait_s,
             **(self._nvme_stats() if self.nvme else {}),
         }
 

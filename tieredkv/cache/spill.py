@@ -29,7 +29,10 @@ class NVMeSpill:
         self.cpu_data = cpu_data
         self.window = max(8, len(cpu_pool.blocks) // 4)  # LRU-front blocks kept on disk
         self._writes: dict[int, int] = {}  # cpu block id -> write job
-        self._write_jobs: dict[int, int] = {}  # write job -> cpu block id
+        self._write_jobs: dict[int, tuple[int, int]] = {}  # write job -> (cpu block id, block hash)
+        # cpu block id -> the hash of the content of it that is on disk: spill-ahead skips these
+        # without calling into the store (it scans its window on every step)
+        self._on_disk: dict[int, int] = {}
         self.spilled_blocks = 0
         self.eviction_waits = 0
 
@@ -40,19 +43,22 @@ class NVMeSpill:
                 return
             if block.block_hash is None or block.block_id in self._writes:
                 continue
+            if self._on_disk.get(block.block_id) == block.block_hash:
+                continue
             job = self.store.submit_write(
                 block.block_hash, block.parent_hash, block.token_ids, self.cpu_data[block.block_id]
             )
             if job is not None:
                 self._writes[block.block_id] = job
-                self._write_jobs[job] = block.block_id
+                self._write_jobs[job] = (block.block_id, block.block_hash)
+            elif self.store.contains(block.block_hash):  # stored already (else: no free slot now)
+                self._on_disk[block.block_id] = block.block_hash
 
     def before_evict(self, cpu_block: Block) -> None:
         job = self._writes.pop(cpu_block.block_id, None)
         if job is not None:
             self.eviction_waits += 1
-            del self._write_jobs[job]
-            self._count_write(self.store.wait([job])[job])
+            self._count_write(self._write_jobs.pop(job), self.store.wait([job])[job])
 
     def contains(self, block_hash: int) -> bool:
         return self.store.contains(block_hash)
@@ -65,16 +71,19 @@ class NVMeSpill:
         """Finished reads; finished writes are booked here."""
         reads = []
         for job, ok in self.store.poll():
-            block_id = self._write_jobs.pop(job, None)
-            if block_id is None:
+            written = self._write_jobs.pop(job, None)
+            if written is None:
                 reads.append((job, ok))
             else:
-                del self._writes[block_id]
-                self._count_write(ok)
+                del self._writes[written[0]]
+                self._count_write(written, ok)
         return reads
 
-    def _count_write(self, ok: bool) -> None:
-        self.spilled_blocks += ok
+    def _count_write(self, written: tuple[int, int], ok: bool) -> None:
+        if ok:
+            self.spilled_blocks += 1
+            block_id, block_hash = written
+            self._on_disk[block_id] = block_hash
 
     def stats(self) -> dict[str, int]:
         store = self.store.stats()
