@@ -29,43 +29,46 @@ _TILES_PER_PROGRAM = 8
 _NUM_WARPS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_items"])
 def _copy_blocks_kernel(
     cache_ptr,
     staging_ptr,
     block_ids_ptr,
     num_cache_blocks,
+    num_items,
     CHUNKS_PER_BLOCK: tl.constexpr,
+    PIECES: tl.constexpr,
     CHUNK: tl.constexpr,
     TILE: tl.constexpr,
     TILES: tl.constexpr,
     EVEN: tl.constexpr,
     TO_STAGING: tl.constexpr,
 ):
-    """Program (chunk j, k) moves elements [k*TILES*TILE, (k+1)*TILES*TILE) of staging chunk j.
+    """Item (chunk j, piece k) moves elements [k*TILES*TILE, (k+1)*TILES*TILE) of staging chunk
+    j; program p moves items p, p + programs, ... (one each unless the grid is capped).
 
     The TILES tiles are unrolled so that each thread has TILES loads in flight.
     """
-    j = tl.program_id(0)
-    i = j // CHUNKS_PER_BLOCK
-    lc = j % CHUNKS_PER_BLOCK  # l * 2 + c
-    block = tl.load(block_ids_ptr + i)
-    if (block < 0) | (block >= num_cache_blocks):
-        return
-    cache = cache_ptr + (lc * num_cache_blocks + block) * CHUNK
-    staging = staging_ptr + j.to(tl.int64) * CHUNK
-    if TO_STAGING:
-        src, dst = cache, staging
-    else:
-        src, dst = staging, cache
-    first = tl.program_id(1) * TILES * TILE
-    for t in tl.static_range(TILES):
-        offs = first + t * TILE + tl.arange(0, TILE)
-        if EVEN:
-            tl.store(dst + offs, tl.load(src + offs))
-        else:
-            mask = offs < CHUNK
-            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        j = item // PIECES
+        i = j // CHUNKS_PER_BLOCK
+        lc = j % CHUNKS_PER_BLOCK  # l * 2 + c
+        block = tl.load(block_ids_ptr + i)
+        if (block >= 0) & (block < num_cache_blocks):
+            cache = cache_ptr + (lc * num_cache_blocks + block) * CHUNK
+            staging = staging_ptr + j.to(tl.int64) * CHUNK
+            if TO_STAGING:
+                src, dst = cache, staging
+            else:
+                src, dst = staging, cache
+            first = (item % PIECES) * TILES * TILE
+            for t in tl.static_range(TILES):
+                offs = first + t * TILE + tl.arange(0, TILE)
+                if EVEN:
+                    tl.store(dst + offs, tl.load(src + offs))
+                else:
+                    mask = offs < CHUNK
+                    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def _check_copy_args(
@@ -91,7 +94,8 @@ def _as_chunks(tensor: torch.Tensor, rows: int, chunk_bytes: int) -> torch.Tenso
 
 
 def _launch_copy(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor, to_staging: bool
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor, to_staging: bool,
+    max_programs: int | None,
 ) -> None:
     layers, _, num_cache_blocks = kv_cache.shape[:3]
     chunk_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
@@ -100,10 +104,12 @@ def _launch_copy(
     chunk = cache.shape[1]
     tile = min(triton.next_power_of_2(chunk), _TILE_BYTES // cache.element_size())
     tiles = min(_TILES_PER_PROGRAM, triton.cdiv(chunk, tile))
-    grid = (stage.shape[0], triton.cdiv(chunk, tile * tiles))
+    pieces = triton.cdiv(chunk, tile * tiles)
+    num_items = stage.shape[0] * pieces
+    grid = (min(num_items, max_programs or num_items),)
     _copy_blocks_kernel[grid](
-        cache, stage, block_ids, num_cache_blocks,
-        CHUNKS_PER_BLOCK=layers * 2, CHUNK=chunk, TILE=tile, TILES=tiles,
+        cache, stage, block_ids, num_cache_blocks, num_items,
+        CHUNKS_PER_BLOCK=layers * 2, PIECES=pieces, CHUNK=chunk, TILE=tile, TILES=tiles,
         EVEN=chunk % (tile * tiles) == 0, TO_STAGING=to_staging, num_warps=_NUM_WARPS,
     )
 
@@ -118,20 +124,25 @@ def _check_kernel_args(
     check_launchable(op, device, _copy_blocks_kernel)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor, max_programs: int | None = None
+) -> None:
     """Copy cache block `block_ids[i]` (all layers, K and V) into `out[i]`, bit-exact.
 
     kv_cache: [L, 2, N, block_size, kv_heads, head_dim], contiguous.
     block_ids: [n] int64, each in [0, N) (ids outside are skipped: `out[i]` is left unwritten;
     the reference raises). out: [n, L, 2, block_size, kv_heads, head_dim], contiguous, same
-    dtype and device as kv_cache.
+    dtype and device as kv_cache. max_programs: at most this many programs (CTAs), so that a
+    copy running beside other kernels leaves them the rest of the SMs (None: one per 32 KiB).
     """
     _check_kernel_args("gather_blocks", kv_cache, block_ids, out, "out")
     if block_ids.numel() > 0:
-        _launch_copy(kv_cache, block_ids, out, to_staging=True)
+        _launch_copy(kv_cache, block_ids, out, True, max_programs)
 
 
-def scatter_blocks(src: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+def scatter_blocks(
+    src: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, max_programs: int | None = None
+) -> None:
     """Copy `src[i]` (all layers, K and V) into cache block `block_ids[i]`, bit-exact.
 
     Inverse of `gather_blocks`, same shapes and constraints. Repeated ids: one copy wins,
@@ -139,7 +150,7 @@ def scatter_blocks(src: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.T
     """
     _check_kernel_args("scatter_blocks", kv_cache, block_ids, src, "src")
     if block_ids.numel() > 0:
-        _launch_copy(kv_cache, block_ids, src, to_staging=False)
+        _launch_copy(kv_cache, block_ids, src, False, max_programs)
 
 
 def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:

@@ -65,7 +65,7 @@ def _rms_norm_kernel(
         scale = tl.math.rsqrt(var + eps)
     h = (h * scale).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = w.to(tl.float32) * h.to(tl.float32)  # exact: products of 16-bit floats fit float32
+    out = w.to(tl.float32) * h.to(tl.float32)  # exact unless float32 is involved, as in torch
     tl.store(out_ptr + r * HIDDEN + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

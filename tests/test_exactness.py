@@ -66,3 +66,29 @@ def test_repeated_generate_reuses_prefix_and_stays_exact(reference_outputs):
     expected_hits = sum((len(p) - 1) // 16 * 16 for p in prompts)
     assert llm.stats()["prefix_hit_tokens"] - hits == expected_hits
     assert [o.metrics.num_cached_tokens for o in second] == [(len(p) - 1) // 16 * 16 for p in prompts]
+
+
+def test_fused_ops_replace_the_elementwise_ops_of_our_forward_only(monkeypatch):
+    from tieredkv.model import fused
+
+    calls: dict[str, int] = dict.fromkeys(fused.FusedOps._fields, 0)
+    real = fused._ops_for("cpu")
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    spies = fused.FusedOps(*(counted(n, f) for n, f in zip(fused.FusedOps._fields, real, strict=True)))
+    monkeypatch.setattr(fused, "_ops_for", lambda device_type: spies)
+    llm = LLM(model="tiny-llama", num_gpu_blocks=64)
+    layers = llm.runner.model.config.num_hidden_layers
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    forwards = 3
+    assert calls == {"rms_norm": (2 * layers + 1) * forwards, "apply_rotary": layers * forwards,
+                     "silu_mul": layers * forwards}
+    # transformers' own forward passes keep transformers' ops
+    hf = build_preset("tiny-llama", 0, torch.float32, "cpu", "eager")
+    hf(torch.tensor([[1, 2, 3]]))
+    assert calls["apply_rotary"] == layers * forwards

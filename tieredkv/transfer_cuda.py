@@ -24,6 +24,7 @@ from tieredkv.transfer import TransferEngine, TransferJob, consecutive_runs
 
 DEFAULT_STAGING_BYTES = 1 << 30
 CHUNK_BYTES = 128 << 20
+COPY_PROGRAMS: int | None = None  # CTAs of a gather/scatter (None: as many as the copy has pieces)
 
 
 @dataclass
@@ -40,9 +41,10 @@ class CudaTransferEngine(TransferEngine):
 
     def __init__(
         self, kv_cache: torch.Tensor, cpu_data: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES,
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int = CHUNK_BYTES, copy_programs: int | None = COPY_PROGRAMS,
     ) -> None:
         super().__init__(kv_cache, cpu_data)
+        self.copy_programs = copy_programs
         device = kv_cache.device
         self.chunk_blocks = max(1, chunk_bytes // self.block_bytes)
         num_slots = max(2, staging_bytes // (self.chunk_blocks * self.block_bytes))
@@ -93,7 +95,7 @@ class CudaTransferEngine(TransferEngine):
         for rows, cpu_ids in self._chunks(job):
             slot = ring.acquire()
             with torch.cuda.stream(ring.first):
-                gather_blocks(self.kv_cache, gpu_ids[rows], slot[: len(cpu_ids)])
+                gather_blocks(self.kv_cache, gpu_ids[rows], slot[: len(cpu_ids)], self.copy_programs)
             ring.handoff()
             with torch.cuda.stream(ring.second):
                 for pos, first, length in consecutive_runs(cpu_ids):
@@ -116,7 +118,7 @@ class CudaTransferEngine(TransferEngine):
                     slot[pos : pos + length].copy_(self.cpu_data[first : first + length], non_blocking=True)
             ring.handoff()
             with torch.cuda.stream(ring.second):
-                scatter_blocks(slot[: len(cpu_ids)], self.kv_cache, gpu_ids[rows])
+                scatter_blocks(slot[: len(cpu_ids)], self.kv_cache, gpu_ids[rows], self.copy_programs)
             ring.release()
         done = ring.second_done()
         return _Pending(job, done, ring.first_done())

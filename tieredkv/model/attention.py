@@ -73,6 +73,11 @@ def forward_context(ctx: ForwardContext, ops: AttentionOps) -> Iterator[None]:
         _state["ctx"] = _state["ops"] = None
 
 
+def in_forward() -> bool:
+    """Whether one of our forward passes is running."""
+    return _state["ctx"] is not None
+
+
 def paged_attention_forward(
     module: nn.Module,
     query: torch.Tensor,

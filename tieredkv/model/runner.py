@@ -25,7 +25,7 @@ from transformers import (
 
 from tieredkv.cache.hashing import weights_id
 from tieredkv.config import ModelConfig
-from tieredkv.model import attention
+from tieredkv.model import attention, fused
 from tieredkv.model.presets import PRESETS, build_preset
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import ScheduledSeq
@@ -58,6 +58,7 @@ def load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenize
     dtype = getattr(torch, config.dtype)
     if config.model in PRESETS:
         model = build_preset(config.model, config.seed, dtype, config.device, attention.ATTN_IMPLEMENTATION)
+        fused.install(model, config.device)
         return model, None
     if not os.path.isdir(config.model):
         raise ValueError(
@@ -75,6 +76,7 @@ def load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenize
         os.path.exists(os.path.join(config.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")
     )
     tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
+    fused.install(model, config.device)
     return model.to(config.device).eval(), tokenizer
 
 
