@@ -25,7 +25,7 @@ def write_config(tmp_path, workload: dict, **extra) -> str:
     "workload, requests",
     [
         ({"kind": "multi_turn", "users": 3, "turns": 2, "system_prompt_tokens": 20, "message_tokens": 6,
-          "max_tokens": 4, "think_time_s": 0.01}, 6),
+          "first_message_tokens": 30, "max_tokens": 4, "think_time_s": 0.01}, 6),
         ({"kind": "long_doc_qa", "documents": 3, "document_tokens": 40, "questions": 2, "max_tokens": 3}, 6),
         ({"kind": "preemption_storm", "requests": 6, "prompt_tokens": 16, "max_tokens": 24, "rate": 200.0}, 6),
     ],
@@ -44,6 +44,9 @@ def test_workloads_run_and_record_every_request(tmp_path, workload, requests):
                 "long_doc_qa": {"doc0/q1", "doc1/q1", "doc2/q1"}, "preemption_storm": set()}[workload["kind"]]
     assert returning == expected
     assert (summary.ttft_returning_s["p50"] > 0) == bool(expected)
+    if workload["kind"] == "multi_turn":  # system prompt + first message, then + answer + message
+        lengths = sorted(r["prompt_tokens"] for r in result["requests"])
+        assert lengths == [50] * 3 + [50 + 4 + 6] * 3
     assert result["timeline"] and {"gpu_blocks_used", "cpu_blocks_used"} <= set(result["timeline"][0])
     for plot in ("ttft_cdf.png", "throughput.png", "blocks.png"):
         assert (tmp_path / "out" / "exp" / plot).stat().st_size > 0
@@ -98,6 +101,7 @@ def test_compare_prints_variants_side_by_side(tmp_path, capsys):
         ({"kind": "long_doc_qa", "rate": -1}, "workload.rate: expected requests per second > 0"),
         ({"kind": "replay"}, "a replay needs the JSONL file"),
         ({"kind": "multi_turn", "think_time_s": -1}, "workload.think_time_s: expected seconds >= 0"),
+        ({"kind": "multi_turn", "first_message_tokens": 0}, "workload.first_message_tokens"),
     ],
 )
 def test_workload_errors(workload, message):

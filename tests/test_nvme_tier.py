@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import os
 
+import random
+
 import pytest
 
 from tests.reference import make_prompts
@@ -168,3 +170,17 @@ def test_io_faults_cost_recompute_not_wrong_tokens(tmp_path, op, fault, err, ref
     assert stats["nvme_io_errors"] > 0
     if op == "read":
         assert stats["nvme_failed_loads"] > 0
+
+
+def test_queued_requests_load_prefixes_spilled_while_they_waited(tmp_path, reference_outputs):
+    # every question arrives at once, asked round-robin over documents that do not fit in GPU +
+    # CPU: a document's later questions wait in the queue while its blocks move on to NVMe
+    rng = random.Random(5)
+    docs = [[rng.randrange(512) for _ in range(64)] for _ in range(6)]
+    prompts = [doc + [rng.randrange(512) for _ in range(3)] for _ in range(3) for doc in docs]
+    expected = reference_outputs("tiny-llama", prompts, 4)
+    with tiered_llm(tmp_path) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    assert stats["nvme_loaded_blocks"] > 0 and stats["nvme_failed_loads"] == 0

@@ -42,7 +42,7 @@ def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
 def _check_fields(workload: Any) -> None:
     for f in dataclasses.fields(workload):
         value = getattr(workload, f.name)
-        if f.type in ("int", int):
+        if f.type in ("int", int) or (f.type == "int | None" and value is not None):
             check_int(f"workload.{f.name}", value, 0 if f.name == "seed" else 1)
         elif f.name.endswith("_s") and (not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"workload.{f.name}: expected seconds >= 0, got {value!r}")
@@ -63,12 +63,14 @@ def _arrival_times(rng: random.Random, rate: float, n: int) -> list[float]:
 
 @dataclass(frozen=True)
 class MultiTurnWorkload:
-    """Conversations of `turns` turns for `users` users, sharing a system prompt."""
+    """Conversations of `turns` turns for `users` users, sharing a system prompt. A user's first
+    message has `first_message_tokens` (e.g. a document they paste; default: `message_tokens`)."""
 
     users: int = 4
     turns: int = 3
     system_prompt_tokens: int = 64
     message_tokens: int = 24
+    first_message_tokens: int | None = None
     max_tokens: int = 16
     think_time_s: float = 0.0
     seed: int = 0
@@ -83,8 +85,9 @@ class MultiTurnWorkload:
     async def run(self, client: Client, vocab_size: int) -> None:
         rng = random.Random(self.seed)
         system = random_tokens(rng, self.system_prompt_tokens, vocab_size)
-        messages = [[random_tokens(rng, self.message_tokens, vocab_size) for _ in range(self.turns)]
-                    for _ in range(self.users)]
+        first = self.message_tokens if self.first_message_tokens is None else self.first_message_tokens
+        messages = [[random_tokens(rng, first if t == 0 else self.message_tokens, vocab_size)
+                     for t in range(self.turns)] for _ in range(self.users)]
 
         async def user(u: int) -> None:
             history = list(system)
