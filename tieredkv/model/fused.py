@@ -51,20 +51,16 @@ def _ops_for(device_type: str) -> FusedOps:
     return FusedOps(rms_norm_ref, apply_rotary_ref, silu_mul_ref)
 
 
-def install(model: nn.Module, device: torch.device | str) -> int:
-    """Fuse what the model's modules allow; the number of modules changed."""
+def install(model: nn.Module, device: torch.device | str) -> None:
+    """Fuse what the model's modules allow."""
     ops = fused_ops(device)
-    changed = 0
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
             module.forward = types.MethodType(_rms_norm_forward(ops.rms_norm), module)
-            changed += 1
         elif name.endswith("MLP") and _is_silu_mlp(module):
             module.forward = types.MethodType(_mlp_forward(ops.silu_mul), module)
-            changed += 1
     _route_rotary(sys.modules[type(model).__module__])
-    return changed
 
 
 def _rms_norm_forward(rms_norm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -96,7 +92,7 @@ def _route_rotary(modeling: types.ModuleType) -> None:
     if original is None or hasattr(original, "unfused"):
         return
 
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):  # noqa: ANN001, ANN202
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
         if unsqueeze_dim == 1 and not kwargs and attention.in_forward():
             return _ops_for(q.device.type).apply_rotary(q, k, cos, sin)
         return original(q, k, cos, sin, unsqueeze_dim, **kwargs)
