@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable
 
 import torch
-from bench_transfer import CPU_BLOCKS, POOL_BLOCKS, build, run_job, swap_job
+from bench_transfer import CPU_BLOCKS, POOL_BLOCKS, build, run_job, step_beside_swap, swap_job
 from common import pinned_peaks, require_cuda, time_cuda
 from decode_step import DecodeStep
 
@@ -51,13 +51,7 @@ def slowdowns(engine: CudaTransferEngine, steps: dict[str, tuple[Callable[[], ob
     for kind in ("d2h", "h2d"):
         job = swap_job(kind, 32768, rng, range(POOL_BLOCKS), range(CPU_BLOCKS))
         for name, (step, alone) in steps.items():
-            beside = []
-            for _ in range(7):
-                job_id = engine.submit(job)
-                beside.append(time_cuda(step, reps=1, warmup=0))
-                engine.wait([job_id])
-                engine.poll()
-            cells.append(f"{kind}/{name} {sorted(beside)[3] / alone - 1:+.1%}")
+            cells.append(f"{kind}/{name} {step_beside_swap(engine, job, step, reps=7) / alone - 1:+.1%}")
     return cells
 
 

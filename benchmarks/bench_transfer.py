@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable
 
 import torch
 from common import (
@@ -81,6 +82,18 @@ def bench_swaps(engine: CudaTransferEngine, peaks: dict[str, float], rng: random
     return records
 
 
+def step_beside_swap(engine: CudaTransferEngine, job: TransferJob, step: Callable[[], object], reps: int) -> float:
+    """Median seconds of `step` timed alone on the GPU while `job` runs beside it (submitted
+    just before each step)."""
+    times = []
+    for _ in range(reps):
+        job_id = engine.submit(job)
+        times.append(time_cuda(step, reps=1, warmup=0))
+        engine.wait([job_id])
+        engine.poll()
+    return sorted(times)[reps // 2]
+
+
 def bench_decode_during_swap(engine: CudaTransferEngine, rng: random.Random) -> list[dict]:
     from decode_step import DecodeStep
 
@@ -88,15 +101,7 @@ def bench_decode_during_swap(engine: CudaTransferEngine, rng: random.Random) -> 
     alone = time_cuda(step, reps=10)
     job = swap_job("d2h", 32768, rng, range(POOL_BLOCKS), range(CPU_BLOCKS))
 
-    # time only the decode step while the swap runs beside it
-    with_swap = []
-    for _ in range(10):
-        job_id = engine.submit(job)
-        with_swap.append(time_cuda(step, reps=1, warmup=0))
-        engine.wait([job_id])
-        engine.poll()
-    with_swap.sort()
-    slowed = with_swap[len(with_swap) // 2]
+    slowed = step_beside_swap(engine, job, step, reps=10)
     return [
         report("decode step llama-3-8b, batch 32, ctx 2048", alone * 1e3, "ms"),
         report("same, with a 32k-token swap-out beside it", slowed * 1e3, "ms", alone * 1e3, "decode alone"),
