@@ -55,6 +55,35 @@ def test_prefix_hits_from_cpu_tier_are_exact(reference_outputs):
     assert llm.stats()["cpu_hit_blocks"] > hits_before
 
 
+def test_a_promoted_prefix_computes_a_step_later_beside_its_copy(reference_outputs, monkeypatch):
+    """The step that promotes a CPU prefix runs the other requests without ordering them after
+    the copy; the returning request computes from the next step on, exactly."""
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+    llm = LLM(model="tiny-llama", block_size=4, num_gpu_blocks=64, cpu_cache_bytes="2MiB", preemption="recompute")
+    assert llm.generate([prompts[6]], GREEDY, use_tqdm=False)[0].token_ids == expected[6]
+    llm.kv.pool.release(llm.kv.pool.allocate(llm.kv.num_blocks))  # evict (demote) every GPU block
+    transfers = llm.kv.offload.transfers
+    forwards = []  # (request ids computed, jobs left for a later pass) of each forward pass
+    order_compute, execute = transfers.order_compute, llm.runner.execute
+    monkeypatch.setattr(transfers, "order_compute", lambda later=(): (
+        forwards.append(([], set(later))), order_compute(later)))
+    monkeypatch.setattr(llm.runner, "execute", lambda batch, tables: (
+        forwards[-1][0].extend(s.seq.request_id for s in batch), execute(batch, tables))[1])
+
+    other = llm.add_request(prompts[2], GREEDY)
+    llm.step()
+    returning = llm.add_request(prompts[6], GREEDY)
+    done = {}
+    while llm.has_unfinished():
+        done.update((o.request_id, o.token_ids) for o in llm.step() if o.finished)
+    assert done == {other: expected[2], returning: expected[6]}
+    assert llm.stats()["cpu_hit_blocks"] == 70 // 4
+    admitted = next(i for i, (_, later) in enumerate(forwards) if later)
+    assert forwards[admitted][0] == [other]  # the returning request's copy runs beside this pass
+    assert forwards[admitted + 1] == ([other, returning], set())  # ... and the next one waits for it
+
+
 def test_round_trip_of_scattered_blocks_is_bit_identical():
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn((3, 2, 20, 4, 2, 8), generator=gen).to(torch.bfloat16)

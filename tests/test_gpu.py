@@ -64,9 +64,12 @@ def test_gpu_round_trip_is_bit_identical():
     engine.order_compute()
     kv.zero_()  # on the compute stream: must wait for the gather to have read the blocks
     back = engine.submit(TransferJob("h2d", gpu_ids, cpu_ids))
+    engine.order_compute(later={back})  # this pass does not read the blocks: it need not wait
+    assert list(engine._compute_waits) == [back]
     engine.wait([out, back])
     assert sorted(engine.poll()) == [out, back]
     engine.order_compute()
+    assert not engine._compute_waits
     for g in gpu_ids:
         assert torch.equal(kv[:, :, g], original[:, :, g])
     # a swap-out and a swap-in of other blocks at the same time do not disturb each other

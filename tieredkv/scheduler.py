@@ -11,6 +11,10 @@ Before all that, the first waiting sequences start reading the later part of the
 blocks (as much as the policy says), so the reads overlap other work and the computation of
 the earlier part; a prefill that reaches the loaded part jumps over it once it has arrived.
 
+A sequence whose KV is copied in from the CPU tier this step (swap-in, promoted prefix, loaded
+NVMe blocks) joins the running queue but computes from the next step on: the copy overlaps
+this step's forward pass instead of stalling it.
+
 The scheduler talks to blocks only through `KVCacheManager`.
 """
 
@@ -113,8 +117,7 @@ class Scheduler:
                 self._requeue(seq)
                 continue
             self.swapped.popleft()
-            self._run(seq, n, out)
-            budget -= n
+            budget -= self._run(seq, n, out)
         return budget
 
     def _next_chunk(self, seq: Sequence, budget: int) -> int:
@@ -129,6 +132,8 @@ class Scheduler:
             return 0
         self.kv.skip_loaded(seq)
         seq.load_from = None
+        if self.kv.landing(seq):
+            return 0
         return min(len(seq.token_ids) - seq.num_computed_tokens, budget)
 
     def _prefetch(self) -> None:
@@ -166,13 +171,17 @@ class Scheduler:
             if self.kv.allocate(seq, n, prefix) is None:
                 return
             self.waiting.remove(seq)
-            self._run(seq, n, out)
-            budget -= n
+            budget -= self._run(seq, n, out)
 
-    def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+    def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+        """Move `seq` to the running queue and schedule its `n` tokens, unless its KV is still
+        landing; the tokens scheduled."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        if self.kv.landing(seq):
+            return 0
         out.scheduled.append(ScheduledSeq(seq, n))
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         num_blocks = len(self.kv.block_table(seq))

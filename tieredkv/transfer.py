@@ -1,7 +1,8 @@
 """Moves KV blocks between the GPU tier and the CPU tier.
 
-Two-phase API: `submit(job) -> id`, `poll() -> finished ids`, `wait(ids)`; `order_compute()`
-makes the next forward pass wait (on the GPU, never the host) for the transfers it depends on.
+Two-phase API: `submit(job) -> id`, `poll() -> finished ids`, `wait(ids)`; `order_compute(later)`
+makes the next forward pass wait (on the GPU, never the host) for the transfers it depends on,
+all but the jobs in `later`, which only a later forward pass reads.
 
 On CUDA, a D2H job runs on its own stream:
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -100,8 +102,9 @@ class TransferEngine:
     def wait(self, job_ids: list[int]) -> None:
         """Block the host until these jobs have finished (their ids still come out of `poll`)."""
 
-    def order_compute(self) -> None:
-        """Make the next forward pass wait for the transfers submitted so far."""
+    def order_compute(self, later: Collection[int] = ()) -> None:
+        """Make the next forward pass wait for the transfers submitted so far, except the jobs
+        in `later` (a later call orders those)."""
 
     def wait_all(self) -> None:
         """Block the host until every submitted job has finished."""

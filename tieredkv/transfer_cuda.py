@@ -15,6 +15,7 @@ same GPU or CPU blocks.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,7 @@ class CudaTransferEngine(TransferEngine):
         self.d2h = _Ring(num_slots, self.chunk_blocks, cpu_data.shape[1:], kv_cache.dtype, device)
         self.h2d = _Ring(num_slots, self.chunk_blocks, cpu_data.shape[1:], kv_cache.dtype, device)
         self._pending: dict[int, _Pending] = {}
-        self._compute_waits: list[torch.cuda.Event] = []
+        self._compute_waits: dict[int, torch.cuda.Event] = {}  # jobs no forward pass waited for yet
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around each compute wait
 
     def _start(self, job_id: int, job: TransferJob) -> None:
@@ -64,7 +65,7 @@ class CudaTransferEngine(TransferEngine):
         else:
             pending = self._h2d(job, compute, earlier)
             # the next forward pass reads these blocks: it must wait until they have landed
-        self._compute_waits.append(pending.gpu_ready)
+        self._compute_waits[job_id] = pending.gpu_ready
         self._pending[job_id] = pending
 
     def _overlapping(self, job: TransferJob) -> list[_Pending]:
@@ -137,17 +138,17 @@ class CudaTransferEngine(TransferEngine):
                 self._pending[job_id].done.synchronize()
                 self._pending[job_id].gpu_ready.synchronize()
 
-    def order_compute(self) -> None:
-        if not self._compute_waits:
+    def order_compute(self, later: Collection[int] = ()) -> None:
+        now = [job_id for job_id in self._compute_waits if job_id not in later]
+        if not now:
             return
         compute = torch.cuda.current_stream(self.kv_cache.device)
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record(compute)
-        for event in self._compute_waits:
-            compute.wait_event(event)
+        for job_id in now:
+            compute.wait_event(self._compute_waits.pop(job_id))
         after.record(compute)
         self._stalls.append((before, after))
-        self._compute_waits.clear()
 
     @property
     def compute_wait_s(self) -> float:

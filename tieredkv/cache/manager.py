@@ -12,6 +12,9 @@ Operations:
   preempted sequence's KV to the CPU tier and back.
 - `free(seq)`: give the sequence's blocks back (cached ones stay findable).
 - `block_table(seq)`: the block ids the model runner reads and writes.
+- `landing(seq)`: whether the sequence's KV is still being copied in by a job submitted this
+  step; such a sequence computes from the next step on, so that this step's forward pass does
+  not wait for the copy (it overlaps the copy instead).
 - `retire()` / `before_forward()`: finish transfers; order the next forward pass after them.
 """
 
@@ -63,6 +66,10 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}
         self._swapped: dict[str, list[Block]] = {}
+        # H2D copies submitted this step, the sequences that read them and their GPU blocks
+        self._landing_jobs: set[int] = set()
+        self._landing: set[str] = set()
+        self._landing_blocks: set[int] = set()
         self.prefix_hit_tokens = 0
 
     @property
@@ -140,7 +147,7 @@ class KVCacheManager:
         self._extend(seq.request_id, self.pool.allocate(max(need, 0)) or [])
         targets = table[start : start + len(cpu_blocks)]
         try:
-            self.offload.copy_in(cpu_blocks, [b.block_id for b in targets])
+            self._land(seq, self.offload.copy_in(cpu_blocks, [b.block_id for b in targets]), targets)
         except TransferError:
             return 0
         for src, dst in zip(cpu_blocks, targets, strict=True):
@@ -182,30 +189,40 @@ class KVCacheManager:
             self.offload.release_loads(seq.request_id)
         for block in reused:
             self.pool.touch(block)
+        if any(b.block_id in self._landing_blocks for b in reused):  # another request's promotion
+            self._landing.add(seq.request_id)
         fresh = self.pool.allocate(need)
         assert fresh is not None, "free count checked above"
         self._tables[seq.request_id], self._block_ids[seq.request_id] = [], []
         self._extend(seq.request_id, [*reused, *fresh])
-        num_hit_blocks = len(reused) + self._promote(promoted, fresh)
+        num_hit_blocks = len(reused) + self._promote(seq, promoted, fresh)
         self._num_committed[seq.request_id] = num_hit_blocks
         num_cached = num_hit_blocks * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         self.prefix_hit_tokens += num_cached
         return Allocation(tuple(b.block_id for b in fresh), num_cached)
 
-    def _promote(self, cpu_blocks: list[Block], gpu_blocks: list[Block]) -> int:
+    def _promote(self, seq: Sequence, cpu_blocks: list[Block], gpu_blocks: list[Block]) -> int:
         """Copy CPU prefix hits into the first fresh GPU blocks; how many arrived."""
         if not cpu_blocks:
             return 0
         targets = gpu_blocks[: len(cpu_blocks)]
         try:
-            self.offload.copy_in(cpu_blocks, [b.block_id for b in targets])
+            self._land(seq, self.offload.copy_in(cpu_blocks, [b.block_id for b in targets]), targets)
         except TransferError:
             return 0  # the tokens are recomputed instead
         for src, dst in zip(cpu_blocks, targets, strict=True):
             self.pool.cache(dst, src.block_hash, src.parent_hash, src.token_ids)
         self.offload.hit_blocks += len(cpu_blocks)
         return len(cpu_blocks)
+
+    def _land(self, seq: Sequence, job_id: int, gpu_blocks: list[Block]) -> None:
+        self._landing_jobs.add(job_id)
+        self._landing.add(seq.request_id)
+        self._landing_blocks.update(b.block_id for b in gpu_blocks)
+
+    def landing(self, seq: Sequence) -> bool:
+        return seq.request_id in self._landing
 
     def _extend(self, request_id: str, blocks: list[Block]) -> None:
         self._tables[request_id].extend(blocks)
@@ -248,8 +265,9 @@ class KVCacheManager:
         self._tables[seq.request_id], self._block_ids[seq.request_id] = [], []
         self._extend(seq.request_id, fresh)
         self._num_committed[seq.request_id] = 0
+        targets = fresh[: len(cpu_blocks)]
         try:
-            self.offload.copy_in(cpu_blocks, [b.block_id for b in fresh[: len(cpu_blocks)]])
+            self._land(seq, self.offload.copy_in(cpu_blocks, [b.block_id for b in targets]), targets)
         except TransferError:
             self._release_gpu(seq)
             raise
@@ -285,14 +303,19 @@ class KVCacheManager:
         return dropped
 
     def retire(self) -> None:
-        """Release what finished transfers held."""
+        """Start a step: release what finished transfers held; last step's copies-in are no
+        longer landing (this step's forward pass waits for them)."""
+        self._landing_jobs.clear()
+        self._landing.clear()
+        self._landing_blocks.clear()
         if self.offload:
             self.offload.retire()
 
     def before_forward(self) -> None:
-        """Submit queued demotions and order the next forward pass after pending transfers."""
+        """Submit queued demotions and order the next forward pass after pending transfers
+        (all but this step's copies-in: no sequence of this pass reads them)."""
         if self.offload:
-            self.offload.before_forward()
+            self.offload.before_forward(self._landing_jobs)
 
     def stats(self) -> dict[str, int | float]:
         stats = {

@@ -4,8 +4,8 @@ Operations:
 - `demote(gpu_block)`: a cached GPU block is being evicted: keep its KV in the CPU tier
   (queued; `flush()` submits all queued demotions as one D2H job).
 - `lookup(hash, parent, tokens)`: a demoted prefix block in the CPU tier.
-- `copy_in(cpu_blocks, gpu_ids)`: promote or swap in (one H2D job); the CPU blocks stay
-  reserved until the job has finished.
+- `copy_in(cpu_blocks, gpu_ids) -> job id`: promote or swap in (one H2D job); the CPU blocks
+  stay reserved until the job has finished.
 - `copy_out(gpu_ids) -> cpu blocks | None`: swap out (one D2H job).
 - `retire()`: release what finished transfers held; book finished NVMe reads; spill ahead.
 - `start_loads(request_id, refs)` / `loading(request_id)` / `release_loads(request_id)`: read
@@ -14,6 +14,7 @@ Operations:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from tieredkv.cache.block_pool import Block
@@ -90,9 +91,9 @@ class CPUOffload:
     def lookup(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> Block | None:
         return self.pool.lookup(block_hash, parent_hash, token_ids)
 
-    def copy_in(self, cpu_blocks: list[Block], gpu_ids: list[int]) -> None:
+    def copy_in(self, cpu_blocks: list[Block], gpu_ids: list[int]) -> int:
         """H2D copy of `cpu_blocks` into `gpu_ids`; the caller's CPU references are taken
-        over and dropped once the copy has finished. Raises TransferError."""
+        over and dropped once the copy has finished. Returns the job id; raises TransferError."""
         self.flush()
         job = TransferJob("h2d", tuple(gpu_ids), tuple(b.block_id for b in cpu_blocks))
         try:
@@ -101,6 +102,7 @@ class CPUOffload:
             self.pool.release(cpu_blocks)
             raise
         self._held[job_id] = list(cpu_blocks)
+        return job_id
 
     def copy_out(self, gpu_ids: list[int]) -> list[Block] | None:
         """D2H copy of `gpu_ids` into fresh CPU blocks (owned by the caller), or None when the
@@ -178,9 +180,9 @@ class CPUOffload:
             self._orphans.discard(job)
             self.pool.release([block])
 
-    def before_forward(self) -> None:
+    def before_forward(self, later: Collection[int] = ()) -> None:
         self.flush()
-        self.transfers.order_compute()
+        self.transfers.order_compute(later)
 
     def stats(self) -> dict[str, int | float]:
         return {
