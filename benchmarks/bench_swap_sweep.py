@@ -65,7 +65,7 @@ def main() -> None:
     runner = eager_step.runner
     eager_alone = time_cuda(eager_step, reps=10)
     graph_step = DecodeStep(batch=64, context=2048, runner=runner)
-    runner.capture_decode_graphs(64)
+    runner.capture_graphs(64, max_mixed_tokens=0)
     graphs = runner.graphs
 
     def eager() -> torch.Tensor:

@@ -91,6 +91,42 @@ def test_gpu_with_and_without_cuda_graphs(enforce_eager, reference_outputs):
     expected = reference_outputs("tiny-qwen3", prompts, NEW_TOKENS)
     with LLM(model="tiny-qwen3", device="cuda", block_size=16, num_gpu_blocks=64, max_num_seqs=6,
              enforce_eager=enforce_eager) as llm:
+        replayed = []  # (tokens, sequences) bucket of every step run as a graph
+        if not enforce_eager:
+            run = llm.runner.graphs.run
+            llm.runner.graphs.run = lambda step, key: (replayed.append(key), run(step, key))[1]
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert (llm.runner.graphs is None) == enforce_eager
     assert [o.token_ids for o in outs] == expected
+    if not enforce_eager:  # decode steps and mixed steps (prefill chunks beside decodes) both replayed
+        assert any(t == b for t, b in replayed) and any(t > b for t, b in replayed)
+
+
+def test_gpu_mixed_step_graphs_match_eager():
+    """Mixed steps of every shape (chunks of a few to hundreds of tokens beside decodes, each
+    padded into its bucket) give the logits of the same step run eagerly."""
+    from tieredkv.model.runner import StepInputs
+    from tieredkv.scheduler import ScheduledSeq
+    from tieredkv.sequence import Sequence
+
+    with LLM(model="tiny-llama", device="cuda", block_size=16, num_gpu_blocks=256, max_num_seqs=16) as llm:
+        runner, graphs = llm.runner, llm.runner.graphs
+        gen = torch.Generator().manual_seed(0)
+        runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=gen).to(runner.kv_cache.dtype))
+        for chunks in ([1, 1, 5], [1] * 7 + [120], [200, 1, 3], [1] * 14 + [900], [64] * 8):
+            scheduled, tables, first = [], [], 0
+            for i, chunk in enumerate(chunks):
+                context = 40 + 13 * i + chunk
+                seq = Sequence(str(i), torch.randint(3, 500, (context,), generator=gen).tolist(), GREEDY)
+                seq.num_computed_tokens = context - chunk
+                blocks = -(-context // 16)
+                scheduled.append(ScheduledSeq(seq, chunk))
+                tables.append(list(range(first, first + blocks)))
+                first += blocks
+            key = graphs.bucket(StepInputs.build(scheduled, tables, 16))
+            assert key is not None and key[0] > key[1], chunks
+            replayed = runner.execute(scheduled, tables)
+            runner.graphs = None
+            eager = runner.execute(scheduled, tables)
+            runner.graphs = graphs
+            torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)

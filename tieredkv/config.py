@@ -65,7 +65,7 @@ def check_int(key: str, value: Any, minimum: int, maximum: int | None = None) ->
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which model runs where. `enforce_eager` turns off the CUDA graphs of decode steps."""
+    """Which model runs where. `enforce_eager` turns off the CUDA graphs of decode and mixed steps."""
 
     model: str = "tiny-llama"
     device: Device = "cpu"

@@ -58,7 +58,7 @@ class LLMEngine:
         policy = TierPolicy(config.scheduler.preemption, self.block_bytes, block_size, self._cost_model())
         self.scheduler = Scheduler(config.scheduler, self.kv, policy)
         if self.runner.device.type == "cuda" and not config.model.enforce_eager:
-            self.runner.capture_decode_graphs(min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH))
+            self.runner.capture_graphs(min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH))
         self.sampler = Sampler()
         self.seqs: dict[str, Seq] = {}
         self._ids = itertools.count()

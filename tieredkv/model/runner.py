@@ -32,9 +32,10 @@ from tieredkv.scheduler import ScheduledSeq
 from tieredkv.sequence import Sequence as Seq
 
 if TYPE_CHECKING:
-    from tieredkv.model.cuda_graphs import DecodeGraphs
+    from tieredkv.model.cuda_graphs import StepGraphs
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MAX_MIXED_TOKENS = 1024  # mixed steps (decodes beside prefill chunks) up to this size run as CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class ModelRunner:
         self.ops = attention.attention_ops(self.device)
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -120,8 +121,9 @@ class ModelRunner:
         for the n sequences whose chunk reaches their last token."""
         assert self.kv_cache is not None, "allocate_kv_cache() before execute()"
         step = StepInputs.build(scheduled, block_tables, self.block_size)
-        if self.graphs is not None and self.graphs.fits(step):
-            return self.graphs.run(step)
+        bucket = self.graphs.bucket(step) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.run(step, bucket)
         t = step.to_tensors(self.device)
         ctx = attention.ForwardContext(self.kv_cache, t["slots"], t["block_tables"], t["cu_seqlens"], t["context_lens"])
         return self.forward(t["tokens"], t["positions"], ctx, t["logits_indices"])
@@ -137,14 +139,15 @@ class ModelRunner:
             )
         return out.logits[0].float()
 
-    def capture_decode_graphs(self, max_batch: int) -> None:
-        """Record decode steps (one token per sequence) as CUDA graphs for batch sizes up to
-        `max_batch`; later decode steps that fit replay them."""
-        from tieredkv.model.cuda_graphs import DecodeGraphs
+    def capture_graphs(self, max_batch: int, max_mixed_tokens: int = MAX_MIXED_TOKENS) -> None:
+        """Record forward passes as CUDA graphs: decode steps of up to `max_batch` sequences,
+        and mixed steps of up to `max_mixed_tokens` tokens (0: none); later steps that fit
+        replay them."""
+        from tieredkv.model.cuda_graphs import StepGraphs
 
-        assert self.kv_cache is not None, "allocate_kv_cache() before capture_decode_graphs()"
+        assert self.kv_cache is not None, "allocate_kv_cache() before capture_graphs()"
         width = min(-(-self.max_model_len // self.block_size), self.kv_cache.shape[2])
-        self.graphs = DecodeGraphs(self, max_batch, width)
+        self.graphs = StepGraphs(self, max_batch, width, max_mixed_tokens)
 
     def prefill_probe(self, num_tokens: int) -> None:
         """One forward pass over `num_tokens` dummy tokens (for calibration). It writes the KV of
