@@ -47,7 +47,9 @@ def test_gpu_large_cache_and_cpu_prefix_hits(reference_outputs):
     assert [o.token_ids for o in first] == [o.token_ids for o in second] == expected
 
 
-def test_gpu_round_trip_is_bit_identical():
+def test_gpu_round_trip_is_bit_identical(monkeypatch):
+    from tieredkv import transfer_cuda
+    from tieredkv.transfer import consecutive_runs
     from tieredkv.transfer_cuda import CudaTransferEngine
 
     shape = (4, 2, 64, 16, 2, 64)
@@ -59,8 +61,11 @@ def test_gpu_round_trip_is_bit_identical():
     block_bytes = tier.data[0].numel() * 2
     engine = CudaTransferEngine(kv, tier.data, staging_bytes=8 * block_bytes, chunk_bytes=4 * block_bytes)
     gpu_ids = tuple(range(63, 0, -3))  # 21 scattered blocks
-    cpu_ids = tuple(list(range(10, 20)) + list(range(30, 41)))
+    cpu_ids = tuple(list(range(10, 20)) + list(range(40, 29, -1)))  # two runs, one listed backwards
+    dmas = []
+    monkeypatch.setattr(transfer_cuda, "consecutive_runs", lambda ids: dmas.append(runs := consecutive_runs(ids)) or runs)
     out = engine.submit(TransferJob("d2h", gpu_ids, cpu_ids))
+    assert sum(map(len, dmas)) == 6 + 1  # in CPU order: one DMA a chunk, two for the chunk that spans both runs
     engine.order_compute()
     kv.zero_()  # on the compute stream: must wait for the gather to have read the blocks
     back = engine.submit(TransferJob("h2d", gpu_ids, cpu_ids))
@@ -76,10 +81,11 @@ def test_gpu_round_trip_is_bit_identical():
     kv.copy_(original)
     engine.order_compute()
     out = engine.submit(TransferJob("d2h", gpu_ids[:10], cpu_ids[:10]))
-    back = engine.submit(TransferJob("h2d", (1, 2, 4, 5), (30, 31, 32, 33)))  # holds gpu_ids[10:14]
+    back = engine.submit(TransferJob("h2d", (1, 2, 4, 5), (30, 31, 32, 33)))
     engine.wait([out, back])
     engine.order_compute()
-    for src, dst in zip(gpu_ids[10:14], (1, 2, 4, 5), strict=True):
+    held = [gpu_ids[cpu_ids.index(c)] for c in (30, 31, 32, 33)]
+    for src, dst in zip(held, (1, 2, 4, 5), strict=True):
         assert torch.equal(kv[:, :, dst], original[:, :, src])
     assert torch.equal(tier.data[torch.tensor(cpu_ids[:10])], original[:, :, list(gpu_ids[:10])].permute(2, 0, 1, 3, 4, 5).cpu())
     tier.close()

@@ -56,6 +56,7 @@ class CudaTransferEngine(TransferEngine):
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around each compute wait
 
     def _start(self, job_id: int, job: TransferJob) -> None:
+        job = _in_cpu_order(job)
         compute = torch.cuda.current_stream(self.kv_cache.device)
         earlier = self._overlapping(job)
         if job.kind == "d2h":
@@ -158,6 +159,13 @@ class CudaTransferEngine(TransferEngine):
             before, after = self._stalls.pop(0)
             self._wait_s += before.elapsed_time(after) / 1e3
         return self._wait_s
+
+
+def _in_cpu_order(job: TransferJob) -> TransferJob:
+    """The same block pairs sorted by CPU block, so that neighbouring CPU blocks become one DMA
+    in whatever order the job lists them (a prefix chain is demoted last block first)."""
+    pairs = sorted(zip(job.cpu_block_ids, job.gpu_block_ids, strict=True))
+    return TransferJob(job.kind, tuple(g for _, g in pairs), tuple(c for c, _ in pairs))
 
 
 class _Ring:
