@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -164,3 +165,36 @@ def test_transformers_peer_serves_the_same_workload(tmp_path):
     # turn 1 finds (at least) the whole blocks of its own turn 0 cached: 26 prompt + 4 output tokens, blocks of 4
     assert all(r["cached_tokens"] >= 28 for r in theirs["requests"] if r["returning"])
     assert theirs["config"]["peer"]["requested"]["num_blocks"] == ENGINE["cache"]["num_gpu_blocks"]
+
+
+class RecordingClient:
+    """Answers every request at once with `max_tokens` tokens; records when each was sent."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, tuple[float, list[int]]] = {}
+
+    async def request(self, prompt, max_tokens, tag, returning=False):
+        self.sent[tag] = (asyncio.get_running_loop().time(), prompt)
+        return [5] * max_tokens
+
+
+def test_multi_turn_users_arrive_at_a_rate():
+    """With a `rate`, users start at Poisson times (mean gap 1/rate) and send the same
+    conversations as without one."""
+    spec = {"users": 6, "turns": 2, "system_prompt_tokens": 8, "message_tokens": 4, "max_tokens": 2}
+
+    def run(**extra):
+        client = RecordingClient()
+
+        async def main():
+            start = asyncio.get_running_loop().time()
+            await make_workload({"kind": "multi_turn", **spec, **extra}).run(client, vocab_size=512)
+            return {tag: (t - start, prompt) for tag, (t, prompt) in client.sent.items()}
+
+        return asyncio.run(main())
+
+    at_once, paced = run(), run(rate=20.0)
+    assert {tag: p for tag, (_, p) in at_once.items()} == {tag: p for tag, (_, p) in paced.items()}
+    assert max(t for t, _ in at_once.values()) < 0.05
+    firsts = sorted(paced[f"user{u}/turn0"][0] for u in range(6))
+    assert firsts[-1] > 0.05 and len(set(firsts)) == 6  # six distinct arrival times, spread out

@@ -4,14 +4,15 @@ Each workload is an async program of clients: `await workload.run(client, vocab_
 requests through `client.request(prompt, max_tokens, tag)` at the times it chooses.
 
 - `multi_turn`: U users hold T-turn conversations sharing a system prompt; each turn's prompt
-  is the whole conversation so far plus a new message; users think between turns.
+  is the whole conversation so far plus a new message; users think between turns (and, with a
+  `rate`, start their conversations at Poisson arrival times).
 - `long_doc_qa`: D documents of L tokens, Q questions each, interleaved so documents fall out
   of the GPU between their questions.
 - `preemption_storm`: many long generations that together exceed the GPU KV budget.
 - `replay`: a JSONL file of `{"time": s, "prompt": [ids] | "text": str, "max_tokens": n}`.
 
 Arrivals (`rate`): None sends requests at once, a number draws Poisson arrivals at that many
-requests per second. The same seed sends the same requests.
+requests (for `multi_turn`: users) per second. The same seed sends the same requests.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def _arrival_times(rng: random.Random, rate: float, n: int) -> list[float]:
 @dataclass(frozen=True)
 class MultiTurnWorkload:
     """Conversations of `turns` turns for `users` users, sharing a system prompt. A user's first
-    message has `first_message_tokens` (e.g. a document they paste; default: `message_tokens`)."""
+    message has `first_message_tokens` (e.g. a document they paste; default: `message_tokens`);
+    users start at once, or at Poisson times, `rate` users per second."""
 
     users: int = 4
     turns: int = 3
@@ -73,6 +75,7 @@ class MultiTurnWorkload:
     first_message_tokens: int | None = None
     max_tokens: int = 16
     think_time_s: float = 0.0
+    rate: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -89,7 +92,12 @@ class MultiTurnWorkload:
         messages = [[random_tokens(rng, first if t == 0 else self.message_tokens, vocab_size)
                      for t in range(self.turns)] for _ in range(self.users)]
 
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        arrivals = _arrival_times(rng, self.rate, self.users) if self.rate else [0.0] * self.users
+
         async def user(u: int) -> None:
+            await asyncio.sleep(max(0.0, start + arrivals[u] - loop.time()))
             history = list(system)
             for t in range(self.turns):
                 history += messages[u][t]
