@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,7 +53,11 @@ def _check_fields(workload: Any) -> None:
         raise ValueError(f"workload.rate: expected requests per second > 0, or null for all at once, got {rate!r}")
 
 
-def _arrival_times(rng: random.Random, rate: float, n: int) -> list[float]:
+def _arrival_times(rng: random.Random, rate: float | None, n: int) -> list[float]:
+    """Seconds from the start of `n` Poisson arrivals at `rate` per second (all 0 for None);
+    leaves `rng` as it was, so the requests drawn after do not depend on the rate."""
+    if rate is None:
+        return [0.0] * n
     times, t = [], 0.0
     state = rng.getstate()
     for _ in range(n):
@@ -60,6 +65,17 @@ def _arrival_times(rng: random.Random, rate: float, n: int) -> list[float]:
         times.append(t)
     rng.setstate(state)
     return times
+
+
+def _clock() -> Callable[[float], Awaitable[None]]:
+    """`await at(t)`: sleep until `t` seconds after this call."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def at(when: float) -> None:
+        await asyncio.sleep(max(0.0, start + when - loop.time()))
+
+    return at
 
 
 @dataclass(frozen=True)
@@ -92,12 +108,11 @@ class MultiTurnWorkload:
         messages = [[random_tokens(rng, first if t == 0 else self.message_tokens, vocab_size)
                      for t in range(self.turns)] for _ in range(self.users)]
 
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        arrivals = _arrival_times(rng, self.rate, self.users) if self.rate else [0.0] * self.users
+        at = _clock()
+        arrivals = _arrival_times(rng, self.rate, self.users)
 
         async def user(u: int) -> None:
-            await asyncio.sleep(max(0.0, start + arrivals[u] - loop.time()))
+            await at(arrivals[u])
             history = list(system)
             for t in range(self.turns):
                 history += messages[u][t]
@@ -189,11 +204,10 @@ class ReplayWorkload:
         return len(self.lines())
 
     async def run(self, client: Client, vocab_size: int) -> None:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        at = _clock()
 
         async def one(i: int, row: dict[str, Any]) -> None:
-            await asyncio.sleep(max(0.0, start + float(row.get("time", 0.0)) - loop.time()))
+            await at(float(row.get("time", 0.0)))
             await client.request(row.get("prompt", row.get("text")), int(row.get("max_tokens", self.max_tokens)),
                                  f"line{i + 1}")
 
@@ -202,12 +216,11 @@ class ReplayWorkload:
 
 async def _send_all(client: Client, prompts: list[tuple[str, list[int], bool]], max_tokens: int,
                     rng: random.Random, rate: float | None) -> None:
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    times = _arrival_times(rng, rate, len(prompts)) if rate else [0.0] * len(prompts)
+    at = _clock()
+    times = _arrival_times(rng, rate, len(prompts))
 
     async def one(when: float, tag: str, prompt: list[int], returning: bool) -> None:
-        await asyncio.sleep(max(0.0, start + when - loop.time()))
+        await at(when)
         await client.request(prompt, max_tokens, tag, returning)
 
     await asyncio.gather(*(one(t, *request) for t, request in zip(times, prompts, strict=True)))
