@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from tieredkv.model.runner import ModelRunner, StepInputs
 
 MIXED_TOKEN_BUCKETS = (128, 256, 512, 1024)
+MAX_MIXED_TOKENS = MIXED_TOKEN_BUCKETS[-1]  # larger steps keep the GPU busier than their launches take
 
 
 def batch_buckets(max_batch: int) -> list[int]:

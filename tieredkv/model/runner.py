@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,16 +25,13 @@ from transformers import (
 from tieredkv.cache.hashing import weights_id
 from tieredkv.config import ModelConfig
 from tieredkv.model import attention, fused
+from tieredkv.model.cuda_graphs import MAX_MIXED_TOKENS, StepGraphs
 from tieredkv.model.presets import PRESETS, build_preset
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import ScheduledSeq
 from tieredkv.sequence import Sequence as Seq
 
-if TYPE_CHECKING:
-    from tieredkv.model.cuda_graphs import StepGraphs
-
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MAX_MIXED_TOKENS = 1024  # mixed steps (decodes beside prefill chunks) up to this size run as CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -143,8 +139,6 @@ class ModelRunner:
         """Record forward passes as CUDA graphs: decode steps of up to `max_batch` sequences,
         and mixed steps of up to `max_mixed_tokens` tokens (0: none); later steps that fit
         replay them."""
-        from tieredkv.model.cuda_graphs import StepGraphs
-
         assert self.kv_cache is not None, "allocate_kv_cache() before capture_graphs()"
         width = min(-(-self.max_model_len // self.block_size), self.kv_cache.shape[2])
         self.graphs = StepGraphs(self, max_batch, width, max_mixed_tokens)
