@@ -2,9 +2,10 @@
 running beside a swap.
 
 For each (staging slots of 128 MiB, CTA cap of the gather/scatter kernels): swap-out and
-swap-in of 2k, 8k and 32k tokens and both at once, as ratios to the pinned peaks of the same
-run; and the decode step of the `llama-3-8b` preset beside a 32k-token swap each way, eager at
-batch 32 and in a CUDA graph at batch 64, as the slowdown against the step alone (median of 7).
+swap-in of 2k, 8k and 32k tokens and both at once, in GPU time (see bench_transfer.py), as
+ratios to the pinned peaks of the same run; and the decode step of the `llama-3-8b` preset
+beside a 32k-token swap each way, eager at batch 32 and in a CUDA graph at batch 64, as the
+slowdown against the step alone (median of 25 back-to-back pairs).
 
     python benchmarks/bench_swap_sweep.py
 """
@@ -12,10 +13,18 @@ batch 32 and in a CUDA graph at batch 64, as the slowdown against the step alone
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Callable
 
 import torch
-from bench_transfer import CPU_BLOCKS, POOL_BLOCKS, build, run_job, step_beside_swap, swap_job
+from bench_transfer import (
+    CPU_BLOCKS,
+    POOL_BLOCKS,
+    build,
+    median_gpu_seconds,
+    slowdown_beside,
+    swap_job,
+)
 from common import pinned_peaks, require_cuda, time_cuda
 from decode_step import DecodeStep
 
@@ -29,29 +38,23 @@ def swap_ratios(engine: CudaTransferEngine, peaks: dict[str, float], rng: random
     for tokens in (2048, 8192, 32768):
         for kind in ("d2h", "h2d"):
             job = swap_job(kind, tokens, rng, range(POOL_BLOCKS), range(CPU_BLOCKS))
-            seconds = time_cuda(lambda job=job: run_job(engine, job), reps=5)
-            gbs = len(job.gpu_block_ids) * engine.block_bytes / seconds / 1e9
+            gbs = len(job.gpu_block_ids) * engine.block_bytes / median_gpu_seconds(engine, [job]) / 1e9
             cells.append(f"{kind} {tokens // 1024}k {gbs / peaks[f'{kind}_peak_gbs']:.1%}")
     half = 16384
     out_job = swap_job("d2h", half, rng, range(POOL_BLOCKS // 2), range(CPU_BLOCKS // 2))
     in_job = swap_job("h2d", half, rng, range(POOL_BLOCKS // 2, POOL_BLOCKS), range(CPU_BLOCKS // 2, CPU_BLOCKS))
 
-    def both() -> None:
-        engine.wait([engine.submit(out_job), engine.submit(in_job)])
-        engine.poll()
-
-    gbs = 2 * len(out_job.gpu_block_ids) * engine.block_bytes / time_cuda(both, reps=5) / 1e9
+    gbs = 2 * len(out_job.gpu_block_ids) * engine.block_bytes / median_gpu_seconds(engine, [out_job, in_job]) / 1e9
     cells.append(f"two-way {gbs / peaks['two_way_peak_gbs']:.1%}")
     return cells
 
 
-def slowdowns(engine: CudaTransferEngine, steps: dict[str, tuple[Callable[[], object], float]],
-              rng: random.Random) -> list[str]:
+def slowdowns(engine: CudaTransferEngine, steps: dict[str, Callable[[], object]], rng: random.Random) -> list[str]:
     cells = []
     for kind in ("d2h", "h2d"):
         job = swap_job(kind, 32768, rng, range(POOL_BLOCKS), range(CPU_BLOCKS))
-        for name, (step, alone) in steps.items():
-            cells.append(f"{kind}/{name} {step_beside_swap(engine, job, step, reps=7) / alone - 1:+.1%}")
+        for name, step in steps.items():
+            cells.append(f"{kind}/{name} {statistics.median(slowdown_beside(engine, job, step)) - 1:+.1%}")
     return cells
 
 
@@ -77,7 +80,7 @@ def main() -> None:
 
     graph_alone = time_cuda(graph_step, reps=10)
     print(f"decode step alone: eager batch 32 {eager_alone * 1e3:.2f} ms, graph batch 64 {graph_alone * 1e3:.2f} ms")
-    steps = {"eager": (eager, eager_alone), "graph": (graph_step, graph_alone)}
+    steps = {"eager": eager, "graph": graph_step}
     for slots, programs in SETTINGS:
         engine = CudaTransferEngine(first.kv_cache, tier.data, staging_bytes=slots * CHUNK_BYTES,
                                     copy_programs=programs)

@@ -55,6 +55,11 @@ class CudaTransferEngine(TransferEngine):
         self._compute_waits: dict[int, torch.cuda.Event] = {}  # jobs no forward pass waited for yet
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around each compute wait
 
+    @property
+    def streams(self) -> tuple[torch.cuda.Stream, ...]:
+        """The side streams the transfers run on."""
+        return self.d2h.first, self.d2h.second, self.h2d.first, self.h2d.second
+
     def _start(self, job_id: int, job: TransferJob) -> None:
         job = _in_cpu_order(job)
         compute = torch.cuda.current_stream(self.kv_cache.device)
