@@ -77,7 +77,8 @@ def _cb_config_class() -> type:
 def longest_request(workload: Workload) -> tuple[int, int]:
     """(longest prompt, most new tokens) the workload sends: hints for sizing the peer's block tables."""
     if isinstance(workload, MultiTurnWorkload):
-        prompt = workload.system_prompt_tokens + workload.turns * workload.message_tokens
+        first = workload.message_tokens if workload.first_message_tokens is None else workload.first_message_tokens
+        prompt = workload.system_prompt_tokens + first + (workload.turns - 1) * workload.message_tokens
         return prompt + (workload.turns - 1) * workload.max_tokens, workload.max_tokens
     if isinstance(workload, LongDocQAWorkload):
         return workload.document_tokens + workload.question_tokens, workload.max_tokens

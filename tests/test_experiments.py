@@ -146,7 +146,7 @@ def test_transformers_peer_serves_the_same_workload(tmp_path):
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
     workload = {"kind": "multi_turn", "users": 2, "turns": 2, "system_prompt_tokens": 20, "message_tokens": 6,
-                "max_tokens": 4, "think_time_s": 0.0}
+                "first_message_tokens": 10, "max_tokens": 4, "think_time_s": 0.0}
     config = write_config(tmp_path, workload)
     out = tmp_path / "peer" / "result.json"
     assert peer.main([config, "--out", str(out), "--no-progress"]) == 0
@@ -162,8 +162,10 @@ def test_transformers_peer_serves_the_same_workload(tmp_path):
         assert r["ttft"] > 0 and len(r["token_times"]) == workload["max_tokens"]
         assert r["token_times"] == sorted(r["token_times"])
     assert theirs["summary"]["output_tokens"] == ours.output_tokens == 4 * workload["max_tokens"]
-    # turn 1 finds (at least) the whole blocks of its own turn 0 cached: 26 prompt + 4 output tokens, blocks of 4
-    assert all(r["cached_tokens"] >= 28 for r in theirs["requests"] if r["returning"])
+    # its block tables are sized for the longest prompt the workload sends
+    assert peer.longest_request(make_workload(workload)) == (max(r["prompt_tokens"] for r in mine["requests"]), 4)
+    # turn 1 finds (at least) the whole blocks of its own turn 0 cached: 30 prompt + 4 output tokens, blocks of 4
+    assert all(r["cached_tokens"] >= 32 for r in theirs["requests"] if r["returning"])
     assert theirs["config"]["peer"]["requested"]["num_blocks"] == ENGINE["cache"]["num_gpu_blocks"]
 
 
