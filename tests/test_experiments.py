@@ -94,6 +94,50 @@ def test_compare_prints_variants_side_by_side(tmp_path, capsys):
     assert (tmp_path / "out" / "exp" / "gpu+cpu" / "result.json").exists()
 
 
+def test_prometheus_exposes_every_variant_while_it_runs(tmp_path):
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from tieredkv.prometheus import PrometheusExporter
+
+    workload = {"kind": "multi_turn", "users": 2, "turns": 2, "system_prompt_tokens": 16, "message_tokens": 4,
+                "max_tokens": 3}
+    variants = [{"name": "recompute-only", "cache": {"cpu_cache_bytes": 0}, "scheduler": {"preemption": "recompute"}},
+                {"name": "swap", "scheduler": {"preemption": "swap"}}]
+    exporter = PrometheusExporter(0, "127.0.0.1")
+    try:
+        summaries = run_experiment(write_config(tmp_path, workload, variants=variants), str(tmp_path / "out"),
+                                   compare=True, use_tqdm=False, exporter=exporter)
+        with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics") as response:
+            text = response.read().decode()
+    finally:
+        exporter.close()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    for summary in summaries:
+        v = summary.name
+        assert samples[f'tieredkv_requests_total{{outcome="ok",variant="{v}"}}'] == summary.requests == 4
+        assert samples[f'tieredkv_output_tokens_total{{variant="{v}"}}'] == summary.output_tokens == 12
+        assert samples[f'tieredkv_ttft_seconds_count{{variant="{v}"}}'] == 4
+        assert samples[f'tieredkv_itl_seconds_count{{variant="{v}"}}'] == 4 * 2
+        # the engine's stats as they were at the end of the variant's run
+        assert samples[f'tieredkv_prefix_hit_tokens{{variant="{v}"}}'] == summary.stats["prefix_hit_tokens"]
+        for kind, count in summary.stats["preemptions"].items():
+            assert samples[f'tieredkv_preemptions{{kind="{kind}",variant="{v}"}}'] == count
+
+
+def test_prometheus_port_errors_are_clear():
+    pytest.importorskip("prometheus_client")
+    from tieredkv.prometheus import PrometheusExporter
+
+    taken = PrometheusExporter(0, "127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match=f"--prometheus-port {taken.port}: cannot listen"):
+            PrometheusExporter(taken.port, "127.0.0.1")
+    finally:
+        taken.close()
+
+
 @pytest.mark.parametrize(
     "workload, message",
     [

@@ -43,6 +43,19 @@ def test_prefixes_come_back_from_nvme_after_restart(tmp_path, backend, reference
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
         stats = llm.stats()
     assert stats["nvme_loaded_blocks"] > 0 and stats["nvme_failed_loads"] == 0
+    assert stats["nvme_loaded_blocks"] <= stats["nvme_prefix_blocks"]["load"]
+
+
+def test_a_disk_slower_than_recompute_is_counted_and_not_read(tmp_path, reference_outputs):
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+    with tiered_llm(tmp_path) as llm:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    with tiered_llm(tmp_path, cost_model={**LOAD_WINS, "disk_read_bytes_per_s": 1.0}) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        stats = llm.stats()
+    assert stats["nvme_prefix_blocks"]["compute"] > 0 and stats["nvme_prefix_blocks"]["load"] == 0
+    assert stats["nvme_loaded_blocks"] == 0
 
 
 def test_another_model_never_reuses_the_store(tmp_path, reference_outputs):

@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run every entry of the file's `variants:` list and print them side by side")
     run.add_argument("--out", default="results", help="where result.json and the plots go (default: results/)")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    run.add_argument("--prometheus-port", type=int, metavar="PORT",
+                     help="serve the engine's stats and the clients' latencies at :PORT/metrics while the run "
+                     "lasts (needs prometheus-client)")
     return parser
 
 
@@ -36,13 +39,21 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     from tieredkv.experiment import format_comparison, format_summary, run_experiment
+    from tieredkv.prometheus import PrometheusExporter
 
+    exporter = None
     try:
+        if args.prometheus_port is not None:
+            exporter = PrometheusExporter(args.prometheus_port)
+            print(f"Prometheus metrics at http://localhost:{exporter.port}/metrics", flush=True)
         summaries = run_experiment(args.config, args.out, args.compare, use_tqdm=not args.no_progress,
-                                   on_summary=lambda s: print(format_summary(s), flush=True))
+                                   on_summary=lambda s: print(format_summary(s), flush=True), exporter=exporter)
     except ValueError as err:
         print(f"tieredkv: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if exporter is not None:
+            exporter.close()
     if len(summaries) > 1:
         print(format_comparison(summaries))
     print(f"results in {args.out}/")

@@ -247,11 +247,13 @@ class LLMEngine:
         )
 
     def stats(self) -> dict[str, Any]:
-        """Blocks per tier, prefix-cache hits, preemptions by kind, tokens computed."""
+        """Blocks per tier, prefix-cache hits, preemptions by kind, NVMe prefix blocks by the cost
+        model's choice (load or compute), tokens computed."""
         return {
             **self.kv.stats(),
             "preemptions": dict(self.scheduler.num_preemptions),
             "swap_fallbacks": self.scheduler.num_swap_fallbacks,
+            "nvme_prefix_blocks": dict(self.scheduler.nvme_prefix_blocks),
             **self._counters,
             "requests_waiting": len(self.scheduler.waiting),
             "requests_running": len(self.scheduler.running),

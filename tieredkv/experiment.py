@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from tieredkv.async_engine import AsyncLLM
 from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
 from tieredkv.plots import write_plots
+from tieredkv.prometheus import PrometheusExporter
 from tieredkv.sampling import SamplingParams
 from tieredkv.workloads import Workload, make_workload
 
@@ -124,8 +125,8 @@ def result_document(name: str, config: dict[str, Any], workload: Workload, summa
 class _Client:
     """Sends a workload's requests through AsyncLLM and records what it sees."""
 
-    def __init__(self, llm: AsyncLLM, bar: tqdm) -> None:
-        self.llm, self.bar = llm, bar
+    def __init__(self, llm: AsyncLLM, bar: tqdm, name: str, exporter: PrometheusExporter | None) -> None:
+        self.llm, self.bar, self.name, self.exporter = llm, bar, name, exporter
         self.records: list[RequestRecord] = []
 
     async def request(self, prompt: list[int] | str, max_tokens: int, tag: str, returning: bool = False) -> list[int]:
@@ -142,13 +143,18 @@ class _Client:
         except ValueError as err:
             record.error = str(err)
         self.bar.update(1)
+        if self.exporter is not None:
+            self.exporter.record(self.name, record.ttft, record.itls, len(record.token_times), record.error is not None)
         return tokens
 
 
-async def _timeline(llm: AsyncLLM, start: float, samples: list[dict[str, Any]], stop: asyncio.Event) -> None:
+async def _timeline(llm: AsyncLLM, start: float, samples: list[dict[str, Any]], stop: asyncio.Event,
+                    publish: Callable[[dict[str, Any]], None] | None) -> None:
     keys = ("gpu_blocks_used", "cpu_blocks_used", "cpu_blocks_cached", "nvme_slots_used", "decode_tokens")
     while not stop.is_set():
         stats = llm.stats()
+        if publish is not None:
+            publish(stats)
         samples.append({"t": time.monotonic() - start, **{k: stats.get(k, 0) for k in keys}})
         try:
             await asyncio.wait_for(stop.wait(), TIMELINE_PERIOD_S)
@@ -156,20 +162,24 @@ async def _timeline(llm: AsyncLLM, start: float, samples: list[dict[str, Any]], 
             pass
 
 
-async def _run(config: EngineConfig, workload: Workload, name: str, use_tqdm: bool) -> tuple[Summary, dict]:
+async def _run(config: EngineConfig, workload: Workload, name: str, use_tqdm: bool,
+               exporter: PrometheusExporter | None) -> tuple[Summary, dict]:
     llm = AsyncLLM(config=config)
     vocab = llm.engine.runner.model.config.vocab_size
     timeline: list[dict[str, Any]] = []
     stop = asyncio.Event()
     with tqdm(total=workload.num_requests, desc=name, unit="req", disable=not use_tqdm) as bar:
-        client = _Client(llm, bar)
+        client = _Client(llm, bar, name, exporter)
+        publish = None if exporter is None else lambda stats: exporter.update(name, stats)
         start = time.monotonic()
-        sampler = asyncio.create_task(_timeline(llm, start, timeline, stop))
+        sampler = asyncio.create_task(_timeline(llm, start, timeline, stop, publish))
         await workload.run(client, vocab)
         elapsed = time.monotonic() - start
         stop.set()
         await sampler
     stats = llm.stats()
+    if exporter is not None:
+        exporter.update(name, stats)
     await llm.close()
     summary = summarize(name, client.records, elapsed, stats)
     result = result_document(name, config.to_dict(), workload, summary, client.records, start, timeline)
@@ -206,16 +216,17 @@ def variants(doc: dict[str, Any], compare: bool) -> list[tuple[str, dict[str, An
 
 def run_experiment(
     path: str, out_dir: str = "results", compare: bool = False, use_tqdm: bool = True,
-    on_summary: Callable[[Summary], None] | None = None,
+    on_summary: Callable[[Summary], None] | None = None, exporter: PrometheusExporter | None = None,
 ) -> list[Summary]:
-    """Run the experiment (or each variant); `on_summary` sees each run's summary as it ends."""
+    """Run the experiment (or each variant); `on_summary` sees each run's summary as it ends;
+    `exporter` publishes the engine's stats and the clients' latencies while it runs."""
     doc = read_yaml(path)
     EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS)  # the base must be valid on its own
     workload = make_workload(doc.get("workload") or {})
     summaries = []
     for name, engine_doc in variants(doc, compare):
         config = EngineConfig.from_dict(engine_doc)
-        summary, result = asyncio.run(_run(config, workload, name, use_tqdm))
+        summary, result = asyncio.run(_run(config, workload, name, use_tqdm, exporter))
         folder = os.path.join(out_dir, name)
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "result.json"), "w") as f:
@@ -229,6 +240,7 @@ def run_experiment(
 
 def format_summary(s: Summary) -> str:
     preempt = s.stats.get("preemptions", {})
+    nvme_choice = s.stats.get("nvme_prefix_blocks", {})
     rows = [
         ("requests", f"{s.requests} ({s.errors} errors), {s.requests_per_s:.2f} req/s"),
         ("prompt / output tokens", f"{s.prompt_tokens} / {s.output_tokens}"),
@@ -244,6 +256,7 @@ def format_summary(s: Summary) -> str:
         ("moved D2H / H2D", f"{s.stats.get('bytes_d2h', 0) / 2**20:.1f} / {s.stats.get('bytes_h2d', 0) / 2**20:.1f} MiB"),
         ("compute waited on transfers", f"{s.stats.get('transfer_wait_s', 0.0):.3f} s"),
         ("spilled to NVMe", f"{s.stats.get('nvme_spilled_blocks', 0)} blocks"),
+        ("NVMe prefix blocks: load / compute", f"{nvme_choice.get('load', 0)} / {nvme_choice.get('compute', 0)}"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"== {s.name} =="] + [f"{k:<{width}}  {v}" for k, v in rows])

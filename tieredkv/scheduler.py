@@ -68,6 +68,8 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
         self.num_swap_fallbacks = 0
+        # prefix blocks found on NVMe at planning, by what the cost model chose for them
+        self.nvme_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -151,6 +153,8 @@ class Scheduler:
             return
         first = prefix.num_tokens(self.kv.block_size)
         compute = self.policy.nvme_blocks_to_compute(len(prefix.nvme_refs), first)
+        self.nvme_prefix_blocks["compute"] += compute
+        self.nvme_prefix_blocks["load"] += len(prefix.nvme_refs) - compute
         if compute < len(prefix.nvme_refs) and self.kv.start_loads(seq, prefix.nvme_refs[compute:]):
             seq.load_from = first + compute * self.kv.block_size
 
