@@ -111,15 +111,6 @@ def bench_swaps(engine: CudaTransferEngine, peaks: dict[str, float], rng: random
     return records
 
 
-def time_once(fn: Callable[[], object]) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
-
-
 def slowdown_beside(engine: CudaTransferEngine, job: TransferJob, step: Callable[[], object],
                     pairs: int = 25) -> list[float]:
     """`pairs` ratios of `step` timed while `job` runs beside it (submitted just before the
@@ -128,9 +119,9 @@ def slowdown_beside(engine: CudaTransferEngine, job: TransferJob, step: Callable
         step()
     ratios = []
     for _ in range(pairs):
-        alone = time_once(step)
+        alone = time_cuda(step, reps=1, warmup=0)
         job_id = engine.submit(job)
-        beside = time_once(step)
+        beside = time_cuda(step, reps=1, warmup=0)
         engine.wait([job_id])
         engine.poll()
         ratios.append(beside / alone)

@@ -178,8 +178,8 @@ async def _run(config: EngineConfig, workload: Workload, name: str, use_tqdm: bo
         stop.set()
         await sampler
     stats = llm.stats()
-    if exporter is not None:
-        exporter.update(name, stats)
+    if publish is not None:
+        publish(stats)
     await llm.close()
     summary = summarize(name, client.records, elapsed, stats)
     result = result_document(name, config.to_dict(), workload, summary, client.records, start, timeline)
