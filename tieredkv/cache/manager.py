@@ -20,6 +20,7 @@ Operations:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tieredkv.cache.block_pool import Block, BlockPool
@@ -87,27 +88,31 @@ class KVCacheManager:
         return self.offload.num_free if self.offload else 0
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        # At least one token must be computed to get logits, so a full hit stops one block short.
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash)
         found: list[list[Block]] = [[], []]
         on_disk: list[BlockRef] = []
         tier = 0
-        for i in range(max_blocks):
-            parent = hashes[i - 1] if i else self.root_hash
-            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            block = self.pool.lookup(hashes[i], parent, tokens) if tier == 0 else None
+        for block_hash, parent, tokens in self._full_blocks(seq):
+            block = self.pool.lookup(block_hash, parent, tokens) if tier == 0 else None
             if block is None and self.offload is not None and tier <= 1:
                 tier = 1
-                block = self.offload.lookup(hashes[i], parent, tokens)
+                block = self.offload.lookup(block_hash, parent, tokens)
             if block is not None:
                 found[tier].append(block)
-            elif self.offload is not None and self.offload.nvme_contains(hashes[i]):
+            elif self.offload is not None and self.offload.nvme_contains(block_hash):
                 tier = 2  # the store verifies parent and tokens when it reads the block
-                on_disk.append(BlockRef(hashes[i], parent, tuple(tokens)))
+                on_disk.append(BlockRef(block_hash, parent, tuple(tokens)))
             else:
                 break
         return PrefixMatch(tuple(found[0]), tuple(found[1]), tuple(on_disk))
+
+    def _full_blocks(self, seq: Sequence, start: int = 0) -> Iterator[tuple[int, int, list[int]]]:
+        """(hash, parent hash, tokens) of the sequence's full blocks from block `start` on that a
+        prefix hit may cover: at least one token must be computed to get logits, so a full hit
+        stops one block short."""
+        bs = self.block_size
+        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, bs, self.root_hash)
+        for i in range(start, (seq.num_tokens - 1) // bs):
+            yield hashes[i], hashes[i - 1] if i else self.root_hash, seq.token_ids[i * bs : (i + 1) * bs]
 
     def start_loads(self, seq: Sequence, refs: tuple[BlockRef, ...]) -> int:
         """Start reading NVMe prefix blocks into the CPU tier; how many reads started."""
@@ -126,12 +131,9 @@ class KVCacheManager:
 
     def _cpu_run(self, seq: Sequence, start: int) -> list[Block]:
         """The CPU-tier blocks holding the sequence's full blocks from block `start` on."""
-        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash)
         found = []
-        for i in range(start, (seq.num_tokens - 1) // self.block_size):
-            parent = hashes[i - 1] if i else self.root_hash
-            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            block = self.offload.lookup(hashes[i], parent, tokens)
+        for block_hash, parent, tokens in self._full_blocks(seq, start):
+            block = self.offload.lookup(block_hash, parent, tokens)
             if block is None:
                 break
             found.append(block)
@@ -145,16 +147,10 @@ class KVCacheManager:
         for block in cpu_blocks:
             self.offload.pool.touch(block)
         self._extend(seq.request_id, self.pool.allocate(max(need, 0)) or [])
-        targets = table[start : start + len(cpu_blocks)]
-        try:
-            self._land(seq, self.offload.copy_in(cpu_blocks, [b.block_id for b in targets]), targets)
-        except TransferError:
+        if not self._promote(seq, cpu_blocks, table[start : start + len(cpu_blocks)]):
             return 0
-        for src, dst in zip(cpu_blocks, targets, strict=True):
-            self.pool.cache(dst, src.block_hash, src.parent_hash, src.token_ids)
         seq.num_computed_tokens += len(cpu_blocks) * self.block_size
         self._num_committed[seq.request_id] = start + len(cpu_blocks)
-        self.offload.hit_blocks += len(cpu_blocks)
         return len(cpu_blocks)
 
     def loading(self, seq: Sequence) -> bool:
@@ -203,7 +199,8 @@ class KVCacheManager:
         return Allocation(tuple(b.block_id for b in fresh), num_cached)
 
     def _promote(self, seq: Sequence, cpu_blocks: list[Block], gpu_blocks: list[Block]) -> int:
-        """Copy CPU prefix hits into the first fresh GPU blocks; how many arrived."""
+        """Copy CPU prefix blocks into the first of `gpu_blocks` and cache them there; how many
+        arrived (0 if the copy failed: the tokens are recomputed instead)."""
         if not cpu_blocks:
             return 0
         targets = gpu_blocks[: len(cpu_blocks)]
