@@ -94,6 +94,10 @@ class Summary:
         return self.stats.get("prefix_hit_tokens", 0) / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+def _percentiles(values: list[float]) -> dict[str, float]:
+    return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+
+
 def summarize(name: str, records: list[RequestRecord], elapsed_s: float, stats: dict[str, Any]) -> Summary:
     """The figures of a run from what its clients recorded and the engine's `stats`."""
     ttfts = [r.ttft for r in records if r.ttft is not None]
@@ -103,9 +107,7 @@ def summarize(name: str, records: list[RequestRecord], elapsed_s: float, stats: 
         name=name, requests=len(records), errors=sum(r.error is not None for r in records),
         prompt_tokens=sum(r.prompt_tokens for r in records),
         output_tokens=sum(len(r.token_times) for r in records), elapsed_s=elapsed_s,
-        ttft_s={f"p{q}": percentile(ttfts, q) for q in (50, 90, 99)},
-        ttft_returning_s={f"p{q}": percentile(returning, q) for q in (50, 90, 99)},
-        itl_s={f"p{q}": percentile(itls, q) for q in (50, 90, 99)},
+        ttft_s=_percentiles(ttfts), ttft_returning_s=_percentiles(returning), itl_s=_percentiles(itls),
         stats=stats,
     )
 
@@ -266,18 +268,18 @@ def format_comparison(summaries: list[Summary]) -> str:
     """Side by side, with each figure's ratio to the first variant's."""
     first = summaries[0]
     figures = [
-        ("output tok/s", lambda s: s.output_tokens_per_s, True),
-        ("TTFT p50 ms", lambda s: s.ttft_s["p50"] * 1e3, False),
-        ("TTFT p99 ms", lambda s: s.ttft_s["p99"] * 1e3, False),
-        ("return TTFT p50 ms", lambda s: s.ttft_returning_s["p50"] * 1e3, False),
-        ("ITL p50 ms", lambda s: s.itl_s["p50"] * 1e3, False),
-        ("prefix hit %", lambda s: s.prefix_hit_rate * 100, True),
+        ("output tok/s", lambda s: s.output_tokens_per_s),
+        ("TTFT p50 ms", lambda s: s.ttft_s["p50"] * 1e3),
+        ("TTFT p99 ms", lambda s: s.ttft_s["p99"] * 1e3),
+        ("return TTFT p50 ms", lambda s: s.ttft_returning_s["p50"] * 1e3),
+        ("ITL p50 ms", lambda s: s.itl_s["p50"] * 1e3),
+        ("prefix hit %", lambda s: s.prefix_hit_rate * 100),
     ]
     width = max(len(s.name) for s in summaries) + 2
-    lines = [f"{'variant':<{width}}" + "".join(f"{name:>22}" for name, _, _ in figures)]
+    lines = [f"{'variant':<{width}}" + "".join(f"{name:>22}" for name, _ in figures)]
     for s in summaries:
         cells = []
-        for _, get, _ in figures:
+        for _, get in figures:
             value, base = get(s), get(first)
             ratio = f"({value / base:.2f}x)" if base else ""
             cells.append(f"{value:>12.1f} {ratio:>9}")
