@@ -29,7 +29,7 @@ from tieredkv import LLM, SamplingParams
 from tieredkv.cache.hashing import extend_block_hashes
 from tieredkv.calibrate import fit_prefill, measure_bandwidth, measure_disk_read
 from tieredkv.policy import CostModel
-from tieredkv.tiers.slot_format import aligned_empty
+from tieredkv.tiers.nvme.slot_format import aligned_empty
 
 LENGTHS = (16384, 32768, 65536)
 QUESTION = 64

@@ -41,10 +41,14 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, ModelConfig, read_yaml
-from tieredkv.experiment import RequestRecord, Summary, format_summary, result_document, summarize
-from tieredkv.model.presets import PRESETS, build_preset
-from tieredkv.model.runner import KVSpec
-from tieredkv.workloads import (
+from tieredkv.experiment.harness import (
+    RequestRecord,
+    Summary,
+    format_summary,
+    result_document,
+    summarize,
+)
+from tieredkv.experiment.workloads import (
     LongDocQAWorkload,
     MultiTurnWorkload,
     PreemptionStormWorkload,
@@ -52,6 +56,8 @@ from tieredkv.workloads import (
     Workload,
     make_workload,
 )
+from tieredkv.model.presets import PRESETS, build_preset
+from tieredkv.model.runner import KVSpec
 
 WATCHDOG_S = 5.0  # how often a waiting request checks that the generation thread is still alive
 TTFT_METHOD = "client side: from request() to the first streamed token reaching the client coroutine"

@@ -28,7 +28,7 @@ from bench_transfer import (
 from common import pinned_peaks, require_cuda, time_cuda
 from decode_step import DecodeStep
 
-from tieredkv.transfer_cuda import CHUNK_BYTES, CudaTransferEngine
+from tieredkv.transfer.cuda import CHUNK_BYTES, CudaTransferEngine
 
 SETTINGS = ((8, None), (3, None), (2, None), (8, 64), (3, 64), (2, 64))  # (slots, CTA cap)
 

@@ -21,8 +21,8 @@ from tieredkv.config import ModelConfig
 from tieredkv.model.runner import ModelRunner
 from tieredkv.policy import CostModel, choose_preemption
 from tieredkv.tiers.cpu import CPUTier
-from tieredkv.transfer import TransferJob
-from tieredkv.transfer_cuda import CudaTransferEngine
+from tieredkv.transfer.cuda import CudaTransferEngine
+from tieredkv.transfer.engine import TransferJob
 
 LENGTHS = (256, 1024, 4096, 8192, 16384, 32768)
 BLOCK_SIZE = 16

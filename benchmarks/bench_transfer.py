@@ -34,8 +34,8 @@ from common import (
 )
 
 from tieredkv.tiers.cpu import CPUTier
-from tieredkv.transfer import TransferJob
-from tieredkv.transfer_cuda import CudaTransferEngine
+from tieredkv.transfer.cuda import CudaTransferEngine
+from tieredkv.transfer.engine import TransferJob
 
 BLOCK_SIZE = 16
 SLEEP_CYCLES = 20_000_000  # about 10 ms of GPU sleep: longer than the host submit of a 32k-token job

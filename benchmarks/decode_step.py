@@ -10,8 +10,7 @@ import torch
 from tieredkv.config import ModelConfig
 from tieredkv.model.runner import ModelRunner
 from tieredkv.sampling import SamplingParams
-from tieredkv.scheduler import ScheduledSeq
-from tieredkv.sequence import Sequence
+from tieredkv.sequence import ScheduledSeq, Sequence
 
 BLOCK_SIZE = 16
 

@@ -8,7 +8,7 @@ import torch
 from tests.reference import make_prompts
 from tieredkv import LLM, SamplingParams
 from tieredkv.policy import CostModel, choose_preemption
-from tieredkv.transfer import TransferEngine, TransferError, TransferJob, consecutive_runs
+from tieredkv.transfer.engine import TransferEngine, TransferError, TransferJob, consecutive_runs
 
 NEW_TOKENS = 40
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from tieredkv.cli import main
-from tieredkv.experiment import run_experiment
-from tieredkv.workloads import make_workload
+from tieredkv.experiment.harness import run_experiment
+from tieredkv.experiment.workloads import make_workload
 
 ENGINE = {"model": "tiny-llama", "cache": {"block_size": 4, "num_gpu_blocks": 48, "cpu_cache_bytes": "128KiB"},
           "scheduler": {"max_num_batched_tokens": 64}}
@@ -76,7 +76,7 @@ def test_replay(tmp_path):
 
 
 def test_same_seed_same_requests():
-    from tieredkv.workloads import LongDocQAWorkload
+    from tieredkv.experiment.workloads import LongDocQAWorkload
 
     a, b = LongDocQAWorkload(seed=3), LongDocQAWorkload(seed=3)
     assert a == b and make_workload({"kind": "long_doc_qa", "seed": 3}) == a
@@ -98,7 +98,7 @@ def test_prometheus_exposes_every_variant_while_it_runs(tmp_path):
     pytest.importorskip("prometheus_client")
     import urllib.request
 
-    from tieredkv.prometheus import PrometheusExporter
+    from tieredkv.experiment.prometheus import PrometheusExporter
 
     workload = {"kind": "multi_turn", "users": 2, "turns": 2, "system_prompt_tokens": 16, "message_tokens": 4,
                 "max_tokens": 3}
@@ -128,7 +128,7 @@ def test_prometheus_exposes_every_variant_while_it_runs(tmp_path):
 
 def test_prometheus_port_errors_are_clear():
     pytest.importorskip("prometheus_client")
-    from tieredkv.prometheus import PrometheusExporter
+    from tieredkv.experiment.prometheus import PrometheusExporter
 
     taken = PrometheusExporter(0, "127.0.0.1")
     try:
@@ -164,7 +164,7 @@ def test_every_shipped_config_is_valid():
     from pathlib import Path
 
     from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
-    from tieredkv.experiment import variants
+    from tieredkv.experiment.harness import variants
 
     configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     assert len(configs) >= 4

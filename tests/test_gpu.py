@@ -8,7 +8,7 @@ import torch
 from tests.reference import make_prompts
 from tieredkv import LLM, SamplingParams
 from tieredkv.tiers.cpu import CPUTier
-from tieredkv.transfer import TransferJob
+from tieredkv.transfer.engine import TransferJob
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,9 +48,9 @@ def test_gpu_large_cache_and_cpu_prefix_hits(reference_outputs):
 
 
 def test_gpu_round_trip_is_bit_identical(monkeypatch):
-    from tieredkv import transfer_cuda
-    from tieredkv.transfer import consecutive_runs
-    from tieredkv.transfer_cuda import CudaTransferEngine
+    from tieredkv.transfer import cuda as transfer_cuda
+    from tieredkv.transfer.cuda import CudaTransferEngine
+    from tieredkv.transfer.engine import consecutive_runs
 
     shape = (4, 2, 64, 16, 2, 64)
     kv = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -112,8 +112,7 @@ def test_gpu_mixed_step_graphs_match_eager():
     """Mixed steps of every shape (chunks of a few to hundreds of tokens beside decodes, each
     padded into its bucket) give the logits of the same step run eagerly."""
     from tieredkv.model.runner import StepInputs
-    from tieredkv.scheduler import ScheduledSeq
-    from tieredkv.sequence import Sequence
+    from tieredkv.sequence import ScheduledSeq, Sequence
 
     with LLM(model="tiny-llama", device="cuda", block_size=16, num_gpu_blocks=256, max_num_seqs=16) as llm:
         runner, graphs = llm.runner, llm.runner.graphs

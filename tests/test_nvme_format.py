@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tieredkv.tiers.slot_format import (
+from tieredkv.tiers.nvme.slot_format import (
     SUPERBLOCK_BYTES,
     SlotGeometry,
     SlotHeader,
@@ -19,7 +19,7 @@ from tieredkv.tiers.slot_format import (
     parse_header,
     parse_superblock,
 )
-from tieredkv.tiers.slot_index import Reservation, SlotIndex
+from tieredkv.tiers.nvme.slot_index import Reservation, SlotIndex
 
 FP = fingerprint_digest(b"model")
 u64 = st.integers(0, 2**64 - 1)

@@ -17,10 +17,16 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from tieredkv.tiers import io_backends, slot_file, slot_format
-from tieredkv.tiers.io_backends import BlockIO, FaultyBackend, IOCompletion, IORequest, SyncBackend
-from tieredkv.tiers.nvme import NVMeStore
-from tieredkv.tiers.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty
+from tieredkv.tiers.nvme import io_backends, slot_file, slot_format
+from tieredkv.tiers.nvme.io_backends import (
+    BlockIO,
+    FaultyBackend,
+    IOCompletion,
+    IORequest,
+    SyncBackend,
+)
+from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty
+from tieredkv.tiers.nvme.store import NVMeStore
 
 BLOCK_SIZE = 16
 KV_SHAPE = (2, 2, BLOCK_SIZE, 2, 64)  # layers, K/V, tokens, kv heads, head dim: 16 KiB of bf16
@@ -517,8 +523,8 @@ _WRITER = textwrap.dedent(
     """
     import sys, torch
     from tests.test_nvme_store import BLOCK_BYTES, BLOCK_SIZE, FP, content_of, parent_of, tokens_of
-    from tieredkv.tiers.nvme import NVMeStore
-    from tieredkv.tiers.slot_format import aligned_empty
+    from tieredkv.tiers.nvme.store import NVMeStore
+    from tieredkv.tiers.nvme.slot_format import aligned_empty
 
     store = NVMeStore(sys.argv[1], int(sys.argv[2]), BLOCK_BYTES, FP, BLOCK_SIZE, backend="sync")
     ring = aligned_empty(16 * BLOCK_BYTES).view(16, BLOCK_BYTES)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.reference import make_prompts
 from tieredkv import LLM, SamplingParams
-from tieredkv.tiers.nvme import STORE_FILE_NAME
+from tieredkv.tiers.nvme.store import STORE_FILE_NAME
 
 NEW_TOKENS = 40
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
@@ -157,8 +157,8 @@ def test_load_and_recompute_at_once_is_exact(tmp_path, reference_outputs, monkey
      ("write", "error", errno.ENOSPC), ("write", "short", 0)],
 )
 def test_io_faults_cost_recompute_not_wrong_tokens(tmp_path, op, fault, err, reference_outputs, monkeypatch):
-    from tieredkv.tiers import nvme
-    from tieredkv.tiers.io_backends import FaultyBackend
+    from tieredkv.tiers.nvme import store as nvme
+    from tieredkv.tiers.nvme.io_backends import FaultyBackend
 
     prompts = make_prompts(vocab_size=512)
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)

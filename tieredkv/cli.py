@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 0
-    from tieredkv.experiment import format_comparison, format_summary, run_experiment
-    from tieredkv.prometheus import PrometheusExporter
+    from tieredkv.experiment.harness import format_comparison, format_summary, run_experiment
+    from tieredkv.experiment.prometheus import PrometheusExporter
 
     exporter = None
     try:

@@ -32,8 +32,8 @@ from tieredkv.sampling import Sampler, SamplingParams
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Sequence as Seq
 from tieredkv.tiers.cpu import CPUTier
-from tieredkv.tiers.nvme import NVMeStore
-from tieredkv.transfer import make_transfer_engine
+from tieredkv.tiers.nvme.store import NVMeStore
+from tieredkv.transfer.engine import make_transfer_engine
 
 logger = logging.getLogger(__name__)
 

@@ -23,27 +23,14 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.config import SchedulerConfig
 from tieredkv.policy import TierPolicy
-from tieredkv.sequence import Sequence, SequenceStatus
-from tieredkv.transfer import TransferError
+from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
+from tieredkv.transfer.engine import TransferError
 
 PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of their turn
-
-
-class ScheduledSeq(NamedTuple):
-    """`num_new_tokens` tokens of `seq`, from `seq.num_computed_tokens` on, run this step."""
-
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass

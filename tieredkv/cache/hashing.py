@@ -10,7 +10,6 @@ token ids (and the parent hash).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,23 +22,6 @@ def model_fingerprint(model_config: dict[str, Any], weights_id: str, dtype: str,
     weights, the dtype and the block size."""
     doc = {"model": model_config, "weights": weights_id, "dtype": dtype, "block_size": block_size}
     return xxhash.xxh3_64_intdigest(json.dumps(doc, sort_keys=True, default=str).encode())
-
-
-def weights_id(model_dir: str, sample_bytes: int = 1 << 20) -> str:
-    """An id of the weight files in a model directory: each file's name and size, and a hash of
-    its first and last `sample_bytes` (cheap, and changes whenever the weights do in practice)."""
-    digest = xxhash.xxh3_64()
-    for name in sorted(os.listdir(model_dir)):
-        if not name.endswith((".safetensors", ".bin", ".pt", ".pth")):
-            continue
-        path = os.path.join(model_dir, name)
-        size = os.path.getsize(path)
-        digest.update(f"{name}:{size}".encode())
-        with open(path, "rb") as f:
-            digest.update(f.read(sample_bytes))
-            f.seek(max(0, size - sample_bytes))
-            digest.update(f.read(sample_bytes))
-    return digest.hexdigest()
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:

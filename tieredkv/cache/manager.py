@@ -27,7 +27,7 @@ from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.hashing import extend_block_hashes
 from tieredkv.cache.offload import BlockRef, CPUOffload
 from tieredkv.sequence import Sequence
-from tieredkv.transfer import TransferError
+from tieredkv.transfer.engine import TransferError
 
 
 @dataclass(frozen=True)

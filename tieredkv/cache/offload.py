@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from tieredkv.cache.block_pool import Block
 from tieredkv.cache.spill import NVMeSpill
 from tieredkv.tiers.cpu import CPUTier
-from tieredkv.transfer import TransferEngine, TransferError, TransferJob
+from tieredkv.transfer.engine import TransferEngine, TransferError, TransferJob
 
 
 @dataclass(frozen=True)

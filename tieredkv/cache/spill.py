@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from tieredkv.cache.block_pool import Block, BlockPool
-from tieredkv.tiers.nvme import NVMeStore
+from tieredkv.tiers.nvme.store import NVMeStore
 
 MAX_WRITES_IN_FLIGHT = 64
 

@@ -22,13 +22,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from tieredkv.cache.hashing import weights_id
 from tieredkv.config import ModelConfig
 from tieredkv.model import attention, fused
 from tieredkv.model.cuda_graphs import MAX_MIXED_TOKENS, StepGraphs
 from tieredkv.model.presets import PRESETS, build_preset
+from tieredkv.model.weights import weights_id
 from tieredkv.sampling import SamplingParams
-from tieredkv.scheduler import ScheduledSeq
+from tieredkv.sequence import ScheduledSeq
 from tieredkv.sequence import Sequence as Seq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

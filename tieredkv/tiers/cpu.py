@@ -13,7 +13,7 @@ import logging
 import torch
 
 from tieredkv.cache.block_pool import BlockPool, EvictCallback
-from tieredkv.tiers.slot_format import aligned_empty
+from tieredkv.tiers.nvme.slot_format import aligned_empty
 
 logger = logging.getLogger(__name__)
 

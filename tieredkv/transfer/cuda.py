@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tieredkv.kernels.block_copy import gather_blocks, scatter_blocks
-from tieredkv.transfer import TransferEngine, TransferJob, consecutive_runs
+from tieredkv.transfer.engine import TransferEngine, TransferJob, consecutive_runs
 
 DEFAULT_STAGING_BYTES = 1 << 30
 CHUNK_BYTES = 128 << 20

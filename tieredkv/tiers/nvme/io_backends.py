@@ -261,7 +261,7 @@ def make_backend(name: BackendName, queue_depth: int = 32, directory: str | None
     usable, why = uring_probe(directory)
     if usable:
         try:
-            from tieredkv.tiers.uring_backend import UringBackend
+            from tieredkv.tiers.nvme.uring_backend import UringBackend
 
             return UringBackend(queue_depth)
         except (ImportError, OSError, RuntimeError) as exc:

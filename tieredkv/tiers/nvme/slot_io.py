@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from tieredkv.tiers.io_backends import BlockIO, IOOp, IORequest
-from tieredkv.tiers.slot_format import (
+from tieredkv.tiers.nvme.io_backends import BlockIO, IOOp, IORequest
+from tieredkv.tiers.nvme.slot_format import (
     AlignedBufferPool,
     SlotGeometry,
     SlotHeader,

@@ -12,8 +12,8 @@ import fcntl
 import logging
 import os
 
-from tieredkv.tiers.io_backends import BlockIO, IORequest
-from tieredkv.tiers.slot_format import (
+from tieredkv.tiers.nvme.io_backends import BlockIO, IORequest
+from tieredkv.tiers.nvme.slot_format import (
     ALIGN,
     SUPERBLOCK_BYTES,
     SlotGeometry,

@@ -28,10 +28,10 @@ from tqdm.auto import tqdm
 
 from tieredkv.async_engine import AsyncLLM
 from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
-from tieredkv.plots import write_plots
-from tieredkv.prometheus import PrometheusExporter
+from tieredkv.experiment.plots import write_plots
+from tieredkv.experiment.prometheus import PrometheusExporter
+from tieredkv.experiment.workloads import Workload, make_workload
 from tieredkv.sampling import SamplingParams
-from tieredkv.workloads import Workload, make_workload
 
 TIMELINE_PERIOD_S = 0.05
 

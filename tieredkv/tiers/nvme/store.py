@@ -40,9 +40,9 @@ from collections.abc import Iterable, Sequence
 import torch
 import xxhash
 
-from tieredkv.tiers.io_backends import BackendName, BlockIO, IOOp, make_backend
-from tieredkv.tiers.slot_file import SlotFile
-from tieredkv.tiers.slot_format import (
+from tieredkv.tiers.nvme.io_backends import BackendName, BlockIO, IOOp, make_backend
+from tieredkv.tiers.nvme.slot_file import SlotFile
+from tieredkv.tiers.nvme.slot_format import (
     ALIGN,
     MAX_U64,
     SlotGeometry,
@@ -51,8 +51,8 @@ from tieredkv.tiers.slot_format import (
     fingerprint_digest,
     is_aligned,
 )
-from tieredkv.tiers.slot_index import SlotIndex
-from tieredkv.tiers.slot_io import SlotIO, SlotJob
+from tieredkv.tiers.nvme.slot_index import SlotIndex
+from tieredkv.tiers.nvme.slot_io import SlotIO, SlotJob
 
 logger = logging.getLogger(__name__)
 

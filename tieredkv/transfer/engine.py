@@ -113,7 +113,7 @@ class TransferEngine:
 
 def make_transfer_engine(kv_cache: torch.Tensor, cpu_data: torch.Tensor) -> TransferEngine:
     if kv_cache.is_cuda:
-        from tieredkv.transfer_cuda import CudaTransferEngine
+        from tieredkv.transfer.cuda import CudaTransferEngine
 
         return CudaTransferEngine(kv_cache, cpu_data)
     return TransferEngine(kv_cache, cpu_data)
