@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty, byte_view
+from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme.store import NVMeStore
 
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "": 1}
@@ -77,11 +78,11 @@ def store_round(
             path, capacity, args.block, b"bench", 16, args.backend, args.queue_depth
         ) as store:
             t0 = time.perf_counter()
-            jobs = [store.submit_write(i + 1, i, tokens, src[i]) for i in range(n)]
+            jobs = [store.submit_write(BlockRef(i + 1, i, tokens), src[i]) for i in range(n)]
             ok_w = all(store.wait(jobs).values())
             assert store.sync()  # as the peak's fsync: count the data as on disk
             t1 = time.perf_counter()
-            jobs = [store.submit_read(i + 1, dst[i], i, tokens) for i in range(n)]
+            jobs = [store.submit_read(BlockRef(i + 1, i, tokens), dst[i]) for i in range(n)]
             ok_r = all(store.wait(jobs).values())
             t2 = time.perf_counter()
             backend = f"{store.stats()['backend']}, O_DIRECT={store.stats()['o_direct']}"

@@ -29,6 +29,7 @@ from tieredkv import LLM, SamplingParams
 from tieredkv.cache.hashing import extend_block_hashes
 from tieredkv.calibrate import fit_prefill, measure_bandwidth, measure_disk_read
 from tieredkv.policy import CostModel
+from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme.slot_format import aligned_empty
 
 LENGTHS = (16384, 32768, 65536)
@@ -49,7 +50,7 @@ def spill_prompt_blocks(llm: LLM, prompt: list[int]) -> int:
         block = kv.pool.lookup(block_hash, parent, tokens)
         assert block is not None, "the prompt's blocks must still be cached on the GPU"
         staging.copy_(llm.runner.kv_cache[:, :, block.block_id])
-        job = store.submit_write(block.block_hash, parent, tokens, staging)
+        job = store.submit_write(BlockRef(block.block_hash, parent, tuple(tokens)), staging)
         if job is not None:
             store.wait([job])
             jobs.append(job)

@@ -65,20 +65,15 @@ def bench_step(num_seqs: int, context: int, steps: int, rng: random.Random) -> l
     for i in range(num_seqs):
         scheduler.add(make_seq(i, context, rng))
     admit = scheduler.schedule()  # prefill everything once, outside the timing
-    for item in admit.scheduled:
-        item.seq.num_computed_tokens += item.num_new_tokens
-        kv.commit(item.seq)
-        item.seq.append_token(1)
+    scheduler.update(admit, [1] * len(admit.sampling))
     times = []
     for step in range(steps):
         start = time.perf_counter()
         out = scheduler.schedule()
         assert len(out.scheduled) == num_seqs and not out.preempted
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            kv.commit(item.seq)
-            item.seq.append_token(step % 1000)
             kv.block_table(item.seq)
+        scheduler.update(out, [step % 1000] * len(out.sampling))
         times.append(time.perf_counter() - start)
     return times
 

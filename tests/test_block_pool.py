@@ -20,7 +20,9 @@ def make_seq(rid: str, tokens: list[int]) -> Sequence:
 def run_prefill(kv: KVCacheManager, seq: Sequence) -> list[int]:
     """Admit a sequence the way the scheduler does and mark its prompt computed."""
     prefix = kv.match_prefix(seq)
-    assert kv.allocate(seq, seq.num_tokens - prefix.num_tokens(BS), prefix) is not None
+    got = kv.allocate(seq, seq.num_tokens - prefix.num_tokens(BS), prefix)
+    assert got is not None
+    seq.num_cached_tokens = got.num_cached_tokens
     seq.num_computed_tokens = seq.num_tokens
     kv.commit(seq)
     return kv.block_table(seq)
@@ -39,7 +41,7 @@ def test_uncached_blocks_are_reused_before_cached_ones():
     assert run_prefill(kv, a) == [0, 1, 2]
     kv.free(a)
     # the partial block 2 has no hash: it goes to the front; full blocks 1 then 0 go to the back
-    assert list(kv.pool.free_queue) == [2, 3, 4, 5, 1, 0]
+    assert [b.block_id for b in kv.pool.free_blocks()] == [2, 3, 4, 5, 1, 0]
     b = make_seq("b", [100 + i for i in range(12)])
     assert run_prefill(kv, b) == [2, 3, 4]
     assert kv.pool.num_cached == 5  # a's two blocks and b's three
@@ -57,7 +59,7 @@ def test_prefix_hits_and_lru_eviction_order():
     kv.free(a)
     kv.free(b)
     # b released last: its tail block 3 (partial, unhashed) jumps to the front
-    assert list(kv.pool.free_queue) == [3, 2, 4, 1, 0]
+    assert [b.block_id for b in kv.pool.free_blocks()] == [3, 2, 4, 1, 0]
     # a new 12-token sequence with no shared prefix needs 3 blocks: 3, 2, 4 are uncached
     c = make_seq("c", [50 + i for i in range(12)])
     assert run_prefill(kv, c) == [3, 2, 4]
@@ -135,11 +137,11 @@ def check_invariants(kv: KVCacheManager, live: dict[str, Sequence]) -> None:
             owners[block_id] = owners.get(block_id, 0) + 1
     for block in kv.pool.blocks:
         assert block.ref_count == owners.get(block.block_id, 0)
-        in_free = block.block_id in kv.pool.free_queue
+        in_free = kv.pool.is_free(block)
         assert in_free == (block.ref_count == 0), f"block {block.block_id} free and owned"
         if block.block_hash is not None:
-            assert kv.pool.cached[block.block_hash] is block
-    assert len(kv.pool.cached) == sum(b.block_hash is not None for b in kv.pool.blocks)
+            assert kv.pool.cached_block(block.block_hash) is block
+    assert kv.pool.num_cached == sum(b.block_hash is not None for b in kv.pool.blocks)
 
 
 def test_reset_prefix_cache_drops_only_unowned_blocks():

@@ -26,6 +26,7 @@ from tieredkv.tiers.nvme.io_backends import (
     SyncBackend,
 )
 from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty
+from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme.store import NVMeStore
 
 BLOCK_SIZE = 16
@@ -72,7 +73,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def write_all(store: NVMeStore, pool: torch.Tensor, hashes: Sequence[int]) -> dict[int, bool]:
     jobs = [
-        store.submit_write(h, parent_of(h), tokens_of(h), pool[i]) for i, h in enumerate(hashes)
+        store.submit_write(BlockRef(h, parent_of(h), tokens_of(h)), pool[i]) for i, h in enumerate(hashes)
     ]
     assert None not in jobs
     return store.wait(jobs)
@@ -80,7 +81,7 @@ def write_all(store: NVMeStore, pool: torch.Tensor, hashes: Sequence[int]) -> di
 
 def read_one(store: NVMeStore, h: int, dst: torch.Tensor) -> bool | None:
     """True/False: the read's outcome; None: the store did not have the block."""
-    job = store.submit_read(h, dst, parent_of(h), tokens_of(h))
+    job = store.submit_read(BlockRef(h, parent_of(h), tokens_of(h)), dst)
     return None if job is None else store.wait([job])[job]
 
 
@@ -130,7 +131,7 @@ def test_round_trip_is_bit_identical(open_store, backend_name, aligned):
     fill(src, hashes)
     dst.zero_()
     assert write_all(store, src, hashes) == dict.fromkeys(range(1, 13), True)
-    jobs = [store.submit_read(h, dst[i], parent_of(h), tokens_of(h)) for i, h in enumerate(hashes)]
+    jobs = [store.submit_read(BlockRef(h, parent_of(h), tokens_of(h)), dst[i]) for i, h in enumerate(hashes)]
     assert all(store.wait(jobs).values())
     assert same_bytes(dst, src)
     stats = store.stats()
@@ -150,7 +151,7 @@ def test_unaligned_burst_waits_for_a_bounded_set_of_bounce_buffers(open_store):
     src, dst = cpu_pool(20, aligned=False), cpu_pool(20, aligned=False)
     fill(src, hashes)
     assert all(write_all(store, src, hashes).values())
-    jobs = [store.submit_read(h, dst[i], parent_of(h), tokens_of(h)) for i, h in enumerate(hashes)]
+    jobs = [store.submit_read(BlockRef(h, parent_of(h), tokens_of(h)), dst[i]) for i, h in enumerate(hashes)]
     assert all(store.wait(jobs).values()) and same_bytes(dst, src)
     assert store._io._bounces._made == 2
 
@@ -160,7 +161,7 @@ def test_block_size_not_a_multiple_of_4k(open_store):
     store = open_store(block_bytes=nbytes, capacity_bytes=slots_capacity(4, nbytes))
     src = torch.stack([content_of(h, nbytes) for h in (1, 2)])
     dst = torch.zeros_like(src)
-    jobs = [store.submit_write(h, parent_of(h), tokens_of(h), src[i]) for i, h in enumerate((1, 2))]
+    jobs = [store.submit_write(BlockRef(h, parent_of(h), tokens_of(h)), src[i]) for i, h in enumerate((1, 2))]
     assert all(store.wait(jobs).values())
     assert read_one(store, 1, dst[0]) and read_one(store, 2, dst[1])
     assert same_bytes(dst, src)
@@ -281,7 +282,7 @@ def test_lru_eviction_order(open_store):
     write_all(store, pool[4:5], [e])  # evicts b
     assert store.index.stored_hashes() == [c, d, a, e] and not store.contains(b)
     write_all(store, pool[5:6], [f])  # evicts c
-    assert store.submit_write(a, parent_of(a), tokens_of(a), pool[0]) is None  # stored: touched
+    assert store.submit_write(BlockRef(a, parent_of(a), tokens_of(a)), pool[0]) is None  # stored: touched
     write_all(store, pool[6:7], [g])  # evicts d
     assert store.index.stored_hashes() == [e, f, a, g]
     assert store.stats()["evictions"] == 3
@@ -325,8 +326,8 @@ def test_blocks_being_read_are_not_evicted(open_store):
     fill(pool, [1, 2, 3])
     write_all(store, pool[:2], [1, 2])
     gated.gate.clear()
-    reads = [store.submit_read(h, dst[i], parent_of(h), tokens_of(h)) for i, h in enumerate((1, 2))]
-    assert store.submit_write(3, parent_of(3), tokens_of(3), pool[2]) is None  # both slots pinned
+    reads = [store.submit_read(BlockRef(h, parent_of(h), tokens_of(h)), dst[i]) for i, h in enumerate((1, 2))]
+    assert store.submit_write(BlockRef(3, parent_of(3), tokens_of(3)), pool[2]) is None  # both slots pinned
     assert store.stats()["write_rejected"] == 1
     gated.release()
     assert store.wait(reads) == dict.fromkeys(reads, True)
@@ -340,7 +341,7 @@ def test_poll_reports_each_job_once_and_leaves_waited_ones(open_store):
     pool = cpu_pool(4)
     fill(pool, [1, 2, 3, 4])
     gated.gate.clear()
-    jobs = [store.submit_write(h, parent_of(h), tokens_of(h), pool[h - 1]) for h in (1, 2, 3, 4)]
+    jobs = [store.submit_write(BlockRef(h, parent_of(h), tokens_of(h)), pool[h - 1]) for h in (1, 2, 3, 4)]
     waiter = threading.Thread(target=lambda: results.update(store.wait(jobs[:2])))
     results: dict[int, bool] = {}
     waiter.start()
@@ -361,7 +362,7 @@ def test_threads_submitting_at_once(open_store):
         try:
             hashes = range(first, first + 16)
             assert all(write_all(store, pool[first - 1 : first + 15], hashes).values())
-            jobs = [store.submit_read(h, dst[h - 1], parent_of(h), tokens_of(h)) for h in hashes]
+            jobs = [store.submit_read(BlockRef(h, parent_of(h), tokens_of(h)), dst[h - 1]) for h in hashes]
             assert all(store.wait(jobs).values())
         except AssertionError as exc:
             errors.append(exc)
@@ -400,7 +401,7 @@ def test_write_faults_at_the_backend_seam(open_store, backend_name, fault, err, 
     src = cpu_pool(1)
     fill(src, [7])
     faulty.inject("write", fault, err)
-    job = store.submit_write(7, parent_of(7), tokens_of(7), src[0])
+    job = store.submit_write(BlockRef(7, parent_of(7), tokens_of(7)), src[0])
     assert store.wait([job]) == {job: False}
     stats = store.stats()
     assert (
@@ -469,7 +470,7 @@ def test_reading_with_other_tokens_or_parent_fails(open_store):
     src, dst = cpu_pool(1), cpu_pool(1)
     fill(src, [7])
     write_all(store, src, [7])
-    job = store.submit_read(7, dst[0], parent_of(7), [1] * BLOCK_SIZE)  # a hash collision
+    job = store.submit_read(BlockRef(7, parent_of(7), [1] * BLOCK_SIZE), dst[0])  # a hash collision
     assert store.wait([job]) == {job: False} and store.stats()["corrupt"] == 1
 
 
@@ -503,13 +504,13 @@ def test_bad_arguments_raise(open_store):
     store = open_store()
     block = cpu_pool(1)[0]
     with pytest.raises(ValueError, match="holds 8192 bytes"):
-        store.submit_write(1, 0, tokens_of(1), block.view(-1)[:4096])
+        store.submit_write(BlockRef(1, 0, tokens_of(1)), block.view(-1)[:4096])
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
-        store.submit_read(1, block.transpose(0, 1), 0, tokens_of(1))
+        store.submit_read(BlockRef(1, 0, tokens_of(1)), block.transpose(0, 1))
     with pytest.raises(ValueError, match="more than block_size"):
-        store.submit_write(1, 0, list(range(BLOCK_SIZE + 1)), block)
+        store.submit_write(BlockRef(1, 0, list(range(BLOCK_SIZE + 1))), block)
     with pytest.raises(ValueError, match="unsigned 64-bit"):
-        store.submit_write(-1, 0, tokens_of(1), block)
+        store.submit_write(BlockRef(-1, 0, tokens_of(1)), block)
     with pytest.raises(KeyError, match="unknown"):
         store.wait([12345])
     with pytest.raises(ValueError, match="holds no slot"):
@@ -523,7 +524,8 @@ _WRITER = textwrap.dedent(
     """
     import sys, torch
     from tests.test_nvme_store import BLOCK_BYTES, BLOCK_SIZE, FP, content_of, parent_of, tokens_of
-    from tieredkv.tiers.nvme.store import NVMeStore
+    from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.nvme.store import NVMeStore
     from tieredkv.tiers.nvme.slot_format import aligned_empty
 
     store = NVMeStore(sys.argv[1], int(sys.argv[2]), BLOCK_BYTES, FP, BLOCK_SIZE, backend="sync")
@@ -534,7 +536,7 @@ _WRITER = textwrap.dedent(
             for job, _ in store.poll():
                 jobs.pop(job, None)
         ring[h % 16].copy_(content_of(h))
-        job = store.submit_write(h, parent_of(h), tokens_of(h), ring[h % 16])
+        job = store.submit_write(BlockRef(h, parent_of(h), tokens_of(h)), ring[h % 16])
         if job is not None:
             jobs[job] = h
         if h == 200:
@@ -611,9 +613,9 @@ async def test_wait_async_from_a_running_loop(open_store):
             await asyncio.sleep(0)
 
     task = asyncio.create_task(ticker())
-    jobs = [store.submit_write(h, parent_of(h), tokens_of(h), src[i]) for i, h in enumerate(hashes)]
+    jobs = [store.submit_write(BlockRef(h, parent_of(h), tokens_of(h)), src[i]) for i, h in enumerate(hashes)]
     assert all((await store.wait_async(jobs)).values())
-    jobs = [store.submit_read(h, dst[i], parent_of(h), tokens_of(h)) for i, h in enumerate(hashes)]
+    jobs = [store.submit_read(BlockRef(h, parent_of(h), tokens_of(h)), dst[i]) for i, h in enumerate(hashes)]
     assert all((await store.wait_async(jobs)).values())
     task.cancel()
     assert ticks > 0  # the loop kept running while the I/O was awaited

@@ -22,14 +22,13 @@ from tqdm.auto import tqdm
 from tieredkv.cache.hashing import model_fingerprint
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
-from tieredkv.cache.spill import NVMeSpill
 from tieredkv.calibrate import calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import RequestMetrics, RequestOutput
 from tieredkv.policy import CostModel, TierPolicy
 from tieredkv.sampling import Sampler, SamplingParams
-from tieredkv.scheduler import Scheduler
+from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.store import NVMeStore
@@ -87,9 +86,9 @@ class LLMEngine:
                 "raise it or set it to 0 to run without a CPU tier"
             )
         tier = CPUTier(num_blocks, tuple(kv_cache[:, :, 0].shape), kv_cache.dtype, pin=kv_cache.is_cuda)
-        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_nvme(tier))
+        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_nvme())
 
-    def _build_nvme(self, tier: CPUTier) -> NVMeSpill | None:
+    def _build_nvme(self) -> NVMeStore | None:
         cache = self.config.cache
         if cache.nvme_path is None:
             return None
@@ -98,7 +97,7 @@ class LLMEngine:
                               cache.block_size, backend=cache.io_backend)
         except OSError as err:
             raise ValueError(f"nvme_path: cannot use {cache.nvme_path!r} for the block store: {err}") from err
-        return NVMeSpill(store, tier.pool, tier.data)
+        return store
 
     def _cost_model(self) -> CostModel | None:
         """Pinned in the config, else measured (`auto` with a CPU tier, and an NVMe tier, need one)."""
@@ -190,8 +189,7 @@ class LLMEngine:
         """Stop a request and free everything it holds."""
         seq = self.seqs.pop(request_id, None)
         if seq is not None and not seq.is_finished:
-            seq.finish("abort")
-            self.scheduler.finish(seq)
+            self.scheduler.abort(seq)
 
     def reset_prefix_cache(self) -> int:
         """Drop the GPU and CPU prefix caches (not the NVMe store); how many blocks were dropped."""
@@ -210,27 +208,23 @@ class LLMEngine:
             if self.has_unfinished():  # everything waits for NVMe reads: let their threads run
                 time.sleep(IO_WAIT_S)
             return []
-        sampling = [s.seq for s in batch.scheduled if s.samples]
         tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
         self.kv.before_forward()
         logits = self.runner.execute(batch.scheduled, tables)
+        sampling = batch.sampling
         tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        self._count(batch)  # before `update` advances the sequences
+        finished = self.scheduler.update(batch, tokens)
+        for seq in finished:
+            del self.seqs[seq.request_id]
+        self._counters["requests_finished"] += len(finished)
+        return [self._output(seq) for seq in sampling]
+
+    def _count(self, batch: SchedulerOutput) -> None:
         for item in batch.scheduled:
-            seq = item.seq
-            kind = "decode_tokens" if seq.num_computed_tokens >= seq.num_prompt_tokens else "prefill_tokens"
-            self._counters[kind] += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            self.kv.commit(seq)
+            decoding = item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+            self._counters["decode_tokens" if decoding else "prefill_tokens"] += item.num_new_tokens
         self._counters["steps"] += 1
-        outputs = []
-        for seq, token in zip(sampling, tokens, strict=True):
-            seq.append_token(token)
-            if seq.is_finished:
-                self.scheduler.finish(seq)
-                self._counters["requests_finished"] += 1
-                del self.seqs[seq.request_id]
-            outputs.append(self._output(seq))
-        return outputs
 
     def _output(self, seq: Seq) -> RequestOutput:
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer and seq.is_finished else None
@@ -254,6 +248,7 @@ class LLMEngine:
             "preemptions": dict(self.scheduler.num_preemptions),
             "swap_fallbacks": self.scheduler.num_swap_fallbacks,
             "nvme_prefix_blocks": dict(self.scheduler.nvme_prefix_blocks),
+            "nvme_skipped_tokens": self.scheduler.nvme_skipped_tokens,
             **self._counters,
             "requests_waiting": len(self.scheduler.waiting),
             "requests_running": len(self.scheduler.running),

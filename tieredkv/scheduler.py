@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill.
+"""Continuous batching with chunked prefill. The scheduler owns every sequence's progress.
 
 Each `schedule()`:
 1. extend running sequences (decodes and unfinished prefill chunks), oldest first; when
@@ -9,7 +9,10 @@ Each `schedule()`:
    while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow.
 Before all that, the first waiting sequences start reading the later part of their NVMe prefix
 blocks (as much as the policy says), so the reads overlap other work and the computation of
-the earlier part; a prefill that reaches the loaded part jumps over it once it has arrived.
+the earlier part; how far a sequence may compute is the KV manager's answer (`computable`).
+
+After the forward pass, `update(batch, sampled_tokens)` advances the scheduled sequences,
+commits their new full blocks, appends the sampled tokens and retires finished sequences.
 
 A sequence whose KV is copied in from the CPU tier this step (swap-in, promoted prefix, loaded
 NVMe blocks) joins the running queue but computes from the next step on: the copy overlaps
@@ -24,11 +27,10 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from tieredkv.cache.manager import KVCacheManager
+from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost
 from tieredkv.config import SchedulerConfig
 from tieredkv.policy import TierPolicy
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
-from tieredkv.transfer.engine import TransferError
 
 PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of their turn
 
@@ -42,9 +44,14 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def sampling(self) -> list[Sequence]:
+        """The sequences that get a token this step, in batch order."""
+        return [s.seq for s in self.scheduled if s.samples]
+
 
 class Scheduler:
-    """Owns the waiting and running queues."""
+    """Owns the waiting, running and swapped queues and every sequence's progress."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: TierPolicy) -> None:
         self.config = config
@@ -57,6 +64,7 @@ class Scheduler:
         self.num_swap_fallbacks = 0
         # prefix blocks found on NVMe at planning, by what the cost model chose for them
         self.nvme_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0}
+        self.nvme_skipped_tokens = 0  # prefill tokens jumped over: their KV came from NVMe
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -74,12 +82,28 @@ class Scheduler:
                 self._admit_waiting(out, budget)
         return out
 
+    def update(self, batch: SchedulerOutput, sampled_tokens: list[int]) -> list[Sequence]:
+        """Book a finished forward pass: the scheduled tokens are computed (their full blocks
+        join the prefix cache), each sampling sequence gets its token; returns the sequences
+        that finished (their blocks are freed)."""
+        sampling = batch.sampling  # before the progress it is read from moves
+        for item in batch.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.kv.commit(item.seq)
+        finished = []
+        for seq, token in zip(sampling, sampled_tokens, strict=True):
+            seq.append_token(token)
+            if seq.is_finished:
+                self._retire(seq)
+                finished.append(seq)
+        return finished
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._next_chunk(seq, budget)
-            if n == 0:  # waiting for its NVMe blocks
+            if n == 0:  # waiting for its NVMe blocks, or they are landing
                 i += 1
                 continue
             while self.kv.allocate(seq, n) is None:
@@ -93,89 +117,65 @@ class Scheduler:
             i += 1
         return budget
 
+    def _next_chunk(self, seq: Sequence, budget: int) -> int:
+        chunk = self.kv.computable(seq, budget)
+        seq.num_computed_tokens += chunk.num_skipped_tokens
+        self.nvme_skipped_tokens += chunk.num_skipped_tokens
+        return chunk.num_new_tokens
+
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            try:
-                if self.kv.swap_in(seq, n) is None:
-                    break
-            except TransferError:  # its KV did not come back: recompute it
-                self.swapped.popleft()
+            got = self.kv.swap_in(seq, n)
+            if got is None:
+                break
+            self.swapped.popleft()
+            if isinstance(got, KVLost):  # its KV did not come back: recompute it
                 self.num_swap_fallbacks += 1
                 self._requeue(seq)
                 continue
-            self.swapped.popleft()
-            budget -= self._run(seq, n, out)
+            budget -= self._run(seq, n, got, out)
         return budget
-
-    def _next_chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq` to compute this step: up to its loaded NVMe blocks, if any, and past
-        them once they have landed (0 while they are still being read)."""
-        n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-        if seq.load_from is None:
-            return n
-        if seq.num_computed_tokens < seq.load_from:
-            return min(n, seq.load_from - seq.num_computed_tokens)
-        if self.kv.loading(seq):
-            return 0
-        self.kv.skip_loaded(seq)
-        seq.load_from = None
-        if self.kv.landing(seq):
-            return 0
-        return min(len(seq.token_ids) - seq.num_computed_tokens, budget)
 
     def _prefetch(self) -> None:
         for seq in itertools.islice(self.waiting, PREFETCH_DEPTH):
             self._plan_loads(seq)
 
     def _plan_loads(self, seq: Sequence) -> None:
-        """Start reading the later part of the sequence's NVMe prefix blocks (once per stay
-        in the waiting queue)."""
-        if seq.prefetched:
-            return
-        seq.prefetched = True
-        prefix = self.kv.match_prefix(seq)
-        if not prefix.nvme_refs:
-            return
-        first = prefix.num_tokens(self.kv.block_size)
-        compute = self.policy.nvme_blocks_to_compute(len(prefix.nvme_refs), first)
-        self.nvme_prefix_blocks["compute"] += compute
-        self.nvme_prefix_blocks["load"] += len(prefix.nvme_refs) - compute
-        if compute < len(prefix.nvme_refs) and self.kv.start_loads(seq, prefix.nvme_refs[compute:]):
-            seq.load_from = first + compute * self.kv.block_size
+        plan = self.kv.plan_loads(seq, self.policy.nvme_blocks_to_compute)
+        if plan is not None:
+            self.nvme_prefix_blocks["compute"] += plan.num_compute
+            self.nvme_prefix_blocks["load"] += plan.num_load
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             self._plan_loads(seq)
-            if seq.load_from == 0 and self.kv.loading(seq):  # nothing to compute before its loads land
-                continue
             prefix = self.kv.match_prefix(seq)
-            start = prefix.num_tokens(self.kv.block_size)
-            n = min(seq.num_tokens - start, budget)
-            if seq.load_from is not None and self.kv.loading(seq):
-                if start >= seq.load_from:  # nothing to compute before its NVMe blocks arrive
-                    continue
-                n = min(n, seq.load_from - start)
-            if self.kv.allocate(seq, n, prefix) is None:
+            n = self.kv.computable(seq, budget, prefix).num_new_tokens
+            if n == 0:  # nothing to compute before its NVMe blocks arrive
+                continue
+            got = self.kv.allocate(seq, n, prefix)
+            if got is None:
                 return
             self.waiting.remove(seq)
-            budget -= self._run(seq, n, out)
+            seq.num_computed_tokens = seq.num_cached_tokens = got.num_cached_tokens
+            budget -= self._run(seq, n, got, out)
 
-    def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+    def _run(self, seq: Sequence, n: int, got: Allocation, out: SchedulerOutput) -> int:
         """Move `seq` to the running queue and schedule its `n` tokens, unless its KV is still
         landing; the tokens scheduled."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        if self.kv.landing(seq):
+        if got.landing:
             return 0
         out.scheduled.append(ScheduledSeq(seq, n))
         return n
 
     def _preempt(self, seq: Sequence) -> None:
-        num_blocks = len(self.kv.block_table(seq))
+        num_blocks = self.kv.blocks_needed(seq.num_computed_tokens)
         kind = self.policy.preemption(seq.num_computed_tokens, num_blocks, self.kv.cpu_free_blocks())
         if kind == "swap" and self.kv.swap_out(seq):
             seq.status = SequenceStatus.SWAPPED
@@ -190,13 +190,16 @@ class Scheduler:
     def _requeue(self, seq: Sequence) -> None:
         """Back to the front of the waiting queue, to be prefilled again."""
         seq.num_computed_tokens = 0
-        seq.prefetched = False
-        seq.load_from = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence from the queues and free its blocks."""
+    def abort(self, seq: Sequence) -> None:
+        """Stop a sequence wherever it is and free its blocks."""
+        seq.finish("abort")
+        self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        """Drop a finished sequence from the queues and free its blocks."""
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)

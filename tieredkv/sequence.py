@@ -34,8 +34,6 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    prefetched: bool = False  # NVMe prefix loads considered since it last joined the queue
-    load_from: int | None = None  # first token of the prefix blocks being read from NVMe
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -6,7 +6,10 @@ Operations (all O(1) per block):
 - `touch(block)`: take a cached block out of the free queue for a new owner.
 - `release(blocks)`: drop one reference each; blocks that reach zero join the back of the
   free queue (cached ones stay findable until they are evicted).
-- `cache(block, ...)` / `lookup(hash, ...)`: the prefix-cache hash map.
+- `cache(block, ...)` / `lookup(hash, ...)` / `cached_block(hash)`: the prefix-cache hash map.
+- `refresh(block)`: an unowned cached block was used again: move it to the back.
+- `free_blocks()`: the free queue, front (next to evict) first; `drop_unowned()`: forget
+  every cached block nobody owns.
 
 The free queue is in LRU order: the front is evicted first. Never-hashed blocks go to the
 front (nothing to lose), cached blocks to the back.
@@ -15,7 +18,7 @@ front (nothing to lose), cached blocks to the back.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -45,26 +48,37 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, on_evict: EvictCallback | None = None) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, Block] = {}
+        self._free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[int, Block] = {}
         self.on_evict = on_evict
         self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (free or cached with no owner)."""
-        return len(self.free_queue)
+        return len(self._free_queue)
 
     @property
     def num_cached(self) -> int:
-        return len(self.cached)
+        return len(self._cached)
+
+    def free_blocks(self) -> Iterator[Block]:
+        """Blocks nobody owns, the next to be evicted first."""
+        return iter(self._free_queue.values())
+
+    def is_free(self, block: Block) -> bool:
+        return block.block_id in self._free_queue
+
+    def cached_block(self, block_hash: int) -> Block | None:
+        """The block cached under `block_hash`, if any (unverified: see `lookup`)."""
+        return self._cached.get(block_hash)
 
     def allocate(self, n: int) -> list[Block] | None:
-        if n > len(self.free_queue):
+        if n > len(self._free_queue):
             return None
         taken = []
         for _ in range(n):
-            _, block = self.free_queue.popitem(last=False)
+            _, block = self._free_queue.popitem(last=False)
             self._evict(block)
             block.ref_count = 1
             taken.append(block)
@@ -73,7 +87,7 @@ class BlockPool:
     def touch(self, block: Block) -> None:
         """Add an owner to a block found in the prefix cache."""
         if block.ref_count == 0:
-            del self.free_queue[block.block_id]
+            del self._free_queue[block.block_id]
         block.ref_count += 1
 
     def release(self, blocks: Iterable[Block]) -> None:
@@ -83,28 +97,40 @@ class BlockPool:
             assert block.ref_count > 0, f"block {block.block_id} released more often than owned"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_queue[block.block_id] = block
+                self._free_queue[block.block_id] = block
                 if block.block_hash is None:
-                    self.free_queue.move_to_end(block.block_id, last=False)
+                    self._free_queue.move_to_end(block.block_id, last=False)
 
     def lookup(self, block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> Block | None:
         """The cached block with exactly this content, if any."""
-        block = self.cached.get(block_hash)
+        block = self._cached.get(block_hash)
         if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
             return None
         return block
 
     def cache(self, block: Block, block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> None:
         """Make a full, computed block findable. A hash already taken keeps its block."""
-        if block.block_hash is not None or block_hash in self.cached:
+        if block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
-        self.cached[block_hash] = block
+        self._cached[block_hash] = block
+
+    def refresh(self, block: Block) -> None:
+        """A cached block nobody owns was used again: it becomes the last to be evicted."""
+        assert block.ref_count == 0, f"block {block.block_id} is owned: it is not in the free queue"
+        self._free_queue.move_to_end(block.block_id)
+
+    def drop_unowned(self) -> int:
+        """Forget every cached block nobody owns; how many."""
+        unowned = [b for b in self._cached.values() if b.ref_count == 0]
+        for block in unowned:
+            self.uncache(block)
+        return len(unowned)
 
     def uncache(self, block: Block) -> None:
         """Forget a block's hash without the eviction callback (its content is invalid)."""
-        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
         block.reset_hash()
 
     def _evict(self, block: Block) -> None:
@@ -112,6 +138,6 @@ class BlockPool:
             return
         if self.on_evict is not None:
             self.on_evict(block)
-        del self.cached[block.block_hash]
+        del self._cached[block.block_hash]
         block.reset_hash()
         self.num_evictions += 1

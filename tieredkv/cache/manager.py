@@ -1,32 +1,41 @@
-"""The KV cache manager: the scheduler's only door to blocks, in every tier.
+"""The KV cache manager: the scheduler's only door to blocks, in every tier. It reads
+`Sequence`s and answers with typed results; it never writes them (the scheduler owns a
+sequence's progress).
 
 Operations:
 - `match_prefix(seq) -> PrefixMatch`: the longest run of cached full blocks of the sequence,
   on the GPU, then in the CPU tier, then on NVMe.
-- `start_loads(seq, refs)` / `loading(seq)`: bring NVMe prefix blocks into the CPU tier
-  ahead of the sequence's admission.
+- `plan_loads(seq, split) -> NVMePlan | None`: once per stay in the waiting queue, start
+  reading the later part of the sequence's NVMe prefix blocks into the CPU tier (`split`, the
+  policy, says how many of the earlier ones to compute instead).
+- `computable(seq, budget, prefix) -> Chunk`: the one question about those loads: how many
+  tokens the sequence may compute now (0: wait for its loads), and how many prefix tokens that
+  have landed it jumps over.
 - `allocate(seq, num_new_tokens, prefix) -> Allocation | None`: blocks for the next tokens
   (`None`, with nothing changed, when the GPU pool is short); CPU hits are promoted.
 - `commit(seq)`: make newly computed full blocks findable by later requests.
-- `swap_out(seq) -> bool` / `swap_in(seq, num_new_tokens) -> Allocation | None`: move a
-  preempted sequence's KV to the CPU tier and back.
+- `swap_out(seq) -> bool` / `swap_in(seq, num_new_tokens) -> Allocation | KVLost | None`:
+  move a preempted sequence's KV to the CPU tier and back.
 - `free(seq)`: give the sequence's blocks back (cached ones stay findable).
 - `block_table(seq)`: the block ids the model runner reads and writes.
-- `landing(seq)`: whether the sequence's KV is still being copied in by a job submitted this
-  step; such a sequence computes from the next step on, so that this step's forward pass does
-  not wait for the copy (it overlaps the copy instead).
 - `retire()` / `before_forward()`: finish transfers; order the next forward pass after them.
+
+A sequence whose KV is still being copied in by a job submitted this step (`landing` in the
+results) computes from the next step on, so that this step's forward pass does not wait for
+the copy: it overlaps it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.hashing import extend_block_hashes
-from tieredkv.cache.offload import BlockRef, CPUOffload
+from tieredkv.cache.offload import CPUOffload
 from tieredkv.sequence import Sequence
+from tieredkv.tiers.backend import BlockRef
 from tieredkv.transfer.engine import TransferError
 
 
@@ -46,13 +55,40 @@ class PrefixMatch:
 
 @dataclass(frozen=True)
 class Allocation:
-    """What `allocate` gave: fresh block ids and the prefix tokens reused from the cache."""
+    """Blocks were found. `num_cached_tokens`: tokens whose KV the sequence already has (prefix
+    hits of a new sequence, the computed tokens of a swapped-in one); `landing`: some of it is
+    still being copied in, so the sequence computes from the next step on."""
 
-    new_block_ids: tuple[int, ...]
-    num_cached_tokens: int
+    num_cached_tokens: int = 0
+    landing: bool = False
 
 
-NO_NEW_BLOCKS = Allocation((), 0)
+@dataclass(frozen=True)
+class KVLost:
+    """A swapped-out sequence's KV did not come back: it must be recomputed."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What a sequence may do this step: compute `num_new_tokens` (0: wait), after jumping
+    over `num_skipped_tokens` prefix tokens whose KV was loaded from NVMe."""
+
+    num_new_tokens: int
+    num_skipped_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class NVMePlan:
+    """Prefix blocks found on NVMe for a sequence, by what the policy chose for them."""
+
+    num_compute: int
+    num_load: int
+
+
+# (blocks found on NVMe, first token after the hits) -> how many of them to compute
+SplitPolicy = Callable[[int, int], int]
 
 
 class KVCacheManager:
@@ -62,14 +98,24 @@ class KVCacheManager:
         self.block_size = block_size
         self.root_hash = root_hash
         self.offload = offload
+        # The eviction chain, wired here and nowhere else:
+        #   GPU pool evicts a cached block ──► offload.demote: takes a CPU block (evicting one
+        #   there), queues a D2H copy
+        #   CPU pool evicts a cached block ──► spill.before_evict: if the block's NVMe write is
+        #   still in flight, waits for it
+        # so a GPU allocation may wait on a disk write (rare: spill-ahead writes cold blocks early).
         self.pool = BlockPool(num_blocks, on_evict=offload.demote if offload else None)
+        if offload is not None and offload.nvme is not None:
+            offload.pool.on_evict = offload.nvme.before_evict
         self._tables: dict[str, list[Block]] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}
         self._swapped: dict[str, list[Block]] = {}
-        # H2D copies submitted this step, the sequences that read them and their GPU blocks
+        # request -> first token of its prefix blocks being read from NVMe (None: nothing to
+        # read); a request is here once its loads were planned, until it jumps over them
+        self._load_from: dict[str, int | None] = {}
+        # H2D copies submitted this step and the GPU blocks they fill
         self._landing_jobs: set[int] = set()
-        self._landing: set[str] = set()
         self._landing_blocks: set[int] = set()
         self.prefix_hit_tokens = 0
 
@@ -87,57 +133,77 @@ class KVCacheManager:
     def cpu_free_blocks(self) -> int:
         return self.offload.num_free if self.offload else 0
 
-    def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        found: list[list[Block]] = [[], []]
-        on_disk: list[BlockRef] = []
-        tier = 0
-        for block_hash, parent, tokens in self._full_blocks(seq):
-            block = self.pool.lookup(block_hash, parent, tokens) if tier == 0 else None
-            if block is None and self.offload is not None and tier <= 1:
-                tier = 1
-                block = self.offload.lookup(block_hash, parent, tokens)
-            if block is not None:
-                found[tier].append(block)
-            elif self.offload is not None and self.offload.nvme_contains(block_hash):
-                tier = 2  # the store verifies parent and tokens when it reads the block
-                on_disk.append(BlockRef(block_hash, parent, tuple(tokens)))
-            else:
-                break
-        return PrefixMatch(tuple(found[0]), tuple(found[1]), tuple(on_disk))
+    # ------------------------------------------------------------------ prefix hits
 
-    def _full_blocks(self, seq: Sequence, start: int = 0) -> Iterator[tuple[int, int, list[int]]]:
-        """(hash, parent hash, tokens) of the sequence's full blocks from block `start` on that a
-        prefix hit may cover: at least one token must be computed to get logits, so a full hit
-        stops one block short."""
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        refs = list(self._full_blocks(seq))
+        gpu = _run_of(refs, self.pool.lookup)
+        if self.offload is None:
+            return PrefixMatch(tuple(gpu))
+        cpu = _run_of(refs[len(gpu) :], self.offload.lookup)
+        rest = refs[len(gpu) + len(cpu) :]
+        # the store verifies parent and tokens when it reads the block
+        on_disk = itertools.takewhile(lambda ref: self.offload.nvme_contains(ref.block_hash), rest)
+        return PrefixMatch(tuple(gpu), tuple(cpu), tuple(on_disk))
+
+    def _full_blocks(self, seq: Sequence, start: int = 0) -> Iterator[BlockRef]:
+        """The sequence's full blocks from block `start` on that a prefix hit may cover: at
+        least one token must be computed to get logits, so a full hit stops one block short."""
         bs = self.block_size
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, bs, self.root_hash)
         for i in range(start, (seq.num_tokens - 1) // bs):
-            yield hashes[i], hashes[i - 1] if i else self.root_hash, seq.token_ids[i * bs : (i + 1) * bs]
+            parent = hashes[i - 1] if i else self.root_hash
+            yield BlockRef(hashes[i], parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
 
-    def start_loads(self, seq: Sequence, refs: tuple[BlockRef, ...]) -> int:
-        """Start reading NVMe prefix blocks into the CPU tier; how many reads started."""
-        return self.offload.start_loads(seq.request_id, list(refs)) if refs else 0
+    # ------------------------------------------------------------------ NVMe loads
 
-    def skip_loaded(self, seq: Sequence) -> int:
-        """Jump the sequence's prefill over prefix blocks that its NVMe loads brought into the
-        CPU tier: copy them into its next GPU blocks and count them computed. Returns the
-        number of blocks skipped (0 if none arrived intact or the GPU pool is short)."""
+    def plan_loads(self, seq: Sequence, split: SplitPolicy) -> NVMePlan | None:
+        """Start reading the later part of the sequence's NVMe prefix blocks, once until it is
+        freed; what was planned (None: planned before, or nothing on NVMe)."""
+        if seq.request_id in self._load_from:
+            return None
+        self._load_from[seq.request_id] = None
+        prefix = self.match_prefix(seq)
+        if not prefix.nvme_refs:
+            return None
+        first = prefix.num_tokens(self.block_size)
+        compute = split(len(prefix.nvme_refs), first)
+        if compute < len(prefix.nvme_refs) and self.offload.start_loads(seq.request_id, list(prefix.nvme_refs[compute:])):
+            self._load_from[seq.request_id] = first + compute * self.block_size
+        return NVMePlan(compute, len(prefix.nvme_refs) - compute)
+
+    def computable(self, seq: Sequence, budget: int, prefix: PrefixMatch | None = None) -> Chunk:
+        """Tokens the sequence may compute now, up to `budget`: a new sequence (with its
+        `prefix`) from its hits on, a running one from its computed tokens on. Stops short of
+        the prefix blocks being read from NVMe, waits (0) while they are in flight, and jumps
+        over them once they have landed."""
+        start = seq.num_computed_tokens if prefix is None else prefix.num_tokens(self.block_size)
+        n = min(seq.num_tokens - start, budget)
+        load_from = self._load_from.get(seq.request_id)
+        if load_from is None:
+            return Chunk(n)
+        if start < load_from:
+            return Chunk(min(n, load_from - start))
+        if self.offload.loading(seq.request_id):
+            return Chunk(0)
+        if prefix is not None:  # landed before admission: `allocate` promotes them as CPU hits
+            return Chunk(n)
+        del self._load_from[seq.request_id]
+        skipped, landing = self._skip_loaded(seq)
+        if landing:
+            return Chunk(0, skipped)
+        return Chunk(min(seq.num_tokens - start - skipped, budget), skipped)
+
+    def _skip_loaded(self, seq: Sequence) -> tuple[int, bool]:
+        """Copy the prefix blocks that the sequence's NVMe loads brought into the CPU tier into
+        its next GPU blocks; (tokens skipped, whether that copy is landing). Nothing is skipped
+        if none arrived intact or the GPU pool is short."""
         bs = self.block_size
         start = seq.num_computed_tokens // bs
-        found = [] if seq.num_computed_tokens % bs else self._cpu_run(seq, start)
+        found = [] if seq.num_computed_tokens % bs else _run_of(list(self._full_blocks(seq, start)), self.offload.lookup)
         skipped = self._copy_loaded(seq, start, found) if found else 0
         self.offload.release_loads(seq.request_id)
-        return skipped
-
-    def _cpu_run(self, seq: Sequence, start: int) -> list[Block]:
-        """The CPU-tier blocks holding the sequence's full blocks from block `start` on."""
-        found = []
-        for block_hash, parent, tokens in self._full_blocks(seq, start):
-            block = self.offload.lookup(block_hash, parent, tokens)
-            if block is None:
-                break
-            found.append(block)
-        return found
+        return skipped * bs, skipped > 0
 
     def _copy_loaded(self, seq: Sequence, start: int, cpu_blocks: list[Block]) -> int:
         table = self._tables[seq.request_id]
@@ -147,30 +213,26 @@ class KVCacheManager:
         for block in cpu_blocks:
             self.offload.pool.touch(block)
         self._extend(seq.request_id, self.pool.allocate(max(need, 0)) or [])
-        if not self._promote(seq, cpu_blocks, table[start : start + len(cpu_blocks)]):
+        if not self._promote(cpu_blocks, table[start : start + len(cpu_blocks)]):
             return 0
-        seq.num_computed_tokens += len(cpu_blocks) * self.block_size
         self._num_committed[seq.request_id] = start + len(cpu_blocks)
         return len(cpu_blocks)
 
-    def loading(self, seq: Sequence) -> bool:
-        """Whether NVMe reads for this sequence are still in flight."""
-        return self.offload is not None and self.offload.loading(seq.request_id)
+    # ------------------------------------------------------------------ GPU blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> Allocation | None:
-        """Blocks for `num_new_tokens` more tokens. A new sequence passes its `prefix`; its
-        computed-token count then starts after the reused blocks."""
+        """Blocks for `num_new_tokens` more tokens. A new sequence passes its `prefix`: the
+        result says how many of its tokens the cache already holds."""
         table = self._tables.get(seq.request_id)
         if table is None:
             return self._allocate_new(seq, num_new_tokens, prefix or PrefixMatch())
-        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
-        if need <= 0:
-            return NO_NEW_BLOCKS
-        fresh = self.pool.allocate(need)
-        if fresh is None:
-            return None
-        self._extend(seq.request_id, fresh)
-        return Allocation(tuple(b.block_id for b in fresh), 0)
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
+        if need > 0:
+            fresh = self.pool.allocate(need)
+            if fresh is None:
+                return None
+            self._extend(seq.request_id, fresh)
+        return Allocation(seq.num_computed_tokens)
 
     def _allocate_new(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> Allocation | None:
         reused, promoted = prefix.gpu_blocks, list(prefix.cpu_blocks)
@@ -185,27 +247,26 @@ class KVCacheManager:
             self.offload.release_loads(seq.request_id)
         for block in reused:
             self.pool.touch(block)
-        if any(b.block_id in self._landing_blocks for b in reused):  # another request's promotion
-            self._landing.add(seq.request_id)
+        # reused blocks may be another request's promotion, still landing
+        landing = any(b.block_id in self._landing_blocks for b in reused)
         fresh = self.pool.allocate(need)
         assert fresh is not None, "free count checked above"
         self._tables[seq.request_id], self._block_ids[seq.request_id] = [], []
         self._extend(seq.request_id, [*reused, *fresh])
-        num_hit_blocks = len(reused) + self._promote(seq, promoted, fresh)
+        num_promoted = self._promote(promoted, fresh)
+        num_hit_blocks = len(reused) + num_promoted
         self._num_committed[seq.request_id] = num_hit_blocks
-        num_cached = num_hit_blocks * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
-        self.prefix_hit_tokens += num_cached
-        return Allocation(tuple(b.block_id for b in fresh), num_cached)
+        self.prefix_hit_tokens += num_hit_blocks * self.block_size
+        return Allocation(num_hit_blocks * self.block_size, landing or num_promoted > 0)
 
-    def _promote(self, seq: Sequence, cpu_blocks: list[Block], gpu_blocks: list[Block]) -> int:
+    def _promote(self, cpu_blocks: list[Block], gpu_blocks: list[Block]) -> int:
         """Copy CPU prefix blocks into the first of `gpu_blocks` and cache them there; how many
         arrived (0 if the copy failed: the tokens are recomputed instead)."""
         if not cpu_blocks:
             return 0
         targets = gpu_blocks[: len(cpu_blocks)]
         try:
-            self._land(seq, self.offload.copy_in(cpu_blocks, [b.block_id for b in targets]), targets)
+            self._land(self.offload.copy_in(cpu_blocks, [b.block_id for b in targets]), targets)
         except TransferError:
             return 0  # the tokens are recomputed instead
         for src, dst in zip(cpu_blocks, targets, strict=True):
@@ -213,13 +274,9 @@ class KVCacheManager:
         self.offload.hit_blocks += len(cpu_blocks)
         return len(cpu_blocks)
 
-    def _land(self, seq: Sequence, job_id: int, gpu_blocks: list[Block]) -> None:
+    def _land(self, job_id: int, gpu_blocks: list[Block]) -> None:
         self._landing_jobs.add(job_id)
-        self._landing.add(seq.request_id)
         self._landing_blocks.update(b.block_id for b in gpu_blocks)
-
-    def landing(self, seq: Sequence) -> bool:
-        return seq.request_id in self._landing
 
     def _extend(self, request_id: str, blocks: list[Block]) -> None:
         self._tables[request_id].extend(blocks)
@@ -240,39 +297,44 @@ class KVCacheManager:
         self._num_committed[seq.request_id] = full
 
     def swap_out(self, seq: Sequence) -> bool:
-        """Copy all of the sequence's blocks (the partial last one too) to the CPU tier and free
-        them on the GPU. False (nothing changed) when there is no CPU room or the copy fails."""
-        if self.offload is None:
+        """Copy the blocks holding the sequence's computed KV (the partial last one too) to the
+        CPU tier and free all of its GPU blocks. False (nothing changed) when there is nothing
+        to keep, no CPU room, or the copy fails."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        if self.offload is None or keep == 0:
             return False
-        cpu_blocks = self.offload.copy_out(self.block_table(seq))
+        cpu_blocks = self.offload.copy_out(self.block_table(seq)[:keep])
         if cpu_blocks is None:
             return False
         self._release_gpu(seq)
         self._swapped[seq.request_id] = cpu_blocks
         return True
 
-    def swap_in(self, seq: Sequence, num_new_tokens: int) -> Allocation | None:
-        """GPU blocks for a swapped sequence plus `num_new_tokens`, its KV copied back; None when
-        the GPU pool is short. Raises TransferError (the KV is lost: recompute it)."""
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> Allocation | KVLost | None:
+        """GPU blocks for a swapped sequence plus `num_new_tokens`, its KV copied back; None
+        (nothing changed) when the GPU pool is short; KVLost when the copy cannot start (the
+        sequence holds nothing any more and must be recomputed)."""
         cpu_blocks = self._swapped[seq.request_id]
         fresh = self.pool.allocate(self.blocks_needed(seq.num_computed_tokens + num_new_tokens))
         if fresh is None:
             return None
+        assert len(fresh) >= len(cpu_blocks), "swap_out keeps only the blocks of computed tokens"
         del self._swapped[seq.request_id]
         self._tables[seq.request_id], self._block_ids[seq.request_id] = [], []
         self._extend(seq.request_id, fresh)
         self._num_committed[seq.request_id] = 0
         targets = fresh[: len(cpu_blocks)]
         try:
-            self._land(seq, self.offload.copy_in(cpu_blocks, [b.block_id for b in targets]), targets)
-        except TransferError:
-            self._release_gpu(seq)
-            raise
-        return Allocation(tuple(b.block_id for b in fresh), 0)
+            self._land(self.offload.copy_in(cpu_blocks, [b.block_id for b in targets]), targets)
+        except TransferError as err:
+            self.free(seq)
+            return KVLost(str(err))
+        return Allocation(seq.num_computed_tokens, landing=True)
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks in every tier."""
+        """Release the sequence's blocks in every tier and forget its NVMe load plan."""
         self._release_gpu(seq)
+        self._load_from.pop(seq.request_id, None)
         swapped = self._swapped.pop(seq.request_id, None)
         if swapped:
             self.offload.pool.release(swapped)
@@ -288,22 +350,15 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody owns, on the GPU and in the CPU tier (the NVMe store
         keeps its blocks); returns how many were dropped."""
-        if self.offload:
-            self.offload.drain()  # finished transfers still hold blocks until retired
-        pools = [self.pool] + ([self.offload.pool] if self.offload else [])
-        dropped = 0
-        for pool in pools:
-            for block in list(pool.cached.values()):
-                if block.ref_count == 0:
-                    pool.uncache(block)
-                    dropped += 1
-        return dropped
+        if self.offload is None:
+            return self.pool.drop_unowned()
+        self.offload.drain()  # finished transfers still hold blocks until retired
+        return self.pool.drop_unowned() + self.offload.pool.drop_unowned()
 
     def retire(self) -> None:
         """Start a step: release what finished transfers held; last step's copies-in are no
         longer landing (this step's forward pass waits for them)."""
         self._landing_jobs.clear()
-        self._landing.clear()
         self._landing_blocks.clear()
         if self.offload:
             self.offload.retire()
@@ -330,3 +385,14 @@ class KVCacheManager:
     def close(self) -> None:
         if self.offload:
             self.offload.close()
+
+
+def _run_of(refs: list[BlockRef], lookup: Callable[[int, int, tuple[int, ...]], Block | None]) -> list[Block]:
+    """The blocks `lookup` finds for the first of `refs`, up to the first miss."""
+    found = []
+    for ref in refs:
+        block = lookup(ref.block_hash, ref.parent_hash, ref.token_ids)
+        if block is None:
+            break
+        found.append(block)
+    return found

@@ -15,33 +15,24 @@ Operations:
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 
-from tieredkv.cache.block_pool import Block
+from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.spill import NVMeSpill
+from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.transfer.engine import TransferEngine, TransferError, TransferJob
 
 
-@dataclass(frozen=True)
-class BlockRef:
-    """A full block known by content: its chained hash, its parent's, its tokens."""
-
-    block_hash: int
-    parent_hash: int
-    token_ids: tuple[int, ...]
-
-
 class CPUOffload:
-    """The CPU tier, the transfer engine and (optionally) the NVMe tier below them."""
+    """The CPU tier's bookkeeping (a `BlockPool` like the GPU tier's: owned blocks hold
+    swapped-out sequences, cached unowned blocks demoted prefixes), the transfer engine, and
+    optionally a slow tier (`store`, e.g. NVMe) below them."""
 
-    def __init__(self, tier: CPUTier, transfers: TransferEngine, nvme: NVMeSpill | None = None) -> None:
+    def __init__(self, tier: CPUTier, transfers: TransferEngine, store: BlockStore | None = None) -> None:
         self.tier = tier
-        self.pool = tier.pool
+        self.pool = BlockPool(tier.num_blocks)
         self.transfers = transfers
-        self.nvme = nvme
-        if nvme is not None:
-            self.pool.on_evict = nvme.before_evict
+        self.nvme = NVMeSpill(store, self.pool, tier.data) if store is not None else None
         self._demotions: list[tuple[int, Block]] = []
         self._held: dict[int, list[Block]] = {}
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
@@ -59,11 +50,10 @@ class CPUOffload:
 
     def demote(self, gpu_block: Block) -> None:
         assert gpu_block.block_hash is not None, "only cached blocks are demoted"
-        known = self.pool.cached.get(gpu_block.block_hash)
+        known = self.pool.cached_block(gpu_block.block_hash)
         if known is not None:
-            if known.ref_count == 0:  # refresh its LRU position
-                self.pool.touch(known)
-                self.pool.release([known])
+            if known.ref_count == 0:
+                self.pool.refresh(known)
             return
         taken = self.pool.allocate(1)
         if taken is None:  # the CPU tier is full of swapped sequences: the prefix is dropped
@@ -139,7 +129,7 @@ class CPUOffload:
             taken = self.pool.allocate(1)
             if taken is None:
                 break
-            job = self.nvme.start_read(ref.block_hash, ref.parent_hash, ref.token_ids, taken[0])
+            job = self.nvme.start_read(ref, taken[0])
             if job is None:  # evicted from the store since the lookup
                 self.pool.release(taken)
                 break

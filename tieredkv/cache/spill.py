@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from tieredkv.cache.block_pool import Block, BlockPool
-from tieredkv.tiers.nvme.store import NVMeStore
+from tieredkv.tiers.backend import BlockRef, BlockStore
 
 MAX_WRITES_IN_FLIGHT = 64
 
@@ -23,7 +23,7 @@ MAX_WRITES_IN_FLIGHT = 64
 class NVMeSpill:
     """Spills cold CPU blocks to `store` and reads prefix blocks back into CPU blocks."""
 
-    def __init__(self, store: NVMeStore, cpu_pool: BlockPool, cpu_data: torch.Tensor) -> None:
+    def __init__(self, store: BlockStore, cpu_pool: BlockPool, cpu_data: torch.Tensor) -> None:
         self.store = store
         self.cpu_pool = cpu_pool
         self.cpu_data = cpu_data
@@ -37,7 +37,7 @@ class NVMeSpill:
         self.eviction_waits = 0
 
     def spill_ahead(self) -> None:
-        candidates = itertools.islice(self.cpu_pool.free_queue.values(), self.window)
+        candidates = itertools.islice(self.cpu_pool.free_blocks(), self.window)
         for block in candidates:
             if len(self._writes) >= MAX_WRITES_IN_FLIGHT:
                 return
@@ -45,9 +45,8 @@ class NVMeSpill:
                 continue
             if self._on_disk.get(block.block_id) == block.block_hash:
                 continue
-            job = self.store.submit_write(
-                block.block_hash, block.parent_hash, block.token_ids, self.cpu_data[block.block_id]
-            )
+            ref = BlockRef(block.block_hash, block.parent_hash, block.token_ids)
+            job = self.store.submit_write(ref, self.cpu_data[block.block_id])
             if job is not None:
                 self._writes[block.block_id] = job
                 self._write_jobs[job] = (block.block_id, block.block_hash)
@@ -63,9 +62,9 @@ class NVMeSpill:
     def contains(self, block_hash: int) -> bool:
         return self.store.contains(block_hash)
 
-    def start_read(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...], cpu_block: Block) -> int | None:
+    def start_read(self, ref: BlockRef, cpu_block: Block) -> int | None:
         """Read a stored block into `cpu_block` (held by the caller until the job is reported)."""
-        return self.store.submit_read(block_hash, self.cpu_data[cpu_block.block_id], parent_hash, token_ids)
+        return self.store.submit_read(ref, self.cpu_data[cpu_block.block_id])
 
     def poll(self) -> list[tuple[int, bool]]:
         """Finished reads; finished writes are booked here."""

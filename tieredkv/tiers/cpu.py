@@ -2,8 +2,7 @@
 
     data[cpu_block] = [layers, 2, block_size, kv_heads, head_dim]   (one contiguous run of bytes)
 
-Its bookkeeping is a `BlockPool` like the GPU tier's: owned blocks hold swapped-out sequences,
-cached (hashed, unowned) blocks hold demoted prefixes in LRU order.
+Plain storage: which block holds what is the CPU offload's bookkeeping (`cache/offload.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import logging
 
 import torch
 
-from tieredkv.cache.block_pool import BlockPool, EvictCallback
 from tieredkv.tiers.nvme.slot_format import aligned_empty
 
 logger = logging.getLogger(__name__)
@@ -21,20 +19,16 @@ logger = logging.getLogger(__name__)
 class CPUTier:
     """`num_blocks` host blocks of shape `block_shape`."""
 
-    def __init__(
-        self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
-        on_evict: EvictCallback | None = None,
-    ) -> None:
+    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> None:
         shape = (num_blocks, *block_shape)
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         # page-aligned, so that NVMe I/O goes straight to and from the blocks (O_DIRECT)
         self.data = aligned_empty(nbytes).view(dtype).view(shape).zero_()
         self.pinned = pin and _pin(self.data)
-        self.pool = BlockPool(num_blocks, on_evict)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.pool.blocks)
+        return self.data.shape[0]
 
     def close(self) -> None:
         if self.pinned:

@@ -3,8 +3,9 @@
 Two-phase API, one CPU block per job (a block is `block_bytes` contiguous bytes, e.g. `cpu_pool[i]`)::
 
     store = NVMeStore(path, capacity_bytes, block_bytes, fingerprint, block_size, backend="uring")
-    job = store.submit_write(block_hash, parent_hash, token_ids, src)  # None: nothing started
-    job = store.submit_read(block_hash, dst, parent_hash, token_ids)   # None: not stored (a miss)
+    ref = BlockRef(block_hash, parent_hash, token_ids)
+    job = store.submit_write(ref, src)     # None: nothing started
+    job = store.submit_read(ref, dst)      # None: not stored (a miss)
     store.poll() -> [(job, ok), ...]       # jobs finished since the last poll, each reported once
     store.wait([job, ...]) -> {job: ok}    # blocks; `await store.wait_async(jobs)` under asyncio
     store.contains(block_hash); store.stats()
@@ -40,6 +41,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import xxhash
 
+from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme.io_backends import BackendName, BlockIO, IOOp, make_backend
 from tieredkv.tiers.nvme.slot_file import SlotFile
 from tieredkv.tiers.nvme.slot_format import (
@@ -126,17 +128,16 @@ class NVMeStore:
         with self._cond:
             return self.index.lookup(block_hash) is not None
 
-    def submit_write(
-        self, block_hash: int, parent_hash: int, token_ids: Sequence[int], src: torch.Tensor
-    ) -> int | None:
+    def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
         """Start storing the block in `src`; a job id, or None if no I/O was started.
 
         None: the block is stored or being written already (it becomes most recently used),
         every slot has I/O in flight (`write_rejected`), or the store is closed. Either way `src`
         is free at once.
         """
-        payload = self._check_block(src, "src", token_ids)
-        tokens = self._check_ids(block_hash, parent_hash, token_ids)
+        block_hash, parent_hash = ref.block_hash, ref.parent_hash
+        payload = self._check_block(src, "src", ref.token_ids)
+        tokens = self._check_ids(block_hash, parent_hash, ref.token_ids)
         self._check_file()
         with self._cond:
             if self._closed or self.index.known(block_hash):
@@ -158,12 +159,11 @@ class NVMeStore:
         self._io.start(job, header, direct)
         return job.id
 
-    def submit_read(
-        self, block_hash: int, dst: torch.Tensor, parent_hash: int, token_ids: Sequence[int]
-    ) -> int | None:
+    def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
         """Start loading the block into `dst`; a job id, or None if it is not stored (a miss)."""
-        payload = self._check_block(dst, "dst", token_ids)
-        tokens = self._check_ids(block_hash, parent_hash, token_ids)
+        block_hash, parent_hash = ref.block_hash, ref.parent_hash
+        payload = self._check_block(dst, "dst", ref.token_ids)
+        tokens = self._check_ids(block_hash, parent_hash, ref.token_ids)
         self._check_file()
         with self._cond:
             slot = None if self._closed else self.index.pin(block_hash)

@@ -1,0 +1,49 @@
+"""What every tier below the CPU answers: a store of KV blocks known by content.
+
+    ref = BlockRef(block_hash, parent_hash, token_ids)
+    store.contains(ref.block_hash)
+    job = store.submit_write(ref, src)     # None: nothing started (stored already, or no room)
+    job = store.submit_read(ref, dst)      # None: not stored (a miss)
+    store.poll() -> [(job, ok), ...]       # jobs finished since the last poll
+    store.wait([job, ...]) -> {job: ok}    # blocks the caller
+    store.stats(); store.close()
+
+`src` and `dst` are one CPU block each and stay untouched until their job is reported. A read
+that comes back `ok=False` left garbage in `dst`: the caller recomputes. The NVMe store is one
+implementation; a remote store is another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """A full block known by content: its chained hash, its parent's, its tokens."""
+
+    block_hash: int
+    parent_hash: int
+    token_ids: tuple[int, ...]
+
+
+class BlockStore(Protocol):
+    """A tier of KV blocks with two-phase reads and writes (see the module docstring)."""
+
+    def contains(self, block_hash: int) -> bool: ...
+
+    def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None: ...
+
+    def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None: ...
+
+    def poll(self) -> list[tuple[int, bool]]: ...
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]: ...
+
+    def stats(self) -> dict[str, int | str | bool]: ...
+
+    def close(self) -> None: ...
