@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty, byte_view
 from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty, byte_view
 from tieredkv.tiers.nvme.store import NVMeStore
 
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "": 1}

@@ -63,7 +63,12 @@ def test_gpu_round_trip_is_bit_identical(monkeypatch):
     gpu_ids = tuple(range(63, 0, -3))  # 21 scattered blocks
     cpu_ids = tuple(list(range(10, 20)) + list(range(40, 29, -1)))  # two runs, one listed backwards
     dmas = []
-    monkeypatch.setattr(transfer_cuda, "consecutive_runs", lambda ids: dmas.append(runs := consecutive_runs(ids)) or runs)
+
+    def spy(ids):
+        dmas.append(runs := consecutive_runs(ids))
+        return runs
+
+    monkeypatch.setattr(transfer_cuda, "consecutive_runs", spy)
     out = engine.submit(TransferJob("d2h", gpu_ids, cpu_ids))
     assert sum(map(len, dmas)) == 6 + 1  # in CPU order: one DMA a chunk, two for the chunk that spans both runs
     engine.order_compute()
@@ -87,7 +92,8 @@ def test_gpu_round_trip_is_bit_identical(monkeypatch):
     held = [gpu_ids[cpu_ids.index(c)] for c in (30, 31, 32, 33)]
     for src, dst in zip(held, (1, 2, 4, 5), strict=True):
         assert torch.equal(kv[:, :, dst], original[:, :, src])
-    assert torch.equal(tier.data[torch.tensor(cpu_ids[:10])], original[:, :, list(gpu_ids[:10])].permute(2, 0, 1, 3, 4, 5).cpu())
+    moved = original[:, :, list(gpu_ids[:10])].permute(2, 0, 1, 3, 4, 5).cpu()
+    assert torch.equal(tier.data[torch.tensor(cpu_ids[:10])], moved)
     tier.close()
 
 

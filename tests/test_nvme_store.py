@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme import io_backends, slot_file, slot_format
 from tieredkv.tiers.nvme.io_backends import (
     BlockIO,
@@ -26,7 +27,6 @@ from tieredkv.tiers.nvme.io_backends import (
     SyncBackend,
 )
 from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty
-from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme.store import NVMeStore
 
 BLOCK_SIZE = 16

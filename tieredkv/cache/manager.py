@@ -168,7 +168,8 @@ class KVCacheManager:
             return None
         first = prefix.num_tokens(self.block_size)
         compute = split(len(prefix.nvme_refs), first)
-        if compute < len(prefix.nvme_refs) and self.offload.start_loads(seq.request_id, list(prefix.nvme_refs[compute:])):
+        to_load = list(prefix.nvme_refs[compute:])
+        if to_load and self.offload.start_loads(seq.request_id, to_load):
             self._load_from[seq.request_id] = first + compute * self.block_size
         return NVMePlan(compute, len(prefix.nvme_refs) - compute)
 
@@ -200,7 +201,10 @@ class KVCacheManager:
         if none arrived intact or the GPU pool is short."""
         bs = self.block_size
         start = seq.num_computed_tokens // bs
-        found = [] if seq.num_computed_tokens % bs else _run_of(list(self._full_blocks(seq, start)), self.offload.lookup)
+        if seq.num_computed_tokens % bs:
+            found = []
+        else:
+            found = _run_of(list(self._full_blocks(seq, start)), self.offload.lookup)
         skipped = self._copy_loaded(seq, start, found) if found else 0
         self.offload.release_loads(seq.request_id)
         return skipped * bs, skipped > 0

@@ -38,7 +38,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def preset_config(name: str) -> PretrainedConfig:
     if name not in PRESETS:
-        raise ValueError(f"model: unknown preset {name!r}; presets are {', '.join(PRESETS)} (or pass a model directory)")
+        presets = ", ".join(PRESETS)
+        raise ValueError(f"model: unknown preset {name!r}; presets are {presets} (or pass a model directory)")
     model_type, kwargs = PRESETS[name]
     return AutoConfig.for_model(model_type, **kwargs)
 
