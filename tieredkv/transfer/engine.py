@@ -117,3 +117,52 @@ def make_transfer_engine(kv_cache: torch.Tensor, cpu_data: torch.Tensor) -> Tran
 
         return CudaTransferEngine(kv_cache, cpu_data)
     return TransferEngine(kv_cache, cpu_data)
+
+
+class FaultyTransfers:
+    """Wraps a transfer engine and makes chosen jobs fail to start, for tests of the failure
+    paths: `inject("h2d", every=2)` fails every second H2D job with TransferError (nothing is
+    copied, as when a real DMA cannot start). Everything else goes to the wrapped engine."""
+
+    def __init__(self, inner: TransferEngine) -> None:
+        self.inner = inner
+        self._every: dict[TransferKind, int] = {}
+        self._seen: dict[TransferKind, int] = {"d2h": 0, "h2d": 0}
+        self.injected = 0
+
+    def inject(self, kind: TransferKind, every: int = 1) -> None:
+        """Fail every `every`-th job of `kind` from now on."""
+        self._every[kind] = every
+
+    def submit(self, job: TransferJob) -> int:
+        every = self._every.get(job.kind)
+        if every is not None:
+            self._seen[job.kind] += 1
+            if self._seen[job.kind] % every == 0:
+                self.injected += 1
+                raise TransferError(f"{job.kind} transfer of {len(job.gpu_block_ids)} blocks failed: injected")
+        return self.inner.submit(job)
+
+    def poll(self) -> list[int]:
+        return self.inner.poll()
+
+    def wait(self, job_ids: list[int]) -> None:
+        self.inner.wait(job_ids)
+
+    def order_compute(self, later: Collection[int] = ()) -> None:
+        self.inner.order_compute(later)
+
+    def wait_all(self) -> None:
+        self.inner.wait_all()
+
+    @property
+    def bytes_moved(self) -> dict[str, int]:
+        return self.inner.bytes_moved
+
+    @property
+    def num_failures(self) -> int:
+        return self.inner.num_failures + self.injected
+
+    @property
+    def compute_wait_s(self) -> float:
+        return self.inner.compute_wait_s

@@ -1,14 +1,13 @@
-"""CPU tier: swap preemption, prefix demotion/promotion, the swap-vs-recompute policy, faults."""
+"""The CPU tier inside the engine: swap preemption, prefix demotion and promotion, transfer
+faults, exact tokens throughout."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.reference import make_prompts
 from tieredkv import LLM, SamplingParams
-from tieredkv.policy import CostModel, choose_preemption
-from tieredkv.transfer.engine import TransferEngine, TransferError, TransferJob, consecutive_runs
+from tieredkv.transfer.engine import FaultyTransfers
 
 NEW_TOKENS = 40
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
@@ -84,52 +83,6 @@ def test_a_promoted_prefix_computes_a_step_later_beside_its_copy(reference_outpu
     assert forwards[admitted + 1] == ([other, returning], set())  # ... and the next one waits for it
 
 
-def test_round_trip_of_scattered_blocks_is_bit_identical():
-    gen = torch.Generator().manual_seed(0)
-    kv = torch.randn((3, 2, 20, 4, 2, 8), generator=gen).to(torch.bfloat16)
-    original = kv.clone()
-    cpu = torch.zeros((16, 3, 2, 4, 2, 8), dtype=torch.bfloat16)
-    engine = TransferEngine(kv, cpu)
-    gpu_ids = (17, 2, 9, 3, 11)
-    cpu_ids = (5, 6, 7, 0, 12)
-    out = engine.submit(TransferJob("d2h", gpu_ids, cpu_ids))
-    kv.zero_()
-    back = engine.submit(TransferJob("h2d", (1, 4, 19, 8, 0), cpu_ids))
-    assert sorted(engine.poll()) == [out, back]
-    for src, dst in zip(gpu_ids, (1, 4, 19, 8, 0), strict=True):
-        assert torch.equal(kv[:, :, dst], original[:, :, src])
-    assert engine.bytes_moved == {"d2h": 5 * cpu[0].numel() * 2, "h2d": 5 * cpu[0].numel() * 2}
-
-
-def test_consecutive_runs():
-    assert consecutive_runs((4, 5, 6, 9, 2, 3)) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
-    assert consecutive_runs(()) == []
-
-
-COSTS = CostModel(d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9, prefill_s_per_token=1e-4, prefill_s_per_token_sq=1e-8)
-
-
-@pytest.mark.parametrize(
-    "mode, tokens, blocks, cpu_free, expected",
-    [
-        # 64 tokens: recompute 6.4 ms + tiny; swap of 4 blocks of 1 MiB: 8.4 ms -> recompute
-        ("auto", 64, 4, 100, "recompute"),
-        # 8k tokens: recompute 0.82 s + 0.67 s; swap of 512 MiB: 1.07 s -> swap
-        ("auto", 8192, 512, 1000, "swap"),
-        ("auto", 8192, 512, 511, "recompute"),  # CPU tier full
-        ("swap", 64, 4, 100, "swap"),
-        ("swap", 64, 4, 3, "recompute"),
-        ("recompute", 8192, 512, 1000, "recompute"),
-    ],
-)
-def test_policy_with_scripted_costs(mode, tokens, blocks, cpu_free, expected):
-    assert choose_preemption(mode, tokens, blocks, 1 << 20, cpu_free, COSTS) == expected
-
-
-def test_auto_without_cost_model_recomputes():
-    assert choose_preemption("auto", 8192, 512, 1 << 20, 10_000, None) == "recompute"
-
-
 def test_cpu_pool_exhaustion_falls_back_to_recompute(reference_outputs):
     prompts = make_prompts(vocab_size=512)
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
@@ -141,33 +94,17 @@ def test_cpu_pool_exhaustion_falls_back_to_recompute(reference_outputs):
     assert stats["preemptions"]["recompute"] > 0 and stats["preemptions"]["swap"] > 0
 
 
-class FlakyTransfers:
-    """Wraps a transfer engine's `_start`: every `period`-th job of `kind` fails to start."""
-
-    def __init__(self, engine: TransferEngine, kind: str, period: int) -> None:
-        self.start, self.kind, self.period, self.count, self.failed = engine._start, kind, period, 0, 0
-
-    def __call__(self, job_id: int, job: TransferJob) -> None:
-        if job.kind == self.kind:
-            self.count += 1
-            if self.count % self.period == 0:
-                self.failed += 1
-                raise RuntimeError("injected DMA failure")
-        self.start(job_id, job)
-
-
 @pytest.mark.parametrize("kind", ["d2h", "h2d"])
-def test_transfer_failures_end_in_recompute(kind, reference_outputs, monkeypatch):
+def test_transfer_failures_end_in_recompute(kind, reference_outputs):
     prompts = make_prompts(vocab_size=512)
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     llm = pressured_llm("tiny-llama", "swap")
-    transfers = llm.kv.offload.transfers
-    flaky = FlakyTransfers(transfers, kind, period=2)
-    monkeypatch.setattr(transfers, "_start", flaky)
+    llm.kv.offload.transfers = flaky = FaultyTransfers(llm.kv.offload.transfers)
+    flaky.inject(kind, every=2)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
     stats = llm.stats()
-    assert flaky.failed > 0 and stats["transfer_failures"] == flaky.failed
+    assert flaky.injected > 0 and stats["transfer_failures"] == flaky.injected
     assert stats["preemptions"]["recompute"] + stats["swap_fallbacks"] > 0
     assert stats["gpu_blocks_used"] == 0
 
@@ -179,9 +116,18 @@ def test_swap_needs_a_cpu_tier():
         LLM(model="tiny-llama", cpu_cache_bytes=100)
 
 
-def test_a_copy_that_fails_to_start_raises_transfer_error(monkeypatch):
-    engine = TransferEngine(torch.zeros((1, 2, 4, 2, 1, 2)), torch.zeros((2, 1, 2, 2, 1, 2)))
-    monkeypatch.setattr(engine, "_start", FlakyTransfers(engine, "d2h", period=1))
-    with pytest.raises(TransferError, match="d2h transfer of 1 blocks failed: injected DMA failure"):
-        engine.submit(TransferJob("d2h", (0,), (1,)))
-    assert engine.num_failures == 1 and engine.bytes_moved["d2h"] == 0
+@pytest.mark.parametrize("preemption", ["swap", "auto"])
+def test_a_sequence_preempted_while_its_prefix_lands_swaps_back_exactly(preemption, reference_outputs):
+    """Admitted while its promoted prefix is still landing, a sequence holds blocks for a chunk
+    it has not run; swapped out then, only the blocks of its computed tokens go to the CPU."""
+    prompts = [[62, 467], [62, 467, 45, 279, 330, 273, 398, 22, 265, 433], [62, 294, 466, 299, 504, 408],
+               [62, 467, 45, 380, 143], [62, 467, 45, 279, 33, 196, 465, 357, 47], [62, 319, 42, 488, 272, 146, 304]]
+    expected = reference_outputs("tiny-llama", prompts, 6)
+    llm = LLM(model="tiny-llama", block_size=1, num_gpu_blocks=17, max_num_batched_tokens=2, max_num_seqs=4,
+              preemption=preemption, cpu_cache_bytes=64 * 512, scheduler={"cost_model": SWAP_WINS})
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.stats()["preemptions"]["swap"] > 0
+    llm.reset_prefix_cache()  # waits for the last transfers, which hold their CPU blocks until then
+    stats = llm.stats()
+    assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
