@@ -37,17 +37,16 @@ PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of t
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan: the chunks to run, the sequences preempted to make room, and the
+    sequences whose chunk reaches their end, so that they get a token (in batch order)."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    sampling: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def sampling(self) -> list[Sequence]:
-        """The sequences that get a token this step, in batch order."""
-        return [s.seq for s in self.scheduled if s.samples]
 
 
 class Scheduler:
@@ -80,18 +79,18 @@ class Scheduler:
             budget = self._resume_swapped(out, budget)
             if not self.swapped:
                 self._admit_waiting(out, budget)
+        out.sampling = [s.seq for s in out.scheduled if s.samples]
         return out
 
     def update(self, batch: SchedulerOutput, sampled_tokens: list[int]) -> list[Sequence]:
         """Book a finished forward pass: the scheduled tokens are computed (their full blocks
         join the prefix cache), each sampling sequence gets its token; returns the sequences
         that finished (their blocks are freed)."""
-        sampling = batch.sampling  # before the progress it is read from moves
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit(item.seq)
         finished = []
-        for seq, token in zip(sampling, sampled_tokens, strict=True):
+        for seq, token in zip(batch.sampling, sampled_tokens, strict=True):
             seq.append_token(token)
             if seq.is_finished:
                 self._retire(seq)
@@ -119,8 +118,9 @@ class Scheduler:
 
     def _next_chunk(self, seq: Sequence, budget: int) -> int:
         chunk = self.kv.computable(seq, budget)
-        seq.num_computed_tokens += chunk.num_skipped_tokens
-        self.nvme_skipped_tokens += chunk.num_skipped_tokens
+        if chunk.num_skipped_tokens:
+            seq.num_computed_tokens += chunk.num_skipped_tokens
+            self.nvme_skipped_tokens += chunk.num_skipped_tokens
         return chunk.num_new_tokens
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.hashing import extend_block_hashes
@@ -53,25 +54,26 @@ class PrefixMatch:
         return (len(self.gpu_blocks) + len(self.cpu_blocks)) * block_size
 
 
-@dataclass(frozen=True)
-class Allocation:
-    """Blocks were found. `num_cached_tokens`: tokens whose KV the sequence already has (prefix
-    hits of a new sequence, the computed tokens of a swapped-in one); `landing`: some of it is
-    still being copied in, so the sequence computes from the next step on."""
+class Allocation(NamedTuple):
+    """Blocks were found. `num_cached_tokens`: the prefix tokens a new sequence reuses from the
+    cache (0 for others); `landing`: some of its KV is still being copied in (a promoted prefix,
+    a swap-in), so the sequence computes from the next step on."""
 
     num_cached_tokens: int = 0
     landing: bool = False
 
 
-@dataclass(frozen=True)
-class KVLost:
+EXTENDED = Allocation()  # a running sequence got the blocks for its next tokens
+SWAPPED_IN = Allocation(landing=True)
+
+
+class KVLost(NamedTuple):
     """A swapped-out sequence's KV did not come back: it must be recomputed."""
 
     reason: str
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """What a sequence may do this step: compute `num_new_tokens` (0: wait), after jumping
     over `num_skipped_tokens` prefix tokens whose KV was loaded from NVMe."""
 
@@ -79,8 +81,7 @@ class Chunk:
     num_skipped_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class NVMePlan:
+class NVMePlan(NamedTuple):
     """Prefix blocks found on NVMe for a sequence, by what the policy chose for them."""
 
     num_compute: int
@@ -179,7 +180,7 @@ class KVCacheManager:
         the prefix blocks being read from NVMe, waits (0) while they are in flight, and jumps
         over them once they have landed."""
         start = seq.num_computed_tokens if prefix is None else prefix.num_tokens(self.block_size)
-        n = min(seq.num_tokens - start, budget)
+        n = min(len(seq.token_ids) - start, budget)
         load_from = self._load_from.get(seq.request_id)
         if load_from is None:
             return Chunk(n)
@@ -230,13 +231,13 @@ class KVCacheManager:
         table = self._tables.get(seq.request_id)
         if table is None:
             return self._allocate_new(seq, num_new_tokens, prefix or PrefixMatch())
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
         if need > 0:
             fresh = self.pool.allocate(need)
             if fresh is None:
                 return None
             self._extend(seq.request_id, fresh)
-        return Allocation(seq.num_computed_tokens)
+        return EXTENDED
 
     def _allocate_new(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> Allocation | None:
         reused, promoted = prefix.gpu_blocks, list(prefix.cpu_blocks)
@@ -333,7 +334,7 @@ class KVCacheManager:
         except TransferError as err:
             self.free(seq)
             return KVLost(str(err))
-        return Allocation(seq.num_computed_tokens, landing=True)
+        return SWAPPED_IN
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks in every tier and forget its NVMe load plan."""

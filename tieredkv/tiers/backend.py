@@ -16,14 +16,12 @@ implementation; a remote store is another.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 
-@dataclass(frozen=True)
-class BlockRef:
+class BlockRef(NamedTuple):
     """A full block known by content: its chained hash, its parent's, its tokens."""
 
     block_hash: int
