@@ -63,7 +63,8 @@ def choose_preemption(
 
 
 def split_nvme_prefix(
-    num_blocks: int, block_bytes: int, first_token: int, block_size: int, cost: CostModel | None
+    num_blocks: int, block_bytes: int, first_token: int, block_size: int, cost: CostModel | None,
+    disk_queue_bytes: int = 0, gpu_queue_tokens: int = 0,
 ) -> int:
     """How many of the `num_blocks` prefix blocks found on NVMe (from token `first_token` on)
     to recompute; the rest, the later ones, are loaded at the same time.
@@ -71,16 +72,22 @@ def split_nvme_prefix(
         tokens:  [ hits | compute c blocks ──► | ◄── load num_blocks - c blocks | rest of prompt ]
 
     The GPU computes forward from the hits while the disk reads the later blocks; c is chosen
-    so both finish together (the larger of the two times is smallest). 0 loads everything,
-    `num_blocks` recomputes everything. Without a measured disk bandwidth, load everything.
+    so both finish together (the larger of the two times is smallest). Both start behind their
+    queues: the disk after the `disk_queue_bytes` already queued for reads, the GPU after the
+    `gpu_queue_tokens` of prefill already scheduled ahead of this request, so a disk shared by
+    many requests loads less for each. 0 loads everything, `num_blocks` recomputes everything.
+    Without a measured disk bandwidth, load everything.
     """
     if cost is None or cost.disk_read_bytes_per_s is None:
         return 0
     per_block_load = block_bytes / cost.disk_read_bytes_per_s + block_bytes / cost.h2d_bytes_per_s
+    disk_wait = disk_queue_bytes / cost.disk_read_bytes_per_s
+    gpu_wait = cost.recompute_s(gpu_queue_tokens)
 
     def finish_s(c: int) -> float:
-        compute = cost.recompute_s(first_token + c * block_size) - cost.recompute_s(first_token)
-        return max(compute, (num_blocks - c) * per_block_load)
+        compute = gpu_wait + cost.recompute_s(first_token + c * block_size) - cost.recompute_s(first_token)
+        load = disk_wait + (num_blocks - c) * per_block_load if c < num_blocks else 0.0
+        return max(compute, load)
 
     return min(range(num_blocks + 1), key=finish_s)
 
@@ -97,5 +104,10 @@ class TierPolicy:
     def preemption(self, num_tokens: int, num_blocks: int, cpu_free_blocks: int) -> PreemptionKind:
         return choose_preemption(self.mode, num_tokens, num_blocks, self.block_bytes, cpu_free_blocks, self.cost)
 
-    def nvme_blocks_to_compute(self, num_blocks: int, first_token: int) -> int:
-        return split_nvme_prefix(num_blocks, self.block_bytes, first_token, self.block_size, self.cost)
+    def nvme_blocks_to_compute(
+        self, num_blocks: int, first_token: int, disk_queue_blocks: int = 0, gpu_queue_tokens: int = 0
+    ) -> int:
+        return split_nvme_prefix(
+            num_blocks, self.block_bytes, first_token, self.block_size, self.cost,
+            disk_queue_blocks * self.block_bytes, gpu_queue_tokens,
+        )

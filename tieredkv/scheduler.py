@@ -139,11 +139,25 @@ class Scheduler:
         return budget
 
     def _prefetch(self) -> None:
+        ahead = self._prefill_backlog()
         for seq in itertools.islice(self.waiting, PREFETCH_DEPTH):
-            self._plan_loads(seq)
+            self._plan_loads(seq, ahead)
+            ahead += seq.num_tokens - seq.num_computed_tokens
 
-    def _plan_loads(self, seq: Sequence) -> None:
-        plan = self.kv.plan_loads(seq, self.policy.nvme_blocks_to_compute)
+    def _prefill_backlog(self) -> int:
+        """Prefill tokens the running sequences still have to compute."""
+        return sum(s.num_prompt_tokens - s.num_computed_tokens for s in self.running
+                   if s.num_computed_tokens < s.num_prompt_tokens)
+
+    def _plan_loads(self, seq: Sequence, gpu_queue_tokens: int) -> None:
+        """Plan the sequence's NVMe prefix loads against the disk's and the GPU's queues: the
+        reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
+        disk_queue_blocks = self.kv.nvme_reads_in_flight()
+
+        def split(num_blocks: int, first_token: int) -> int:
+            return self.policy.nvme_blocks_to_compute(num_blocks, first_token, disk_queue_blocks, gpu_queue_tokens)
+
+        plan = self.kv.plan_loads(seq, split)
         if plan is not None:
             self.nvme_prefix_blocks["compute"] += plan.num_compute
             self.nvme_prefix_blocks["load"] += plan.num_load
@@ -152,7 +166,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            self._plan_loads(seq)
+            self._plan_loads(seq, self._prefill_backlog())
             prefix = self.kv.match_prefix(seq)
             n = self.kv.computable(seq, budget, prefix).num_new_tokens
             if n == 0:  # nothing to compute before its NVMe blocks arrive

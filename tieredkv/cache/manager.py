@@ -174,6 +174,10 @@ class KVCacheManager:
             self._load_from[seq.request_id] = first + compute * self.block_size
         return NVMePlan(compute, len(prefix.nvme_refs) - compute)
 
+    def nvme_reads_in_flight(self) -> int:
+        """NVMe block reads submitted and not finished: the disk's queue."""
+        return self.offload.reads_in_flight if self.offload is not None else 0
+
     def computable(self, seq: Sequence, budget: int, prefix: PrefixMatch | None = None) -> Chunk:
         """Tokens the sequence may compute now, up to `budget`: a new sequence (with its
         `prefix`) from its hits on, a running one from its computed tokens on. Stops short of

@@ -139,6 +139,10 @@ class CPUOffload:
         self._reads_left[request_id] = self._reads_left.get(request_id, 0) + started
         return started
 
+    @property
+    def reads_in_flight(self) -> int:
+        return len(self._reads)
+
     def loading(self, request_id: str) -> bool:
         return self._reads_left.get(request_id, 0) > 0
 
