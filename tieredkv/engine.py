@@ -148,6 +148,9 @@ class LLMEngine:
         return Seq(request_id, token_ids, params, self.runner.eos_token_id, self._generator(params))
 
     def enqueue(self, seq: Seq) -> None:
+        """Queue a sequence from `make_sequence`; ValueError if its id is already queued or running."""
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request_id: {seq.request_id!r} is already in use")
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -186,12 +189,15 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self.config.model.seed * 1_000_003 + next(self._ids)
         return torch.Generator(device=self.runner.device).manual_seed(seed)
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request and free everything it holds."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free everything it holds; its last output (`finish_reason` "abort"),
+        or None if no such request is unfinished."""
         seq = self.seqs.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            seq.finish("abort")
-            self.scheduler.finish(seq)
+        if seq is None or seq.is_finished:
+            return None
+        seq.finish("abort")
+        self.scheduler.finish(seq)
+        return self._output(seq)
 
     def reset_prefix_cache(self) -> int:
         """Drop the GPU and CPU prefix caches (not the NVMe store); how many blocks were dropped."""
