@@ -247,6 +247,7 @@ class LLMEngine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             text=text,
+            error=seq.error,
             metrics=RequestMetrics(
                 seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_prompt_tokens, seq.num_cached_tokens
             ),
@@ -312,12 +313,20 @@ class LLM(LLMEngine):
                 logger.warning("request rejected: %s", err)
                 order.append(rid := f"rejected-{next(self._ids)}")
                 results[rid] = RequestOutput(rid, [], [], True, "error", error=str(err))
-        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
+        try:
+            self._run_to_completion(results, len(prompts), use_tqdm)
+        except BaseException:  # a failed step (or Ctrl-C) must not leave this batch holding blocks
+            for rid in order:
+                self.abort(rid)
+            raise
+        return [results[rid] for rid in order]
+
+    def _run_to_completion(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+        with tqdm(total=total, desc="generate", disable=not use_tqdm) as bar:
             bar.update(len(results))
             while self.has_unfinished():
                 for out in self.step():
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
-        return [results[rid] for rid in order]
 
