@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -38,26 +40,59 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: expected an integer >= 1, got {self.max_tokens!r}")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
+        if not is_real(t) or math.isnan(t) or t < 0:
             raise ValueError(f"temperature: expected a number >= 0 (0 is greedy), got {t!r}")
-        object.__setattr__(self, "temperature", float(t))
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k: expected an integer >= 1, or None to disable, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected a number in (0, 1] (1 disables it), got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed: expected an integer >= 0 or None, got {self.seed!r}")
-        stop = tuple(self.stop_token_ids)
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop):
-            raise ValueError(f"stop_token_ids: expected non-negative token ids, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", stop)
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos: expected True or False, got {self.ignore_eos!r}")
+        self._set("max_tokens", _integer("max_tokens", self.max_tokens, ">= 1", 1))
+        self._set("temperature", float(t))
+        self._set("top_p", float(self.top_p))
+        if self.top_k is not None:
+            self._set("top_k", _integer("top_k", self.top_k, ">= 1, or None to disable", 1))
+        if self.seed is not None:
+            self._set("seed", _integer("seed", self.seed, "in [0, 2**64), or None", 0, 2**64))
+        self._set("stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        self._set("ignore_eos", bool(self.ignore_eos))
+
+    def _set(self, name: str, value: object) -> None:
+        """Store the normalized value of a field (plain ints and floats, not numpy scalars)."""
+        object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+
+def is_int(value: object) -> bool:
+    """An integer, numpy integers included; not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """A real number, numpy scalars included; not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _integer(name: str, value: object, expected: str, low: int, high: int | None = None) -> int:
+    """`value` as a plain int in `[low, high)`; ValueError naming the field otherwise."""
+    if not is_int(value) or value < low or (high is not None and value >= high):
+        raise ValueError(f"{name}: expected an integer {expected}, got {value!r}")
+    return int(value)
+
+
+def _stop_token_ids(value: object) -> tuple[int, ...]:
+    """Stop token ids as a tuple of plain ints; one id alone counts as a list of one."""
+    if is_int(value):
+        value = (value,)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"stop_token_ids: expected a list of non-negative token ids, got {value!r}")
+    ids = tuple(value)
+    if not all(is_int(t) and t >= 0 for t in ids):
+        raise ValueError(f"stop_token_ids: expected a list of non-negative token ids, got {value!r}")
+    return tuple(int(t) for t in ids)
 
 
 @dataclass(frozen=True)
