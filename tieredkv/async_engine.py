@@ -8,6 +8,7 @@ Operations:
 - `generate_stream(prompt, params, request_id)`: stream a request's outputs; leaving early aborts.
 - `generate(prompt, params)`: the finished output of one request.
 - `abort(request_id)`: end a request; its stream gets a last output with `finish_reason="abort"`.
+- `reset_prefix_cache()`: drop the GPU and CPU prefix caches between two steps.
 - `close()`: abort what is open (each stream ends the same way), stop the loop, release the tiers.
 
 A caller's `request_id` names one open stream at a time. Inside the engine every submission gets
@@ -56,6 +57,7 @@ class AsyncLLM:
         self._live: dict[str, _Stream] = {}  # by the engine's id: sequences not yet released
         self._pending: list[Seq] = []
         self._aborts: list[Seq] = []
+        self._resets: list[asyncio.Future[int]] = []
         self._ids = itertools.count()
         self._loop_task: asyncio.Task | None = None
         self._closed = False
@@ -115,6 +117,15 @@ class AsyncLLM:
         if stream.seq.request_id in self._live and stream.seq not in self._aborts:
             self._aborts.append(stream.seq)
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop the GPU and CPU prefix caches (not the NVMe store) between two steps; how many
+        blocks were dropped."""
+        if self._loop_task is None or self._loop_task.done():
+            return self.engine.reset_prefix_cache()
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._resets.append(done)
+        return await done
+
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
@@ -147,6 +158,10 @@ class AsyncLLM:
             if out is not None:
                 self._deliver(out)
         self._aborts.clear()
+        for done in self._resets:
+            if not done.done():  # its caller may have been cancelled meanwhile
+                done.set_result(self.engine.reset_prefix_cache())
+        self._resets.clear()
 
     def _deliver(self, out: RequestOutput) -> None:
         """Hand an engine output to the stream of the sequence it belongs to, under the
@@ -170,4 +185,8 @@ class AsyncLLM:
             logger.exception("engine loop failed")
             for stream in self._live.values():
                 stream.queue.put_nowait(err)
+            for done in self._resets:
+                if not done.done():
+                    done.set_exception(err)
+            self._resets.clear()
             raise
