@@ -141,8 +141,7 @@ class LLMEngine:
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Seq:
         """Validate a request (ValueError if it can never run) without queueing it. Reads no
         state that `step()` changes, so it may run beside a step. RuntimeError once closed."""
-        if self._closed:
-            raise RuntimeError(f"{type(self).__name__} is closed; create a new one to generate")
+        self._check_open()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
@@ -152,6 +151,10 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self._check_fits(len(token_ids), params.max_tokens)
         return Seq(request_id, token_ids, params, self.runner.eos_token_id, self._generator(params))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed; create a new one to generate")
 
     def enqueue(self, seq: Seq) -> None:
         """Queue a sequence from `make_sequence`; ValueError if its id is already queued or running."""
@@ -310,8 +313,7 @@ class LLM(LLMEngine):
         nowhere to hand their outputs. Step them to completion (or `abort()` them) first."""
         prompts = prompt_list(prompts)
         with self._generate_lock:
-            if self._closed:
-                raise RuntimeError("LLM is closed; create a new one to generate")
+            self._check_open()
             if self.seqs:
                 names = ", ".join(list(self.seqs)[:5])
                 raise RuntimeError(
