@@ -124,7 +124,7 @@ class Sampler:
     def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int | FailedSample:
         probs = _probabilities(logits, p)
         # checked here: on CUDA, multinomial over NaN is a device-side assert that kills the process
-        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        if not bool(torch.isfinite(probs).all() & (probs.sum() > 0)):  # one host sync
             message = f"sampling: the next-token probabilities are not finite (temperature {p.temperature})"
             logger.warning("request failed: %s", message)
             return FailedSample(message)
