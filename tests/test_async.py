@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from tests.reference import make_prompts
-from tieredkv import AsyncLLM, SamplingParams
+from tieredkv import AsyncLLM, EngineConfig, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -65,12 +66,56 @@ async def test_abort_mid_prefill():
     while allm.engine.stats()["prefill_tokens"] < 16:  # a few 8-token chunks are in
         await asyncio.sleep(0.001)
     allm.abort("long")
+    await asyncio.wait_for(task, timeout=30)  # the stream ends: the consumer is not left waiting
+    [last] = outputs  # no token was produced, only the final output
+    assert last.finished and last.finish_reason == "abort" and last.token_ids == []
+    assert last.request_id == "long"
     await allm._loop_task
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert outputs == []  # no token was produced
     assert_nothing_held(allm)
+
+
+async def test_abort_ends_an_open_stream_with_the_tokens_so_far(reference_outputs):
+    prompt = list(range(5, 30))
+    expected = reference_outputs("tiny-llama", [prompt], 24)[0]
+    allm = AsyncLLM(model="tiny-llama", block_size=4, num_gpu_blocks=64)
+    outputs = []
+
+    async def consume():
+        async for out in allm.generate_stream(prompt, GREEDY, request_id="r"):
+            outputs.append(out)
+            if len(out.token_ids) == 3:
+                allm.abort("r")
+
+    await asyncio.wait_for(consume(), timeout=30)
+    last = outputs[-1]
+    assert last.finished and last.finish_reason == "abort"
+    assert last.token_ids == expected[: len(last.token_ids)] and len(last.token_ids) >= 3
+    await allm._loop_task
+    assert_nothing_held(allm)
+    await allm.close()
+
+
+async def test_close_ends_every_open_stream():
+    allm = AsyncLLM(model="tiny-llama", block_size=4, num_gpu_blocks=64)
+    params = SamplingParams(max_tokens=200, temperature=0.0)
+    lasts = {}
+
+    async def consume(prompt, rid):
+        async for out in allm.generate_stream(prompt, params, request_id=rid):
+            lasts[rid] = out
+
+    tasks = [asyncio.create_task(consume(list(range(5, 40)), "a")),
+             asyncio.create_task(consume(list(range(50, 60)), "b"))]
+    while allm.engine.stats()["decode_tokens"] < 4:
+        await asyncio.sleep(0.001)
+    await asyncio.wait_for(allm.close(), timeout=30)
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+    assert {rid: out.finish_reason for rid, out in lasts.items()} == {"a": "abort", "b": "abort"}
+    assert all(out.finished for out in lasts.values())
+    assert_nothing_held(allm)
+    with pytest.raises(RuntimeError, match="AsyncLLM is closed"):
+        await allm.generate([5, 6], GREEDY)
+    await allm.close()  # closing twice is harmless
 
 
 async def test_abort_while_swapped():
@@ -123,3 +168,66 @@ async def test_a_thousand_concurrent_requests():
         assert by_prompt.setdefault(key, o.token_ids) == o.token_ids
     assert_nothing_held(allm)
     await allm.close()
+
+
+class SlowEngine(LLMEngine):
+    """An engine whose every step takes at least 50 ms, so the asyncio side reliably acts
+    while a step is in flight."""
+
+    def step(self):
+        time.sleep(0.05)
+        return super().step()
+
+
+def slow_async_llm(**kwargs) -> AsyncLLM:
+    allm = AsyncLLM(model="tiny-llama", **kwargs)
+    allm.engine = SlowEngine(allm.engine.config)
+    return allm
+
+
+async def test_cancel_and_retry_with_the_same_request_id(reference_outputs):
+    prompts = make_prompts(vocab_size=512)
+    first, retry, neighbour = prompts[1], prompts[2], prompts[6]
+    expected = reference_outputs("tiny-llama", [retry, neighbour], 12)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    allm = slow_async_llm(block_size=4, num_gpu_blocks=64)
+    other = asyncio.create_task(allm.generate(neighbour, params))
+    while allm.stats()["steps"] < 1:  # the loop is stepping
+        await asyncio.sleep(0.001)
+
+    async def tokens(prompt):
+        outputs = [out async for out in allm.generate_stream(prompt, params, request_id="r")]
+        return outputs[-1].token_ids
+
+    cancelled = asyncio.create_task(tokens(first))
+    await asyncio.sleep(0.005)  # queued for the next step, not yet in the engine
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    retried = await asyncio.wait_for(tokens(retry), timeout=60)
+    assert retried == expected[0]  # its own tokens, not the cancelled request's
+    assert (await other).token_ids == expected[1]
+    await allm._loop_task
+    assert_nothing_held(allm)
+    await allm.close()
+
+
+async def test_a_live_request_id_is_rejected_until_it_ends():
+    allm = slow_async_llm(block_size=4, num_gpu_blocks=64)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = asyncio.create_task(allm.generate_stream([5, 6, 7], params, request_id="r").__anext__())
+    await asyncio.sleep(0.005)  # pending for the next step
+    with pytest.raises(ValueError, match="request_id: 'r' is already in use"):
+        await allm.generate_stream([8, 9], params, request_id="r").__anext__()
+    await first
+    await allm.close()
+
+
+def test_engine_rejects_a_duplicate_request_id_at_enqueue():
+    engine = LLMEngine(EngineConfig.from_kwargs(model="tiny-llama", block_size=4, num_gpu_blocks=16))
+    one = engine.make_sequence([5, 6, 7], request_id="x")
+    two = engine.make_sequence([8, 9], request_id="x")
+    engine.enqueue(one)
+    with pytest.raises(ValueError, match="request_id: 'x' is already in use"):
+        engine.enqueue(two)
+    assert engine.seqs["x"] is one

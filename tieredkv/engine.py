@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import RequestMetrics, RequestOutput
 from tieredkv.policy import CostModel, TierPolicy
+from tieredkv.prompts import Prompt, prompt_list, token_ids
 from tieredkv.sampling import Sampler, SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
@@ -36,7 +38,6 @@ from tieredkv.transfer.engine import make_transfer_engine
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
 DEFAULT_CPU_GPU_BLOCKS = 256
 MAX_GRAPH_BATCH = 256
 IO_WAIT_S = 0.0005  # a step with nothing to run sleeps this long (releases the GIL to the I/O threads)
@@ -62,6 +63,7 @@ class LLMEngine:
         self.seqs: dict[str, Seq] = {}
         self._ids = itertools.count()
         self._counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0}
+        self._closed = False
 
     @property
     def tokenizer(self):
@@ -137,8 +139,11 @@ class LLMEngine:
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Seq:
         """Validate a request (ValueError if it can never run) without queueing it. Reads no
-        state that `step()` changes, so it may run beside a step."""
-        params = params or SamplingParams()
+        state that `step()` changes, so it may run beside a step. RuntimeError once closed."""
+        self._check_open()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
         token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
@@ -146,24 +151,19 @@ class LLMEngine:
         self._check_fits(len(token_ids), params.max_tokens)
         return Seq(request_id, token_ids, params, self.runner.eos_token_id, self._generator(params))
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed; create a new one to generate")
+
     def enqueue(self, seq: Seq) -> None:
+        """Queue a sequence from `make_sequence`; ValueError if its id is already queued or running."""
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request_id: {seq.request_id!r} is already in use")
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: a string prompt needs a tokenizer in the model directory; pass token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt: is empty; give at least one token")
-        vocab = self.runner.model.config.vocab_size
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        return token_ids
+        return token_ids(prompt, self.tokenizer, self.runner.model.config.vocab_size)
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         total = num_prompt_tokens + max_tokens
@@ -185,11 +185,14 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self.config.model.seed * 1_000_003 + next(self._ids)
         return torch.Generator(device=self.runner.device).manual_seed(seed)
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request and free everything it holds."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free everything it holds; its last output (`finish_reason` "abort"),
+        or None if no such request is unfinished."""
         seq = self.seqs.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.abort(seq)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.abort(seq)
+        return self._output(seq)
 
     def reset_prefix_cache(self) -> int:
         """Drop the GPU and CPU prefix caches (not the NVMe store); how many blocks were dropped."""
@@ -235,6 +238,7 @@ class LLMEngine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             text=text,
+            error=seq.error,
             metrics=RequestMetrics(
                 seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_prompt_tokens, seq.num_cached_tokens
             ),
@@ -256,7 +260,11 @@ class LLMEngine:
 
 
     def close(self) -> None:
-        """Finish transfers and release the tiers."""
+        """Finish transfers and release the tiers; later requests raise RuntimeError. Closing
+        twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
         self.kv.close()
         self.runner.kv_cache = None
 
@@ -268,11 +276,16 @@ class LLMEngine:
 
 
 class LLM(LLMEngine):
-    """Synchronous batch API: `LLM(model=..., **keywords).generate(prompts, params)`."""
+    """Synchronous batch API: `LLM(model=..., **keywords).generate(prompts, params)`.
+
+    `generate` may be called from several threads: calls run one after another (a lock), each
+    returning its own outputs. The step-level API it inherits (`add_request`, `step`, `abort`)
+    is for one caller at a time, and is not mixed with `generate` (see there)."""
 
     def __init__(self, model: str = "tiny-llama", config: EngineConfig | None = None, **kwargs: Any) -> None:
         """`LLM(model=..., **keywords)`, or `LLM(config=EngineConfig(...))`."""
         super().__init__(config or EngineConfig.from_kwargs(model=model, **kwargs))
+        self._generate_lock = threading.Lock()
 
     @classmethod
     def from_yaml(cls, path: str) -> LLM:
@@ -285,10 +298,28 @@ class LLM(LLMEngine):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order. A prompt that can
-        never run gets an output with `error` set; the others still complete."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Run every prompt to completion; outputs come back in prompt order. A prompt is a
+        string or token ids (a list, or a 1-D numpy array / torch tensor; a 2-D one is a batch).
+        A prompt that can never run, or fails while running, gets an output with `error` set;
+        the others still complete.
+
+        Raises RuntimeError if requests queued with `add_request()` are unfinished: `generate`
+        steps the engine until its own prompts finish, so it would run theirs too and have
+        nowhere to hand their outputs. Step them to completion (or `abort()` them) first."""
+        prompts = prompt_list(prompts)
+        with self._generate_lock:
+            self._check_open()
+            if self.seqs:
+                names = ", ".join(list(self.seqs)[:5])
+                raise RuntimeError(
+                    f"generate: {len(self.seqs)} request(s) queued with add_request() are unfinished ({names}); "
+                    "step() them to completion or abort() them before calling generate()"
+                )
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(
+        self, prompts: list[Any], sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool
+    ) -> list[RequestOutput]:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts; give one or one per prompt")
@@ -301,12 +332,20 @@ class LLM(LLMEngine):
                 logger.warning("request rejected: %s", err)
                 order.append(rid := f"rejected-{next(self._ids)}")
                 results[rid] = RequestOutput(rid, [], [], True, "error", error=str(err))
-        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
+        try:
+            self._run_to_completion(results, len(prompts), use_tqdm)
+        except BaseException:  # a failed step (or Ctrl-C) must not leave this batch holding blocks
+            for rid in order:
+                self.abort(rid)
+            raise
+        return [results[rid] for rid in order]
+
+    def _run_to_completion(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+        with tqdm(total=total, desc="generate", disable=not use_tqdm) as bar:
             bar.update(len(results))
             while self.has_unfinished():
                 for out in self.step():
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
-        return [results[rid] for rid in order]
 

@@ -24,7 +24,7 @@ class RequestMetrics:
 @dataclass(frozen=True)
 class RequestOutput:
     """A request's generated tokens so far. `error` is set (and `finish_reason == "error"`)
-    when the request was rejected; the other requests are unaffected."""
+    when the request was rejected or failed while running; the other requests are unaffected."""
 
     request_id: str
     prompt_token_ids: list[int]

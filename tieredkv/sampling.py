@@ -3,21 +3,33 @@
 Operations:
 - `SamplingParams(...)`: validated per-request parameters.
 - `Sampler.sample(logits, requests)`: one next token per row (greedy rows in one argmax,
-  random rows with each request's own seeded generator).
+  random rows with each request's own seeded generator); a row that cannot be sampled gets a
+  `FailedSample`, which fails that request alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import math
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
+
+# Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a subnormal
+# temperature overflows to inf, and the distribution is an argmax long before that anyway.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens for one request. `temperature=0` is greedy; `top_k=None` and
-    `top_p=1.0` disable those filters; `seed` makes random sampling reproducible."""
+    """How to pick tokens for one request. `temperature` below `SAMPLING_EPS` (1e-5) is greedy;
+    `inf` is uniform over the tokens `top_k` and `top_p` keep; `top_k=None` and `top_p=1.0`
+    disable those filters; `seed` makes random sampling reproducible."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -28,24 +40,67 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: expected an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature: expected a number >= 0 (0 is greedy), got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k: expected an integer >= 1, or None to disable, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        t = self.temperature
+        if not is_real(t) or math.isnan(t) or t < 0:
+            raise ValueError(f"temperature: expected a number >= 0 (0 is greedy), got {t!r}")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected a number in (0, 1] (1 disables it), got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed: expected an integer >= 0 or None, got {self.seed!r}")
-        stop = tuple(self.stop_token_ids)
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop):
-            raise ValueError(f"stop_token_ids: expected non-negative token ids, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", stop)
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos: expected True or False, got {self.ignore_eos!r}")
+        self._set("max_tokens", _integer("max_tokens", self.max_tokens, ">= 1", 1))
+        self._set("temperature", float(t))
+        self._set("top_p", float(self.top_p))
+        if self.top_k is not None:
+            self._set("top_k", _integer("top_k", self.top_k, ">= 1, or None to disable", 1))
+        if self.seed is not None:
+            self._set("seed", _integer("seed", self.seed, "in [0, 2**64), or None", 0, 2**64))
+        self._set("stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        self._set("ignore_eos", bool(self.ignore_eos))
+
+    def _set(self, name: str, value: object) -> None:
+        """Store the normalized value of a field (plain ints and floats, not numpy scalars)."""
+        object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
+
+
+def is_int(value: object) -> bool:
+    """An integer, numpy integers included; not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """A real number, numpy scalars included; not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _integer(name: str, value: object, expected: str, low: int, high: int | None = None) -> int:
+    """`value` as a plain int in `[low, high)`; ValueError naming the field otherwise."""
+    if not is_int(value) or value < low or (high is not None and value >= high):
+        raise ValueError(f"{name}: expected an integer {expected}, got {value!r}")
+    return int(value)
+
+
+def _stop_token_ids(value: object) -> tuple[int, ...]:
+    """Stop token ids as a tuple of plain ints; one id alone counts as a list of one."""
+    if is_int(value):
+        value = (value,)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"stop_token_ids: expected a list of non-negative token ids, got {value!r}")
+    ids = tuple(value)
+    if not all(is_int(t) and t >= 0 for t in ids):
+        raise ValueError(f"stop_token_ids: expected a list of non-negative token ids, got {value!r}")
+    return tuple(int(t) for t in ids)
+
+
+@dataclass(frozen=True)
+class FailedSample:
+    """A row the sampler could not sample (e.g. its probabilities are not finite): the request
+    ends with `finish_reason="error"` and this message."""
+
+    message: str
 
 
 class Sampler:
@@ -56,24 +111,38 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> list[int]:
-        """`logits` is `[n, vocab]`; row i is sampled with `params[i]` and `generators[i]`."""
-        tokens = logits.argmax(dim=-1).tolist()
+    ) -> list[int | FailedSample]:
+        """`logits` is `[n, vocab]`; row i is sampled with `params[i]` and `generators[i]`.
+        A row that cannot be sampled gets a `FailedSample`; the other rows are unaffected."""
+        tokens: list[int | FailedSample] = logits.argmax(dim=-1).tolist()
         for i, p in enumerate(params):
             if not p.greedy:
                 tokens[i] = self._sample_row(logits[i].float(), p, generators[i])
         return tokens
 
     @staticmethod
-    def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-        logits = logits / p.temperature
-        if p.top_k is not None and p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            probs = probs.scatter(0, order[drop], 0.0)
+    def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int | FailedSample:
+        probs = _probabilities(logits, p)
+        # checked here: on CUDA, multinomial over NaN is a device-side assert that kills the process
+        if not bool(torch.isfinite(probs).all() & (probs.sum() > 0)):  # one host sync
+            message = f"sampling: the next-token probabilities are not finite (temperature {p.temperature})"
+            logger.warning("request failed: %s", message)
+            return FailedSample(message)
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Softmax of `logits / temperature` over the tokens top-k and top-p keep. Top-k is chosen on
+    the raw logits (the same tokens for any temperature > 0, and still the best ones when an
+    infinite temperature makes every scaled logit 0)."""
+    scaled = logits / p.temperature
+    if p.top_k is not None and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        scaled = scaled.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        probs = probs.scatter(0, order[drop], 0.0)
+    return probs

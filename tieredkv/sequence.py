@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from tieredkv.sampling import SamplingParams
+from tieredkv.sampling import FailedSample, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +35,7 @@ class Sequence:
     num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why it failed (finish_reason "error")
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -62,8 +63,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        """Add a sampled token and finish the request if it hit a stop condition."""
+    def append_token(self, token_id: int | FailedSample) -> None:
+        """Add a sampled token and finish the request if it hit a stop condition; a sample
+        that failed finishes it with "error"."""
+        if isinstance(token_id, FailedSample):
+            self.error = token_id.message
+            self.finish("error")
+            return
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.token_ids.append(token_id)

@@ -1,0 +1,74 @@
+"""What a prompt may be, checked at the API boundary.
+
+Operations:
+- `prompt_list(prompts)`: the prompts of one `generate` call as a list (a single prompt, a list
+  of prompts, or a 2-D array of token ids as a batch).
+- `token_ids(prompt, tokenizer, vocab_size)`: one prompt's token ids as plain ints, or a
+  ValueError that says what was wrong with it.
+
+A prompt is a string (tokenized by the model's tokenizer) or token ids: a list or tuple of
+integers (numpy integers too), or a 1-D integer numpy array or torch tensor.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tieredkv.sampling import is_int
+
+Prompt = str | Sequence[int] | np.ndarray | torch.Tensor
+_ARRAYS = (np.ndarray, torch.Tensor)
+
+
+def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Any]:
+    """The prompts of a call: one prompt becomes a list of one, a 2-D array its rows. Only an
+    array of more dimensions is refused here; each prompt is checked on its own by `token_ids`."""
+    if isinstance(prompts, _ARRAYS):
+        if prompts.ndim == 1:
+            return [prompts]
+        if prompts.ndim == 2:
+            return list(prompts)
+        raise ValueError(
+            f"prompts: expected a 1-D array (one prompt) or a 2-D array (a batch) of token ids, "
+            f"got {prompts.ndim} dimensions"
+        )
+    if isinstance(prompts, (list, tuple)):
+        if prompts and isinstance(prompts[0], (numbers.Number, np.bool_)):
+            return [prompts]  # token ids of one prompt
+        return list(prompts)
+    return [prompts]  # one prompt: a string, or something `token_ids` will explain (None, bytes, ...)
+
+
+def token_ids(prompt: object, tokenizer: Any, vocab_size: int) -> list[int]:
+    """The prompt's token ids as plain ints in `[0, vocab_size)`; ValueError saying what to fix."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: a string prompt needs a tokenizer in the model directory; pass token ids")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = _raw_ids(prompt)
+    if not ids:
+        raise ValueError("prompt: is empty; give at least one token")
+    bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    return [int(t) for t in ids]
+
+
+def _raw_ids(prompt: object) -> list[Any]:
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError("prompt: got bytes; decode it to a str (with a tokenizer) or pass token ids")
+    if isinstance(prompt, dict):
+        raise ValueError("prompt: got a dict; pass the string or the token ids themselves")
+    if isinstance(prompt, _ARRAYS):
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt: expected a 1-D array of token ids, got {prompt.ndim} dimensions")
+        return prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"prompt: expected a string or token ids, got {type(prompt).__name__}")
+    return list(prompt)
