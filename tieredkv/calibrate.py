@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from tieredkv.policy import CostModel
+from tieredkv.user_cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
 
 def cache_file() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "tieredkv" / "cost_models.json"
+    return cache_dir() / "cost_models.json"
 
 
 def _timed(fn: Callable[[], object], device: torch.device, reps: int = 3) -> float:
