@@ -32,7 +32,7 @@ from tieredkv.sampling import Sampler, SamplingParams
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Sequence as Seq
 from tieredkv.tiers.cpu import CPUTier
-from tieredkv.tiers.nvme.store import NVMeStore
+from tieredkv.tiers.nvme.opener import open_store
 from tieredkv.transfer.engine import make_transfer_engine
 
 logger = logging.getLogger(__name__)
@@ -93,11 +93,8 @@ class LLMEngine:
         cache = self.config.cache
         if cache.nvme_path is None:
             return None
-        try:
-            store = NVMeStore(cache.nvme_path, cache.nvme_bytes, self.block_bytes, self.fingerprint,
-                              cache.block_size, backend=cache.io_backend)
-        except OSError as err:
-            raise ValueError(f"nvme_path: cannot use {cache.nvme_path!r} for the block store: {err}") from err
+        store = open_store(cache.nvme_path, cache.nvme_bytes, self.block_bytes, self.fingerprint,
+                           cache.block_size, backend=cache.io_backend)
         return NVMeSpill(store, tier.pool, tier.data)
 
     def _cost_model(self) -> CostModel | None:
