@@ -27,6 +27,7 @@ from tests.test_nvme_store import (
     write_all,
 )
 from tieredkv import LLM, SamplingParams
+from tieredkv.tiers.nvme.io_backends import IOCompletion, SyncBackend
 from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES
 from tieredkv.tiers.nvme.store import STORE_FILE_NAME, NVMeStore
 
@@ -46,8 +47,8 @@ def file_size_limit(nbytes: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
-def make_store(path, num_slots: int = 8, **kw) -> NVMeStore:
-    return NVMeStore(path, slots_capacity(num_slots), BLOCK_BYTES, FP, BLOCK_SIZE, backend="sync", **kw)
+def make_store(path, num_slots: int = 8, backend="sync", **kw) -> NVMeStore:
+    return NVMeStore(path, slots_capacity(num_slots), BLOCK_BYTES, FP, BLOCK_SIZE, backend=backend, **kw)
 
 
 def tiered_llm(path, nvme_bytes="4MiB", **kw) -> LLM:
@@ -259,3 +260,25 @@ def test_calibration_with_little_free_space_does_not_write(tmp_path, monkeypatch
     llm.close()
     assert cost.disk_read_bytes_per_s == calibrate.DEFAULT_DISK_READ_BYTES_PER_S
     assert "free" in caplog.text
+
+
+# ------------------------------------------------------------------ bugs are not disk faults
+
+
+class BuggyBackend(SyncBackend):
+    """Hands back a completion the store cannot read (a bug in a backend, not a disk fault)."""
+
+    def reap(self, timeout: float | None) -> list[IOCompletion]:
+        return [IOCompletion(c.tag, None) for c in super().reap(timeout)]  # type: ignore[arg-type]
+
+
+@pytest.mark.allow_internal_errors
+def test_a_bug_while_checking_a_job_is_counted_apart_and_logged_as_an_error(tmp_path, caplog):
+    src = cpu_pool(1)
+    fill(src, [7])
+    with caplog.at_level(logging.ERROR, logger="tieredkv"), make_store(tmp_path / "kv", backend=BuggyBackend(2)) as store:
+        job = store.submit_write(7, *_ids(7), src[0])
+        assert store.wait([job]) == {job: False}  # the job fails; nobody waits forever
+        stats = store.stats()
+    assert (stats["internal_errors"], stats["io_errors"], stats["writes"]) == (1, 0, 0)
+    assert any(r.levelno == logging.ERROR and "internal error" in r.getMessage() for r in caplog.records)
