@@ -23,9 +23,11 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import get_args
 
 import torch
 
+from tieredkv.tiers.nvme.io_backends import IOBackend
 from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty, byte_view
 from tieredkv.tiers.nvme.store import NVMeStore
 
@@ -120,7 +122,7 @@ def main() -> None:
     parser.add_argument(
         "--chunk", type=parse_bytes, default=parse_bytes("4MiB"), help="peak's I/O size"
     )
-    parser.add_argument("--backend", choices=["uring", "aiofiles", "sync"], default="uring")
+    parser.add_argument("--backend", choices=get_args(IOBackend), default="uring")
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pin", action="store_true", help="pinned host blocks (needs CUDA)")

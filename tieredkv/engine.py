@@ -9,6 +9,7 @@ Operations:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -25,6 +26,7 @@ from tieredkv.cache.offload import CPUOffload
 from tieredkv.cache.spill import NVMeSpill
 from tieredkv.calibrate import calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
+from tieredkv.memory import check_fits
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import RequestMetrics, RequestOutput
 from tieredkv.policy import CostModel, TierPolicy
@@ -47,7 +49,7 @@ class LLMEngine:
     """Scheduler + KV cache manager + model runner, stepped by the caller."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self.config = config = dataclasses.replace(config, model=config.model.resolved())  # no "auto" left
         self.runner = ModelRunner(config.model)
         block_size = config.cache.block_size
         num_blocks = self._num_gpu_blocks()
@@ -74,11 +76,7 @@ class LLMEngine:
 
     def _build_offload(self, kv_cache: torch.Tensor) -> CPUOffload | None:
         cache = self.config.cache
-        if cache.cpu_cache_bytes == 0:
-            if self.config.scheduler.preemption == "swap":
-                raise ValueError("preemption: 'swap' needs a CPU tier; set cpu_cache_bytes (e.g. '4GiB')")
-            if cache.nvme_path is not None:
-                raise ValueError("nvme_path: the NVMe tier sits below the CPU tier; set cpu_cache_bytes too")
+        if cache.cpu_cache_bytes == 0:  # EngineConfig checked that nothing needs a CPU tier
             return None
         num_blocks = cache.cpu_cache_bytes // self.block_bytes
         if num_blocks == 0:
@@ -86,6 +84,7 @@ class LLMEngine:
                 f"cpu_cache_bytes: {cache.cpu_cache_bytes} bytes hold no KV block of {self.block_bytes} bytes; "
                 "raise it or set it to 0 to run without a CPU tier"
             )
+        check_fits("cpu_cache_bytes", num_blocks, self.block_bytes, torch.device("cpu"))
         tier = CPUTier(num_blocks, tuple(kv_cache[:, :, 0].shape), kv_cache.dtype, pin=kv_cache.is_cuda)
         return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_nvme(tier))
 
@@ -115,6 +114,7 @@ class LLMEngine:
     def _num_gpu_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:
+            check_fits("num_gpu_blocks", cache.num_gpu_blocks, self.block_bytes, self.runner.device)
             return cache.num_gpu_blocks
         if self.runner.device.type != "cuda":
             return DEFAULT_CPU_GPU_BLOCKS

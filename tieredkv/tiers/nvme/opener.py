@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import errno
 
-from tieredkv.tiers.nvme.io_backends import BackendName
+from tieredkv.tiers.nvme.io_backends import IOBackend
 from tieredkv.tiers.nvme.slot_format import SlotGeometry
 from tieredkv.tiers.nvme.store import NVMeStore
 
@@ -16,7 +16,7 @@ def open_store(
     block_bytes: int,
     fingerprint: bytes | int,
     block_size: int,
-    backend: BackendName = "uring",
+    backend: IOBackend = "uring",
 ) -> NVMeStore:
     """The engine's store, with errors that name the config key to change (`nvme_path` or
     `nvme_bytes`) as ValueError; RuntimeError if another store holds the file."""

@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import xxhash
 
-from tieredkv.tiers.nvme.io_backends import BackendName, BlockIO, IOOp, make_backend
+from tieredkv.tiers.nvme.io_backends import BlockIO, IOBackend, IOOp, make_backend
 from tieredkv.tiers.nvme.slot_file import STORE_FILE_NAME, SlotFile, remove_empty_dirs, store_file
 from tieredkv.tiers.nvme.slot_format import (
     ALIGN,
@@ -66,7 +66,8 @@ logger = logging.getLogger(__name__)
 
 _COUNTERS = (
     "hits misses writes bytes_read bytes_written evictions write_rejected restored "
-    "corrupt io_errors enospc short_reads short_writes files_lost scan_discarded reformatted"
+    "corrupt io_errors enospc short_reads short_writes files_lost scan_discarded reformatted "
+    "internal_errors"
 ).split()
 
 
@@ -80,7 +81,7 @@ class NVMeStore:
         block_bytes: int,
         fingerprint: bytes | int,
         block_size: int,
-        backend: BackendName | BlockIO = "uring",
+        backend: IOBackend | BlockIO = "uring",
         queue_depth: int = 32,
     ) -> None:
         """`path`: the store file, or a directory to hold it; `fingerprint`: model config, dtype
@@ -109,7 +110,7 @@ class NVMeStore:
             raise
         self._io = SlotIO(backend, self.geometry, self._fingerprint, queue_depth, self._finish)
 
-    def _undo_open(self, backend: BackendName | BlockIO, made_dir: str | None) -> None:
+    def _undo_open(self, backend: IOBackend | BlockIO, made_dir: str | None) -> None:
         """Opening failed: close what was opened, remove the file and folders it created."""
         if not isinstance(backend, str):
             backend.close()
