@@ -23,10 +23,12 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import get_args
 
 import torch
 
 from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.nvme.io_backends import IOBackend
 from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty, byte_view
 from tieredkv.tiers.nvme.store import NVMeStore
 
@@ -121,7 +123,7 @@ def main() -> None:
     parser.add_argument(
         "--chunk", type=parse_bytes, default=parse_bytes("4MiB"), help="peak's I/O size"
     )
-    parser.add_argument("--backend", choices=["uring", "aiofiles", "sync"], default="uring")
+    parser.add_argument("--backend", choices=get_args(IOBackend), default="uring")
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pin", action="store_true", help="pinned host blocks (needs CUDA)")

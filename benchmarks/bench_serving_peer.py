@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     doc = read_yaml(args.config)
     config = EngineConfig.from_dict({k: v for k, v in doc.items() if k not in EXPERIMENT_SECTIONS})
+    config = dataclasses.replace(config, model=config.model.resolved())  # "auto" decided as ours decides it
     workload = make_workload(doc.get("workload") or {})
     name = f"{doc.get('name', 'experiment')}/transformers"
     if args.max_requests is not None and args.max_requests < 1:

@@ -1,6 +1,10 @@
-"""Shared fixtures: reference outputs from transformers `generate`."""
+"""Shared fixtures: reference outputs from transformers `generate`; every test fails if the NVMe
+store met an internal error (a bug it books apart from disk faults), unless marked
+`allow_internal_errors`."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -23,3 +27,24 @@ def reference_outputs():
         return cache[key]
 
     return get
+
+
+class _InternalErrors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "internal error" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def fail_on_internal_errors(request):
+    handler = _InternalErrors()
+    logger = logging.getLogger("tieredkv.tiers.nvme")
+    logger.addHandler(handler)
+    yield
+    logger.removeHandler(handler)
+    if handler.messages and request.node.get_closest_marker("allow_internal_errors") is None:
+        pytest.fail(f"the NVMe store met internal errors: {handler.messages[:3]}")

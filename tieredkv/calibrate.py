@@ -1,6 +1,7 @@
 """Start-up calibration of the cost model: PCIe (or host memcpy) bandwidth each way, prefill
 time as a function of length, and the NVMe tier's read bandwidth. Results are cached per device and model in
-`$XDG_CACHE_HOME/tieredkv/cost_models.json`.
+`$XDG_CACHE_HOME/tieredkv/cost_models.json`. A disk that cannot be measured (too little free
+space beside the store for the probe file) gets a default read bandwidth and a warning.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -18,13 +20,15 @@ from pathlib import Path
 import torch
 
 from tieredkv.policy import CostModel
+from tieredkv.user_cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_DISK_READ_BYTES_PER_S = 2e9  # a mid-range NVMe drive: assumed where the disk cannot be measured
+
 
 def cache_file() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "tieredkv" / "cost_models.json"
+    return cache_dir() / "cost_models.json"
 
 
 def _timed(fn: Callable[[], object], device: torch.device, reps: int = 3) -> float:
@@ -51,9 +55,29 @@ def measure_bandwidth(device: torch.device, num_bytes: int = 64 << 20) -> tuple[
     return num_bytes / d2h, num_bytes / h2d
 
 
-def measure_disk_read(directory: str, num_bytes: int = 64 << 20) -> float:
-    """Bytes/s of large direct reads from a file in `directory` (page cache bypassed where
-    O_DIRECT works; otherwise the cache is dropped for the file first)."""
+def measure_disk_read(directory: str, num_bytes: int = 64 << 20) -> float | None:
+    """Bytes/s of large direct reads from a probe file written in `directory`; None, with a
+    warning, where the probe cannot be written (less than twice its size free, or a write
+    error): the caller then assumes DEFAULT_DISK_READ_BYTES_PER_S."""
+    why = None
+    try:
+        free = shutil.disk_usage(directory).free
+        if free < 2 * num_bytes:
+            why = f"{free >> 20} MiB free, the probe needs {2 * num_bytes >> 20} MiB"
+        else:
+            return _probe_disk_read(directory, num_bytes)
+    except OSError as err:
+        why = f"writing the probe file failed: {err}"
+    logger.warning(
+        "cannot measure the disk under %s (%s); assuming it reads %.1f GB/s: pin "
+        "scheduler.cost_model.disk_read_bytes_per_s to say otherwise",
+        directory, why, DEFAULT_DISK_READ_BYTES_PER_S / 1e9,
+    )
+    return None
+
+
+def _probe_disk_read(directory: str, num_bytes: int) -> float:
+    """O_DIRECT where it works; otherwise the page cache is dropped for the file first."""
     path = os.path.join(directory, ".tieredkv-calibration")
     chunk = 4 << 20
     buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
@@ -115,6 +139,8 @@ def calibrate(
     t2 = _timed(lambda: prefill(n2), device, reps=2)
     a, b = fit_prefill(n1, t1, n2, t2)
     disk = measure_disk_read(disk_dir) if disk_dir is not None else None
+    if disk_dir is not None and disk is None:  # a guess: used now, not cached
+        return CostModel(d2h, h2d, a, b, DEFAULT_DISK_READ_BYTES_PER_S)
     model = CostModel(d2h, h2d, a, b, disk)
     logger.info("calibrated %s: %s", key, model)
     cached[key] = asdict(model)

@@ -14,40 +14,58 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
+import numbers
+import os
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Literal, get_args
 
 from tieredkv.policy import CostModel, Preemption
+from tieredkv.tiers.nvme.io_backends import IOBackend
 
-Device = Literal["cpu", "cuda"]
-DType = Literal["float32", "float16", "bfloat16"]
-IOBackend = Literal["uring", "aiofiles", "sync"]
+Device = Literal["cpu", "cuda", "auto"]  # auto: CUDA when present
+DType = Literal["float32", "float16", "bfloat16", "auto"]  # auto: the checkpoint's (presets: float32)
+
+__all__ = ["Device", "DType", "IOBackend", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig"]
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(value: int | str, key: str = "size") -> int:
-    """Bytes from an int or a string such as "512MiB", "4GiB", "1.5GB"."""
+def parse_size(value: int | float | str, key: str = "size") -> int:
+    """Bytes from a number or a string such as "512MiB", "4GiB", "1.5GB", "5e9"."""
+    number = _size_number(value)
+    if number is None:
+        raise ValueError(
+            f"{key}: cannot read {value!r} as a size; use an integer number of bytes or a number "
+            f"with a unit ({', '.join(u for u in ('KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB'))}), e.g. '4GiB'"
+        )
+    if number < 0:
+        raise ValueError(f"{key}: a size cannot be negative, got {value!r}")
+    if number.denominator != 1:
+        raise ValueError(f"{key}: {value!r} is not a whole number of bytes")
+    return int(number)
+
+
+def _size_number(value: Any) -> Fraction | None:
+    """The exact number of bytes a size value says, or None if it is not a size."""
     if isinstance(value, bool):
-        raise ValueError(f"{key}: expected a size such as 4GiB or an integer number of bytes, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{key}: a size cannot be negative, got {value}")
-        return value
+        return None
+    if isinstance(value, numbers.Real):
+        return Fraction(value) if math.isfinite(value) else None
     if isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match and match.group(2).lower() in _SIZE_UNITS:
-            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-    raise ValueError(
-        f"{key}: cannot read {value!r} as a size; use an integer number of bytes or a number "
-        f"with a unit ({', '.join(u for u in ('KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB'))}), e.g. '4GiB'"
-    )
+            return Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    return None
 
 
 def check_choice(key: str, value: Any, choices: tuple) -> None:
@@ -63,27 +81,81 @@ def check_int(key: str, value: Any, minimum: int, maximum: int | None = None) ->
         raise ValueError(f"{key}: expected an integer {bound}, got {value!r}")
 
 
+def _real(value: Any) -> float | int | None:
+    """A finite number from a number or a numeric string (YAML 1.1 reads `5.0e10` as a string)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            try:
+                value = float(value)
+            except ValueError:
+                return None
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None
+    return value
+
+
+def as_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    """`value` as an int (integral floats and numeric strings too), or ValueError naming `key`."""
+    number = _real(value)
+    if number is not None and number == int(number):
+        number = int(number)
+        if number >= minimum and (maximum is None or number <= maximum):
+            return number
+    bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    raise ValueError(f"{key}: expected an integer {bound}, got {value!r}")
+
+
+def as_float(key: str, value: Any, minimum: float = 0.0, allow_minimum: bool = False) -> float:
+    """`value` as a float above `minimum` (or equal, with `allow_minimum`), else ValueError."""
+    number = _real(value)
+    if number is not None and (number > minimum or (allow_minimum and number == minimum)):
+        return float(number)
+    bound = f">= {minimum}" if allow_minimum else f"> {minimum}"
+    raise ValueError(f"{key}: expected a number {bound}, got {value!r}")
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)  # frozen dataclasses store their coerced values
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which model runs where. `enforce_eager` turns off the CUDA graphs of decode and mixed steps."""
+    """Which model runs where. `model`: a preset, a model directory (`~` expanded) or a model id
+    downloaded to the Hugging Face cache; `device` / `dtype` "auto": CUDA when present / the
+    checkpoint's dtype (presets: float32), decided by `resolved()`. `enforce_eager` turns off
+    the CUDA graphs of decode and mixed steps."""
 
     model: str = "tiny-llama"
-    device: Device = "cpu"
-    dtype: DType = "float32"
+    device: Device = "auto"
+    dtype: DType = "auto"
     seed: int = 0
     max_model_len: int | None = None
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
+        if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
             raise ValueError(f"model: expected a preset name or a model directory, got {self.model!r}")
+        _set(self, "model", os.path.expanduser(os.fspath(self.model)))
         check_choice("device", self.device, get_args(Device))
         check_choice("dtype", self.dtype, get_args(DType))
-        check_int("seed", self.seed, 0)
+        _set(self, "seed", as_int("seed", self.seed, 0))
         if self.max_model_len is not None:
-            check_int("max_model_len", self.max_model_len, 1)
+            _set(self, "max_model_len", as_int("max_model_len", self.max_model_len, 1))
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: expected true or false, got {self.enforce_eager!r}")
+
+    def resolved(self) -> ModelConfig:
+        """The same config with the model located and "auto" decided; ValueError if the model
+        is not found or the device is missing. Reads the model's config.json, no weights."""
+        from tieredkv.model.locate import checkpoint_dtype, locate_model, resolve_device
+
+        model = locate_model(self.model)
+        dtype = self.dtype if self.dtype != "auto" else checkpoint_dtype(model)
+        return dataclasses.replace(self, model=model, device=resolve_device(self.device), dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -100,15 +172,21 @@ class CacheConfig:
     io_backend: IOBackend = "uring"
 
     def __post_init__(self) -> None:
-        check_int("block_size", self.block_size, 1, 1024)
+        _set(self, "block_size", as_int("block_size", self.block_size, 1, 1024))
         if self.num_gpu_blocks is not None:
-            check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            _set(self, "num_gpu_blocks", as_int("num_gpu_blocks", self.num_gpu_blocks, 1))
+        utilization = _real(self.gpu_memory_utilization)
+        if utilization is None or not 0 < utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization: expected a fraction in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        object.__setattr__(self, "cpu_cache_bytes", parse_size(self.cpu_cache_bytes, "cpu_cache_bytes"))
-        object.__setattr__(self, "nvme_bytes", parse_size(self.nvme_bytes, "nvme_bytes"))
+        _set(self, "gpu_memory_utilization", float(utilization))
+        _set(self, "cpu_cache_bytes", parse_size(self.cpu_cache_bytes, "cpu_cache_bytes"))
+        _set(self, "nvme_bytes", parse_size(self.nvme_bytes, "nvme_bytes"))
+        if self.nvme_path is not None:
+            if not isinstance(self.nvme_path, (str, os.PathLike)) or not os.fspath(self.nvme_path):
+                raise ValueError(f"nvme_path: expected a directory path, got {self.nvme_path!r}")
+            _set(self, "nvme_path", os.path.expanduser(os.fspath(self.nvme_path)))
         check_choice("io_backend", self.io_backend, get_args(IOBackend))
         if self.nvme_bytes and not self.nvme_path:
             raise ValueError("nvme_bytes: set nvme_path (a directory for the block store) to use an NVMe tier")
@@ -127,17 +205,33 @@ class SchedulerConfig:
     cost_model: CostModel | None = None
 
     def __post_init__(self) -> None:
-        check_int("max_num_seqs", self.max_num_seqs, 1)
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _set(self, "max_num_seqs", as_int("max_num_seqs", self.max_num_seqs, 1))
+        _set(self, "max_num_batched_tokens", as_int("max_num_batched_tokens", self.max_num_batched_tokens, 1))
         check_choice("preemption", self.preemption, get_args(Preemption))
         if isinstance(self.cost_model, dict):
-            allowed = [f.name for f in dataclasses.fields(CostModel)]
-            for key in self.cost_model:
-                if key not in allowed:
-                    raise ValueError(unknown_key(f"cost_model.{key}", [f"cost_model.{k}" for k in allowed]))
-            object.__setattr__(self, "cost_model", CostModel(**self.cost_model))
+            _set(self, "cost_model", cost_model_from_dict(self.cost_model))
         elif self.cost_model is not None and not isinstance(self.cost_model, CostModel):
-            raise ValueError(f"cost_model: expected a mapping of {', '.join(f.name for f in dataclasses.fields(CostModel))}")
+            raise ValueError(f"cost_model: expected a mapping of {', '.join(_fields(CostModel))}")
+
+
+def cost_model_from_dict(doc: dict[str, Any]) -> CostModel:
+    """A CostModel from a YAML mapping: every field a number (numeric strings too), the speeds
+    positive, the prefill terms not negative; errors name `cost_model.<field>`."""
+    fields = {f.name: f for f in dataclasses.fields(CostModel)}
+    for key in doc:
+        if key not in fields:
+            raise ValueError(unknown_key(f"cost_model.{key}", [f"cost_model.{k}" for k in fields]))
+    required = [name for name, f in fields.items() if f.default is dataclasses.MISSING]
+    missing = [name for name in required if name not in doc]
+    if missing:
+        raise ValueError(f"cost_model: missing {', '.join(missing)} (required: {', '.join(required)})")
+    values = {}
+    for key, value in doc.items():
+        if value is None and fields[key].default is None:
+            values[key] = None
+        else:
+            values[key] = as_float(f"cost_model.{key}", value, allow_minimum=key.startswith("prefill"))
+    return CostModel(**values)
 
 
 @dataclass(frozen=True)
@@ -147,6 +241,14 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        """Checks across sections that need no model."""
+        if self.cache.cpu_cache_bytes == 0:
+            if self.scheduler.preemption == "swap":
+                raise ValueError("preemption: 'swap' needs a CPU tier; set cpu_cache_bytes (e.g. '4GiB')")
+            if self.cache.nvme_path is not None:
+                raise ValueError("nvme_path: the NVMe tier sits below the CPU tier; set cpu_cache_bytes too")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -214,16 +316,50 @@ def unknown_key(key: str, allowed: list[str]) -> str:
 
 
 def read_yaml(path: str) -> dict[str, Any]:
-    """Parse a YAML experiment file; errors name the file and what is wrong."""
+    """Parse a YAML experiment file; errors name the file and what is wrong (a key given twice
+    in one mapping is an error, not last-one-wins)."""
     import yaml
 
     try:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
+        with open(os.path.expanduser(path)) as f:
+            doc = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader
     except FileNotFoundError:
         raise ValueError(f"config: file {path!r} does not exist") from None
+    except DuplicateKeyError as err:
+        raise ValueError(
+            f"config: {path}, line {err.line}: duplicate key {err.key!r}; give each key once"
+        ) from None
     except yaml.YAMLError as err:
         raise ValueError(f"config: {path} is not valid YAML: {err}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"config: {path} must hold a mapping of keys (model, cache, scheduler, workload, ...)")
     return doc
+
+
+class DuplicateKeyError(Exception):
+    """A YAML mapping names one key twice."""
+
+    def __init__(self, key: Any, line: int) -> None:
+        super().__init__(f"duplicate key {key!r} on line {line}")
+        self.key, self.line = key, line
+
+
+@functools.cache
+def _unique_key_loader() -> type:
+    """PyYAML's SafeLoader, refusing a key given twice in one mapping (merge keys aside)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, Hashable) and key in seen:
+                    raise DuplicateKeyError(key, key_node.start_mark.line + 1)
+                if isinstance(key, Hashable):
+                    seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader

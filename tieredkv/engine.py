@@ -9,6 +9,7 @@ Operations:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -25,6 +26,7 @@ from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.calibrate import calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
+from tieredkv.memory import check_fits
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import RequestMetrics, RequestOutput
 from tieredkv.policy import CostModel, TierPolicy
@@ -32,8 +34,9 @@ from tieredkv.prompts import Prompt, prompt_list, token_ids
 from tieredkv.sampling import Sampler, SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
+from tieredkv.tiers.backend import BlockStore
 from tieredkv.tiers.cpu import CPUTier
-from tieredkv.tiers.nvme.store import NVMeStore
+from tieredkv.tiers.nvme.opener import open_store
 from tieredkv.transfer.engine import make_transfer_engine
 
 logger = logging.getLogger(__name__)
@@ -47,7 +50,7 @@ class LLMEngine:
     """Scheduler + KV cache manager + model runner, stepped by the caller."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self.config = config = dataclasses.replace(config, model=config.model.resolved())  # no "auto" left
         self.runner = ModelRunner(config.model)
         block_size = config.cache.block_size
         num_blocks = self._num_gpu_blocks()
@@ -75,11 +78,7 @@ class LLMEngine:
 
     def _build_offload(self, kv_cache: torch.Tensor) -> CPUOffload | None:
         cache = self.config.cache
-        if cache.cpu_cache_bytes == 0:
-            if self.config.scheduler.preemption == "swap":
-                raise ValueError("preemption: 'swap' needs a CPU tier; set cpu_cache_bytes (e.g. '4GiB')")
-            if cache.nvme_path is not None:
-                raise ValueError("nvme_path: the NVMe tier sits below the CPU tier; set cpu_cache_bytes too")
+        if cache.cpu_cache_bytes == 0:  # EngineConfig checked that nothing needs a CPU tier
             return None
         num_blocks = cache.cpu_cache_bytes // self.block_bytes
         if num_blocks == 0:
@@ -87,19 +86,16 @@ class LLMEngine:
                 f"cpu_cache_bytes: {cache.cpu_cache_bytes} bytes hold no KV block of {self.block_bytes} bytes; "
                 "raise it or set it to 0 to run without a CPU tier"
             )
+        check_fits("cpu_cache_bytes", num_blocks, self.block_bytes, torch.device("cpu"))
         tier = CPUTier(num_blocks, tuple(kv_cache[:, :, 0].shape), kv_cache.dtype, pin=kv_cache.is_cuda)
         return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_nvme())
 
-    def _build_nvme(self) -> NVMeStore | None:
+    def _build_nvme(self) -> BlockStore | None:
         cache = self.config.cache
         if cache.nvme_path is None:
             return None
-        try:
-            store = NVMeStore(cache.nvme_path, cache.nvme_bytes, self.block_bytes, self.fingerprint,
-                              cache.block_size, backend=cache.io_backend)
-        except OSError as err:
-            raise ValueError(f"nvme_path: cannot use {cache.nvme_path!r} for the block store: {err}") from err
-        return store
+        return open_store(cache.nvme_path, cache.nvme_bytes, self.block_bytes, self.fingerprint,
+                          cache.block_size, backend=cache.io_backend)
 
     def _cost_model(self) -> CostModel | None:
         """Pinned in the config, else measured (`auto` with a CPU tier, and an NVMe tier, need one)."""
@@ -119,6 +115,7 @@ class LLMEngine:
     def _num_gpu_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:
+            check_fits("num_gpu_blocks", cache.num_gpu_blocks, self.block_bytes, self.runner.device)
             return cache.num_gpu_blocks
         if self.runner.device.type != "cuda":
             return DEFAULT_CPU_GPU_BLOCKS

@@ -11,11 +11,17 @@ Slow-tier hits: prefix blocks found on NVMe are loaded, recomputed, or both at o
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
 Preemption = Literal["auto", "swap", "recompute"]
 PreemptionKind = Literal["recompute", "swap"]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -33,10 +39,10 @@ class CostModel:
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "disk_read_bytes_per_s"):
             if name == "disk_read_bytes_per_s" and self.disk_read_bytes_per_s is None:
                 continue
-            if not getattr(self, name) > 0:
+            if not _is_number(getattr(self, name)) or not getattr(self, name) > 0:
                 raise ValueError(f"cost_model.{name}: expected a positive number, got {getattr(self, name)!r}")
         for name in ("prefill_s_per_token", "prefill_s_per_token_sq"):
-            if not getattr(self, name) >= 0:
+            if not _is_number(getattr(self, name)) or not getattr(self, name) >= 0:
                 raise ValueError(f"cost_model.{name}: expected a number >= 0, got {getattr(self, name)!r}")
 
     def swap_s(self, num_bytes: int) -> float:

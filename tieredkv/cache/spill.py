@@ -93,6 +93,10 @@ class NVMeSpill:
             "nvme_corrupt": store["corrupt"],
             "nvme_io_errors": store["io_errors"] + store["enospc"] + store["short_reads"] + store["short_writes"],
             "nvme_files_lost": store["files_lost"],
+            "nvme_internal_errors": store["internal_errors"],  # bugs, not disk faults
+            "nvme_restored": store["restored"],  # blocks found on disk at start-up
+            "nvme_scan_discarded": store["scan_discarded"],  # damaged slot headers found then
+            "nvme_reformatted": store["reformatted"],  # a damaged file formatted anew
             "nvme_eviction_waits": self.eviction_waits,
         }
 

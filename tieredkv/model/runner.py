@@ -1,7 +1,8 @@
 """The model runner: a transformers causal LM driven through our paged KV cache.
 
 Operations:
-- `ModelRunner(model_config)`: load a model directory or build a preset; register paged attention.
+- `ModelRunner(model_config)`: load a model directory (or a cached model id) or build a preset;
+  register paged attention.
 - `allocate_kv_cache(num_blocks, block_size)`: the one KV tensor of the GPU tier.
 - `execute(scheduled, block_tables)`: one packed forward pass; logits of the last token of
   every sequence that samples this step.
@@ -57,10 +58,6 @@ def load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenize
         model = build_preset(config.model, config.seed, dtype, config.device, attention.ATTN_IMPLEMENTATION)
         fused.install(model, config.device)
         return model, None
-    if not os.path.isdir(config.model):
-        raise ValueError(
-            f"model: {config.model!r} is neither a preset ({', '.join(PRESETS)}) nor a local model directory"
-        )
     model = AutoModelForCausalLM.from_pretrained(
         config.model, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
     )
@@ -81,7 +78,8 @@ class ModelRunner:
     """Runs packed batches of sequences through the model and the paged KV cache."""
 
     def __init__(self, config: ModelConfig) -> None:
-        self.config = config
+        """`config` may hold "auto" and model ids; they are resolved here (`ModelConfig.resolved`)."""
+        self.config = config = config.resolved()
         self.device = torch.device(config.device)
         self.model, self.tokenizer = load_model(config)
         hf = self.model.config
@@ -91,7 +89,7 @@ class ModelRunner:
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
             dtype=getattr(torch, config.dtype),
         )
-        self.max_model_len = config.max_model_len or hf.max_position_embeddings
+        self.max_model_len = _max_model_len(config.max_model_len, hf.max_position_embeddings)
         is_preset = config.model in PRESETS
         self.weights_id = f"preset:{config.model}:seed={config.seed}" if is_preset else weights_id(config.model)
         self.ops = attention.attention_ops(self.device)
@@ -148,6 +146,15 @@ class ModelRunner:
         the first blocks, so run it before any request does."""
         seq = Seq("probe", [0] * num_tokens, SamplingParams(max_tokens=1))
         self.execute([ScheduledSeq(seq, num_tokens)], [list(range(-(-num_tokens // self.block_size)))])
+
+
+def _max_model_len(configured: int | None, positions: int) -> int:
+    if configured is not None and configured > positions:
+        raise ValueError(
+            f"max_model_len: {configured} exceeds the model's {positions} positions "
+            "(max_position_embeddings); lower it, or leave it out to use them all"
+        )
+    return configured or positions
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cache
-from typing import Literal
+from typing import Literal, get_args
 
 logger = logging.getLogger(__name__)
 
-BackendName = Literal["uring", "aiofiles", "sync"]
+IOBackend = Literal["uring", "aiofiles", "sync"]  # the one list of backend names
 IOOp = Literal["read", "write"]
 
 
@@ -246,18 +246,19 @@ def _warn_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
-def make_backend(name: BackendName, queue_depth: int = 32, directory: str | None = None) -> BlockIO:
+def make_backend(name: IOBackend, queue_depth: int = 32, directory: str | None = None) -> BlockIO:
     """The backend called `name`; `uring` falls back to `sync` (one warning) where unusable.
 
     `directory` is where the io_uring probe tries its I/O (the store's directory).
     """
+    if name not in get_args(IOBackend):
+        choices = ", ".join(map(repr, get_args(IOBackend)))
+        raise ValueError(f"io_backend: {name!r} is not allowed; choose one of {choices}")
     threads = min(queue_depth, 16)
     if name == "sync":
         return SyncBackend(threads)
     if name == "aiofiles":
         return AiofilesBackend(threads)
-    if name != "uring":
-        raise ValueError(f"io_backend={name!r}: choose one of 'uring', 'aiofiles', 'sync'")
     usable, why = uring_probe(directory)
     if usable:
         try:

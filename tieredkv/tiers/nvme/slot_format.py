@@ -79,11 +79,16 @@ class SlotGeometry:
         payload_bytes = align_up(block_bytes)
         num_slots = (capacity_bytes - SUPERBLOCK_BYTES) // (header_bytes + payload_bytes)
         if num_slots < 1:
-            need = SUPERBLOCK_BYTES + header_bytes + payload_bytes
+            need = cls.min_capacity_bytes(block_bytes, block_size)
             raise ValueError(
                 f"capacity_bytes={capacity_bytes} holds no slot: give at least {need} bytes"
             )
         return cls(block_bytes, block_size, header_bytes, payload_bytes, num_slots)
+
+    @staticmethod
+    def min_capacity_bytes(block_bytes: int, block_size: int) -> int:
+        """The smallest capacity that holds one slot: the superblock and one header and payload."""
+        return SUPERBLOCK_BYTES + align_up(_SLOT_FIXED.size + 4 * block_size) + align_up(block_bytes)
 
     @property
     def slot_bytes(self) -> int:

@@ -5,7 +5,8 @@ memory when that memory suits O_DIRECT, else through an aligned bounce buffer; a
 `queue_depth` bounce buffers exist, and jobs that need one queue for it, so a burst of
 unaligned blocks costs bounded memory. A completion thread reaps the backend, verifies reads
 (every header field, the header checksum, the payload xxh3) and calls `on_done(job, fault)`:
-fault is None, or the name of the stats counter of what went wrong.
+fault is None, or the name of the stats counter of what went wrong: a disk fault, or
+`internal_errors` for a bug met while checking a job (logged at ERROR; the test suite fails on it).
 
 Operations: `SlotJob`, `SlotIO.start`, `SlotIO.in_flight`, `SlotIO.close`.
 """
@@ -138,13 +139,17 @@ class SlotIO:
                 with self._lock:
                     job = self._jobs.pop(completion.tag, None)
                 if job is None:
-                    logger.error("NVMe store: completion of unknown job %d ignored", completion.tag)
+                    logger.error(
+                        "NVMe store: internal error: completion of unknown job %d ignored",
+                        completion.tag,
+                    )
                     continue
                 try:
                     fault = self._outcome(job, completion.result)
-                except Exception:  # a bug here must fail the job, not kill the thread waiters need
-                    logger.exception("NVMe store: checking job %d failed", job.id)
-                    fault = "io_errors"
+                except Exception:  # a bug, not a disk fault: counted apart; the job fails so
+                    # that its waiters do not hang, and this thread lives on for the others
+                    logger.exception("NVMe store: internal error while checking job %d", job.id)
+                    fault = "internal_errors"
                 self._done(job, fault)
                 self._start_waiting()
 

@@ -12,6 +12,11 @@ Two-phase API, one CPU block per job (a block is `block_bytes` contiguous bytes,
     store.sync() -> ok                     # every job done, file fsynced
     store.close()                          # or `with NVMeStore(...) as store:`
 
+`path` is a directory holding the file `tieredkv-blocks.slots` (a missing path becomes such a
+directory) or an existing store file. Opening refuses symbolic links to files, and files that
+are neither empty nor a store; a store larger than the free space is refused before any is
+taken, and a failed open removes the file and folders it created.
+
 `src`/`dst` must stay alive and untouched until their job is reported. `ok` is False when the
 I/O failed, came back short, or a read did not verify (header fields, header checksum, payload
 xxh3); the block then is not stored (its slot is discarded), `dst` holds garbage, the caller
@@ -23,14 +28,17 @@ re-submitted writes count as uses). Header and payload go out in one vectored wr
 from the caller's memory when it is 4 KiB-aligned (see `aligned_empty`), else through a bounce
 buffer. A crash mid-write can leave a torn slot; its header's payload checksum then fails, so
 it is never served. Opening a store scans the slot headers: blocks written under the same
-fingerprint and format version are found again, in the order they were written. If the file
-is deleted while open, the next submit notices: all blocks are lost (reads return None), a new
-file is started, `files_lost` is counted. Layout: slot_format.py; I/O: slot_io.py.
+fingerprint and format version are found again, in the order they were written; damaged slot
+headers, or a damaged superblock (the file is then formatted anew), are logged once and counted
+(`scan_discarded`, `reformatted`). If the file is deleted while open, the next submit notices:
+all blocks are lost (reads return None), a new file is started, `files_lost` is counted.
+Layout: slot_format.py; I/O: slot_io.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -42,8 +50,8 @@ import torch
 import xxhash
 
 from tieredkv.tiers.backend import BlockRef
-from tieredkv.tiers.nvme.io_backends import BackendName, BlockIO, IOOp, make_backend
-from tieredkv.tiers.nvme.slot_file import SlotFile
+from tieredkv.tiers.nvme.io_backends import BlockIO, IOBackend, IOOp, make_backend
+from tieredkv.tiers.nvme.slot_file import STORE_FILE_NAME, SlotFile, remove_empty_dirs, store_file
 from tieredkv.tiers.nvme.slot_format import (
     ALIGN,
     MAX_U64,
@@ -58,10 +66,10 @@ from tieredkv.tiers.nvme.slot_io import SlotIO, SlotJob
 
 logger = logging.getLogger(__name__)
 
-STORE_FILE_NAME = "tieredkv-blocks.slots"  # the file used when `path` is a directory
 _COUNTERS = (
     "hits misses writes bytes_read bytes_written evictions write_rejected restored "
-    "corrupt io_errors enospc short_reads short_writes files_lost"
+    "corrupt io_errors enospc short_reads short_writes files_lost scan_discarded reformatted "
+    "internal_errors"
 ).split()
 
 
@@ -75,17 +83,14 @@ class NVMeStore:
         block_bytes: int,
         fingerprint: bytes | int,
         block_size: int,
-        backend: BackendName | BlockIO = "uring",
+        backend: IOBackend | BlockIO = "uring",
         queue_depth: int = 32,
     ) -> None:
         """`path`: the store file, or a directory to hold it; `fingerprint`: model config, dtype
         and block size (bytes, or the engine's int); `backend`: a name, or a BlockIO object
         (the fault-injection seam; the store closes it); `queue_depth`: I/Os in flight."""
         self.geometry = SlotGeometry.for_block(capacity_bytes, block_bytes, block_size)
-        self.path = os.path.abspath(os.fspath(path))
-        if os.path.isdir(self.path):
-            self.path = os.path.join(self.path, STORE_FILE_NAME)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.path, made_dir = store_file(path)
         self._fingerprint = fingerprint_digest(fingerprint)
         self._cond = threading.Condition()
         self._jobs: dict[int, SlotJob] = {}  # in flight
@@ -95,23 +100,35 @@ class NVMeStore:
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._generation, self._sequence, self._closed = 0, 0, False
         self._retired: list[SlotFile] = []  # files deleted under us, closed at close()
-        self.index = SlotIndex(self.geometry.num_slots)
+        self._file: SlotFile | None = None
         try:
-            self._file: SlotFile | None = SlotFile(self.path, self.geometry)
-        except BaseException:
-            if not isinstance(backend, str):
-                backend.close()
-            raise
-        try:
+            self._file = SlotFile(self.path, self.geometry, self._owns_file)
+            self.index = SlotIndex(self.geometry.num_slots)
             if isinstance(backend, str):
                 backend = make_backend(backend, queue_depth, os.path.dirname(self.path))
             self._load_index(backend)
         except BaseException:
-            self._file.close()
-            if not isinstance(backend, str):
-                backend.close()
+            self._undo_open(backend, made_dir)
             raise
         self._io = SlotIO(backend, self.geometry, self._fingerprint, queue_depth, self._finish)
+
+    def _undo_open(self, backend: IOBackend | BlockIO, made_dir: str | None) -> None:
+        """Opening failed: close what was opened, remove the file and folders it created."""
+        if not isinstance(backend, str):
+            backend.close()
+        if self._file is not None:
+            self._file.close()
+            if self._file.created:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+        if made_dir is not None:
+            remove_empty_dirs(os.path.dirname(self.path), made_dir)
+
+    @property
+    def _owns_file(self) -> bool:
+        """The file is the store's own (named by the store in a directory), so a damaged one
+        may be formatted; a file the caller named must show the store's magic."""
+        return os.path.basename(self.path) == STORE_FILE_NAME
 
     @property
     def num_slots(self) -> int:
@@ -350,19 +367,34 @@ class NVMeStore:
             self._generation += 1
             self.index = SlotIndex(self.num_slots)
             try:
-                self._file = SlotFile(self.path, self.geometry)
+                self._file = SlotFile(self.path, self.geometry, self._owns_file)
                 self._file.format()
-            except (OSError, RuntimeError) as exc:  # jobs fail (EBADF) until a later submit manages
+            except (OSError, RuntimeError, ValueError) as exc:  # jobs fail (EBADF) until a later submit manages
                 if self._file is not None:
                     logger.error("NVMe store cannot recreate %s: %s", self.path, exc)
                 self._file = None
 
     def _load_index(self, backend: BlockIO) -> None:
-        """Find the blocks an earlier store left in the file, or format it."""
+        """Find the blocks an earlier store left in the file, or format it. Damage found here
+        is logged once and counted (`reformatted`, `scan_discarded`)."""
         if not self._file.holds_slots():
+            if not self._file.was_empty:
+                why = "is damaged" if self._file.read_superblock() is None else "describes other slots"
+                logger.warning(
+                    "NVMe store %s: its superblock %s; formatting the file anew, its blocks are lost",
+                    self.path, why,
+                )
+                self._counts["reformatted"] += 1
+                self._file.wipe()  # no stale or damaged slot header survives the format
             self._file.format()
             return
-        found = self._file.scan(backend, self._fingerprint)
-        self.index.restore([(block_hash, slot) for _, block_hash, slot in found])
-        self._sequence = found[-1][0] if found else 0
-        self._counts["restored"] = len(found)
+        scan = self._file.scan(backend, self._fingerprint)
+        self.index.restore([(block_hash, slot) for _, block_hash, slot in scan.blocks])
+        self._sequence = scan.blocks[-1][0] if scan.blocks else 0
+        self._counts["restored"] = len(scan.blocks)
+        self._counts["scan_discarded"] = scan.damaged
+        if scan.damaged:
+            logger.warning(
+                "NVMe store %s: %d slot headers are damaged and were discarded at start-up "
+                "(%d blocks restored)", self.path, scan.damaged, len(scan.blocks),
+            )
