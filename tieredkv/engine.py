@@ -31,6 +31,7 @@ from tieredkv.policy import CostModel, TierPolicy
 from tieredkv.sampling import Sampler, SamplingParams
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Sequence as Seq
+from tieredkv.text import IncrementalDetokenizer, Message, chat_prompt
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.store import NVMeStore
 from tieredkv.transfer.engine import make_transfer_engine
@@ -145,7 +146,8 @@ class LLMEngine:
         if request_id in self.seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self._check_fits(len(token_ids), params.max_tokens)
-        return Seq(request_id, token_ids, params, self.runner.eos_token_id, self._generator(params))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
+        return Seq(request_id, token_ids, params, self.runner.eos_token_ids, self._generator(params), detokenizer)
 
     def enqueue(self, seq: Seq) -> None:
         self.seqs[seq.request_id] = seq
@@ -214,7 +216,8 @@ class LLMEngine:
         tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
         self.kv.before_forward()
         logits = self.runner.execute(batch.scheduled, tables)
-        tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling],
+                                     [s.banned_token_ids for s in sampling])
         for item in batch.scheduled:
             seq = item.seq
             kind = "decode_tokens" if seq.num_computed_tokens >= seq.num_prompt_tokens else "prefill_tokens"
@@ -225,15 +228,29 @@ class LLMEngine:
         outputs = []
         for seq, token in zip(sampling, tokens, strict=True):
             seq.append_token(token)
+            text_delta = self._detokenize(seq)
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 self._counters["requests_finished"] += 1
                 del self.seqs[seq.request_id]
-            outputs.append(self._output(seq))
+            outputs.append(self._output(seq, text_delta))
         return outputs
 
-    def _output(self, seq: Seq) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer and seq.is_finished else None
+    @staticmethod
+    def _detokenize(seq: Seq) -> str | None:
+        """The new text of the token just appended; a stop string in it finishes the request."""
+        detok = seq.detokenizer
+        if detok is None:
+            return None
+        stop = detok.add(seq.token_ids[-1], is_stop_token=seq.finish_reason == "stop")
+        if stop is None and seq.is_finished:
+            stop = detok.flush()
+        if stop is not None:
+            seq.finish("stop")
+        return detok.take_delta(seq.is_finished)
+
+    def _output(self, seq: Seq, text_delta: str | None = None) -> RequestOutput:
+        text = seq.detokenizer.sent_text if seq.detokenizer is not None else None
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -241,6 +258,7 @@ class LLMEngine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             text=text,
+            text_delta=text_delta,
             metrics=RequestMetrics(
                 seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_prompt_tokens, seq.num_cached_tokens
             ),
@@ -315,3 +333,15 @@ class LLM(LLMEngine):
                         bar.update(1)
         return [results[rid] for rid in order]
 
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Reply to a conversation (`[{"role": "user", "content": "..."}, ...]`), or to each of a
+        list of them, through the tokenizer's chat template; outputs in order."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [chat_prompt(self.tokenizer, c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

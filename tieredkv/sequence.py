@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from tieredkv.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tieredkv.text import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -27,8 +30,9 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
     token_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -70,10 +74,18 @@ class Sequence:
             self.first_token_time = time.monotonic()
         self.token_ids.append(token_id)
         p = self.params
-        if token_id in p.stop_token_ids or token_id == self.eos_token_id and not p.ignore_eos:
+        if token_id in p.stop_token_ids or token_id in self.eos_token_ids and not p.ignore_eos:
             self.finish("stop")
         elif self.num_output_tokens >= p.max_tokens:
             self.finish("length")
+
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Tokens the next sample must not be: the stop tokens, until `min_tokens` are out."""
+        if self.num_output_tokens >= self.params.min_tokens:
+            return ()
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return (*eos, *self.params.stop_token_ids)
 
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED
