@@ -23,3 +23,11 @@ def reference_outputs():
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory) -> str:
+    """A tiny Llama with a trained BPE tokenizer and a chat template, as a model directory."""
+    from tests.checkpoint import save_checkpoint
+
+    return str(save_checkpoint(tmp_path_factory.mktemp("chat-model")))
