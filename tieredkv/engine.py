@@ -141,7 +141,7 @@ class LLMEngine:
         """Validate a request (ValueError if it can never run) without queueing it. Reads no
         state that `step()` changes, so it may run beside a step."""
         params = params or SamplingParams()
-        token_ids = self._tokenize(prompt)
+        token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -153,7 +153,8 @@ class LLMEngine:
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (a string needs a tokenizer; ids are checked against the vocabulary)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: a string prompt needs a tokenizer in the model directory; pass token ids")
@@ -167,6 +168,12 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); got {bad[:5]}")
         return token_ids
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + output) that can ever run: the model's length, and the
+        whole GPU tier."""
+        return min(self.runner.max_model_len, self.kv.num_blocks * self.kv.block_size)
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         total = num_prompt_tokens + max_tokens
