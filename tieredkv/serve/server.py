@@ -26,7 +26,7 @@ def _size(num_bytes: float) -> str:
 
 
 def _tier(blocks: int, block_size: int, block_bytes: int) -> str:
-    return f"{blocks:,} blocks = {blocks * block_size:,} tokens ({_size(blocks * block_bytes)})"
+    return f"{blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens ({_size(blocks * block_bytes)})"
 
 
 def _cost_model(engine: LLMEngine) -> str:
@@ -48,7 +48,7 @@ def startup_report(engine: LLMEngine) -> str:
     rows = [
         ("model", f"{config.model.model} on {config.model.device} ({config.model.dtype}), "
                   f"requests up to {engine.max_request_tokens:,} tokens"),
-        ("GPU tier", _tier(stats["gpu_blocks_total"], block_size, block_bytes) + f" of {block_size} tokens"),
+        ("GPU tier", _tier(stats["gpu_blocks_total"], block_size, block_bytes)),
         ("CPU tier", "none" if cpu is None else _tier(cpu, block_size, block_bytes)),
         ("NVMe tier", "none" if nvme is None else f"{_tier(nvme, block_size, block_bytes)} at {config.cache.nvme_path}"),
         ("preemption", config.scheduler.preemption),
