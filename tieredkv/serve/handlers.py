@@ -118,10 +118,14 @@ class OpenAIHandlers:
         """Parameters for one prompt; no limit means all the room the model and the cache leave."""
         if limit is not None and limit < 1:
             raise BadRequest(field_name, f"{field_name}: expected an integer >= 1, got {limit}")
-        room = self.allm.engine.max_request_tokens - len(ids)
+        longest = self.allm.engine.max_request_tokens
+        room = longest - len(ids)
         if room < 1:
             raise BadRequest(prompt_field, f"{prompt_field}: {len(ids)} tokens leave no room to generate within "
-                             f"the maximum length of {self.allm.engine.max_request_tokens}; shorten it")
+                             f"the maximum length of {longest} tokens; shorten it")
+        if limit is not None and limit > room:
+            raise BadRequest(field_name, f"{field_name}: {limit} tokens after a prompt of {len(ids)} exceed the "
+                             f"maximum length of {longest} tokens; ask for at most {room}")
         params = sampling_params(request, limit if limit is not None else room)
         try:  # the engine's own checks (length, vocabulary), before the response starts
             self.allm.engine.make_sequence(ids, params)
