@@ -48,3 +48,11 @@ def fail_on_internal_errors(request):
     logger.removeHandler(handler)
     if handler.messages and request.node.get_closest_marker("allow_internal_errors") is None:
         pytest.fail(f"the NVMe store met internal errors: {handler.messages[:3]}")
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory) -> str:
+    """A tiny Llama with a trained BPE tokenizer and a chat template, as a model directory."""
+    from tests.checkpoint import save_checkpoint
+
+    return str(save_checkpoint(tmp_path_factory.mktemp("chat-model")))

@@ -73,7 +73,8 @@ def test_string_prompts_with_a_tokenizer(tmp_path):
     with LLM(model=str(tmp_path), num_gpu_blocks=32) as llm:
         out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
     assert out.token_ids == expected
-    assert out.text == " ".join(f"w{t}" for t in expected)
+    # the text continues the prompt (prompt + text is the whole text), as vLLM's does
+    assert out.text == "".join(f" w{t}" for t in expected)
 
 
 def test_timings_are_ordered(llm):

@@ -1,10 +1,12 @@
-"""Command line: `tieredkv run [CONFIG]`."""
+"""Command line: `tieredkv run [CONFIG]`, `tieredkv serve [CONFIG] [--model M]`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+
+from tieredkv import serve
 
 DEFAULT_CONFIG = "configs/demo.yaml"
 
@@ -29,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prometheus-port", type=int, metavar="PORT",
                      help="serve the engine's stats and the clients' latencies at :PORT/metrics while the run "
                      "lasts (needs prometheus-client)")
+    serve.add_parser(commands)
     return parser
 
 
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 0
+    if args.command == "serve":
+        return serve.main(args)
     from tieredkv.experiment.harness import format_comparison, format_summary, run_experiment
     from tieredkv.experiment.prometheus import PrometheusExporter
 

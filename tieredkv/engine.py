@@ -34,6 +34,7 @@ from tieredkv.prompts import Prompt, prompt_list, token_ids
 from tieredkv.sampling import Sampler, SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
+from tieredkv.text import IncrementalDetokenizer, Message, chat_prompt
 from tieredkv.tiers.backend import BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.opener import open_store
@@ -141,12 +142,13 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
-        token_ids = self._tokenize(prompt)
+        token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self._check_fits(len(token_ids), params.max_tokens)
-        return Seq(request_id, token_ids, params, self.runner.eos_token_id, self._generator(params))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
+        return Seq(request_id, token_ids, params, self.runner.eos_token_ids, self._generator(params), detokenizer)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -159,8 +161,15 @@ class LLMEngine:
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (a string needs a tokenizer; ids are checked against the vocabulary)."""
         return token_ids(prompt, self.tokenizer, self.runner.model.config.vocab_size)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + output) that can ever run: the model's length, and the
+        whole GPU tier."""
+        return min(self.runner.max_model_len, self.kv.num_blocks * self.kv.block_size)
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         total = num_prompt_tokens + max_tokens
@@ -212,7 +221,8 @@ class LLMEngine:
         self.kv.before_forward()
         logits = self.runner.execute(batch.scheduled, tables)
         sampling = batch.sampling
-        tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling],
+                                     [s.banned_token_ids for s in sampling])
         self._count(batch)  # before `update` advances the sequences
         finished = self.scheduler.update(batch, tokens)
         for seq in finished:
@@ -227,7 +237,7 @@ class LLMEngine:
         self._counters["steps"] += 1
 
     def _output(self, seq: Seq) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer and seq.is_finished else None
+        text = seq.detokenizer.sent_text if seq.detokenizer is not None else None
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -236,6 +246,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             text=text,
             error=seq.error,
+            text_delta=seq.text_delta,
             metrics=RequestMetrics(
                 seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_prompt_tokens, seq.num_cached_tokens
             ),
@@ -346,3 +357,15 @@ class LLM(LLMEngine):
                         results[out.request_id] = out
                         bar.update(1)
 
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Reply to a conversation (`[{"role": "user", "content": "..."}, ...]`), or to each of a
+        list of them, through the tokenizer's chat template; outputs in order."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [chat_prompt(self.tokenizer, c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

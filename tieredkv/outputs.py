@@ -23,7 +23,8 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A request's generated tokens so far. `error` is set (and `finish_reason == "error"`)
+    """A request's generated tokens so far. `text` is their text so far (with a tokenizer) and
+    `text_delta` what this output added to it. `error` is set (and `finish_reason == "error"`)
     when the request was rejected or failed while running; the other requests are unaffected."""
 
     request_id: str
@@ -34,3 +35,4 @@ class RequestOutput:
     text: str | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    text_delta: str | None = None

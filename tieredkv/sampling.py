@@ -29,7 +29,12 @@ SAMPLING_EPS = 1e-5
 class SamplingParams:
     """How to pick tokens for one request. `temperature` below `SAMPLING_EPS` (1e-5) is greedy;
     `inf` is uniform over the tokens `top_k` and `top_p` keep; `top_k=None` and `top_p=1.0`
-    disable those filters; `seed` makes random sampling reproducible."""
+    disable those filters; `seed` makes random sampling reproducible.
+
+    A request stops at an EOS token (unless `ignore_eos`), at any of `stop_token_ids`, or when
+    its text contains one of the `stop` strings (that string and what follows are not
+    returned). Before `min_tokens` tokens are out, EOS and `stop_token_ids` cannot be sampled and
+    stop strings are not checked. `skip_special_tokens` drops special tokens from the text."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -38,6 +43,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -57,9 +65,25 @@ class SamplingParams:
         self._set("stop_token_ids", _stop_token_ids(self.stop_token_ids))
         self._set("ignore_eos", bool(self.ignore_eos))
 
+        self._check_text_fields()
+
     def _set(self, name: str, value: object) -> None:
         """Store the normalized value of a field (plain ints and floats, not numpy scalars)."""
         object.__setattr__(self, name, value)
+
+    def _check_text_fields(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop: expected a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not (
+            0 <= self.min_tokens <= self.max_tokens
+        ):
+            raise ValueError(
+                f"min_tokens: expected an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens: expected true or false, got {self.skip_special_tokens!r}")
 
     @property
     def greedy(self) -> bool:
@@ -111,9 +135,13 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        banned: Sequence[tuple[int, ...]] | None = None,
     ) -> list[int | FailedSample]:
-        """`logits` is `[n, vocab]`; row i is sampled with `params[i]` and `generators[i]`.
-        A row that cannot be sampled gets a `FailedSample`; the other rows are unaffected."""
+        """`logits` is `[n, vocab]`; row i is sampled with `params[i]` and `generators[i]`, never
+        picking a token of `banned[i]`. A row that cannot be sampled gets a `FailedSample`; the
+        other rows are unaffected."""
+        if banned is not None and any(banned):
+            logits = _ban(logits, banned)
         tokens: list[int | FailedSample] = logits.argmax(dim=-1).tolist()
         for i, p in enumerate(params):
             if not p.greedy:
@@ -146,3 +174,14 @@ def _probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
         probs = probs.scatter(0, order[drop], 0.0)
     return probs
+
+
+def _ban(logits: torch.Tensor, banned: Sequence[tuple[int, ...]]) -> torch.Tensor:
+    """A copy of `logits` with the banned tokens of each row at -inf (ids past the vocabulary
+    cannot be sampled anyway)."""
+    vocab = logits.shape[-1]
+    pairs = [(i, t) for i, ids in enumerate(banned) for t in ids if t < vocab]
+    rows, cols = [i for i, _ in pairs], [t for _, t in pairs]
+    logits = logits.clone()
+    logits[rows, cols] = float("-inf")
+    return logits

@@ -1,11 +1,13 @@
-"""Prometheus exposition of a running experiment: `tieredkv run CONFIG --prometheus-port PORT`.
+"""Prometheus exposition of a running experiment (`tieredkv run CONFIG --prometheus-port PORT`)
+and of the HTTP server (`tieredkv serve`, at its own /metrics).
 
 Needs `prometheus-client` (`pip install 'tieredkv[prometheus]'`). Every number in the engine's
 `stats()` becomes a gauge `tieredkv_<stat>{variant=...}`, and a stat holding a mapping (preemptions
 by kind, ...) a gauge with a `kind` label; they are refreshed each time the run samples its
-timeline. The clients add `tieredkv_requests_total{variant, outcome}`, `tieredkv_output_tokens_total`
-and histograms of TTFT and inter-token latency. One exporter serves a whole invocation, every
-variant of a `--compare` run under its own label.
+timeline (the server: at each scrape). The clients add `tieredkv_requests_total{variant,
+outcome}` (ok, error, abort), `tieredkv_output_tokens_total` and histograms of TTFT and
+inter-token latency. One exporter serves a whole invocation, every variant of a `--compare` run
+under its own label; the server labels everything with its model name.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from typing import Any
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class PrometheusExporter:
-    """Serves /metrics over HTTP from a thread until `close()`."""
+class PrometheusMetrics:
+    """A registry of the engine's stats (gauges), the clients' latencies (histograms) and the
+    requests and tokens they got (counters); `exposition()` is the text a scrape reads."""
 
-    def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(self) -> None:
         try:
             import prometheus_client as prom
         except ImportError as err:
-            raise ValueError("--prometheus-port needs prometheus-client: pip install 'tieredkv[prometheus]'") from err
+            raise ValueError("Prometheus metrics need prometheus-client: pip install 'tieredkv[prometheus]'") from err
         self._prom = prom
         self.registry = prom.CollectorRegistry()
         self._gauges: dict[str, Any] = {}
@@ -35,14 +38,6 @@ class PrometheusExporter:
                                    ["variant"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.itl = prom.Histogram("tieredkv_itl_seconds", "Time between two streamed tokens, seen by the client",
                                   ["variant"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        try:
-            self._server, self._thread = prom.start_http_server(port, addr, registry=self.registry)
-        except OSError as err:
-            raise ValueError(f"--prometheus-port {port}: cannot listen on {addr}:{port} ({err})") from err
-
-    @property
-    def port(self) -> int:
-        return self._server.server_port
 
     def update(self, variant: str, stats: Mapping[str, Any]) -> None:
         """Set a gauge for every number in `stats` (and every number of a mapping in it)."""
@@ -55,25 +50,45 @@ class PrometheusExporter:
             elif _is_number(value):
                 self._gauge(key, ("variant",)).labels(variant).set(value)
 
-    def record(self, variant: str, ttft_s: float | None, itls_s: list[float], tokens: int, error: bool) -> None:
-        """One finished request, as its client saw it."""
-        self.requests.labels(variant, "error" if error else "ok").inc()
+    def record(self, variant: str, ttft_s: float | None, itls_s: list[float], tokens: int, error: bool,
+               aborted: bool = False) -> None:
+        """One finished request, as its client saw it (`aborted`: the client left early)."""
+        self.requests.labels(variant, "abort" if aborted else "error" if error else "ok").inc()
         self.output_tokens.labels(variant).inc(tokens)
         if ttft_s is not None:
             self.ttft.labels(variant).observe(ttft_s)
         for itl in itls_s:
             self.itl.labels(variant).observe(itl)
 
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+    def exposition(self) -> tuple[bytes, str]:
+        """The metrics in Prometheus' text format, and its content type."""
+        return self._prom.generate_latest(self.registry), self._prom.CONTENT_TYPE_LATEST
 
     def _gauge(self, stat: str, labels: tuple[str, ...]) -> Any:
         if stat not in self._gauges:
             self._gauges[stat] = self._prom.Gauge(f"tieredkv_{stat}", f"engine stat '{stat}'", labels,
                                                   registry=self.registry)
         return self._gauges[stat]
+
+
+class PrometheusExporter(PrometheusMetrics):
+    """`PrometheusMetrics` served at /metrics over HTTP from a thread until `close()`."""
+
+    def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
+        super().__init__()
+        try:
+            self._server, self._thread = self._prom.start_http_server(port, addr, registry=self.registry)
+        except OSError as err:
+            raise ValueError(f"--prometheus-port {port}: cannot listen on {addr}:{port} ({err})") from err
+
+    @property
+    def port(self) -> int:
+        return self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
 
 
 def _is_number(value: object) -> bool:

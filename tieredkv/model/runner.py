@@ -98,9 +98,14 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
 
     @property
-    def eos_token_id(self) -> int | None:
-        eos = self.model.config.eos_token_id
-        return eos[0] if isinstance(eos, list) else eos
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every EOS id of config.json and generation_config.json: transformers' `generate`
+        stops on any id of the generation config's list (Llama-3-Instruct lists three)."""
+        ids: list[int] = []
+        for source in (self.model.config, self.model.generation_config):
+            eos = getattr(source, "eos_token_id", None)
+            ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+        return tuple(dict.fromkeys(ids))
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         s = self.kv_spec

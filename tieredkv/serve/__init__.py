@@ -1,0 +1,62 @@
+"""`tieredkv serve`: an OpenAI-compatible HTTP server over `AsyncLLM` (FastAPI + uvicorn).
+
+Modules: `protocol` (request bodies, and how they become `SamplingParams`), `handlers`
+(completions and chat completions, whole or streamed), `app` (routes, error objects, /metrics),
+`server` (start-up report, uvicorn). This module holds the command line only, so that
+`tieredkv --help` does not import the web stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tieredkv.config import EngineConfig
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """The `serve` subcommand."""
+    serve = commands.add_parser(
+        "serve", help="serve the engine over an OpenAI-compatible HTTP API",
+        description="Serve /v1/models, /v1/completions and /v1/chat/completions (with SSE streaming), "
+        "/tokenize, /detokenize, /health and /metrics. The YAML file holds the engine keys (model, device, "
+        "dtype, cache, scheduler); its experiment sections are ignored.",
+    )
+    serve.add_argument("config", nargs="?", help="YAML file with the engine keys (optional with --model)")
+    serve.add_argument("--model", help="preset name or model directory (overrides the file's)")
+    serve.add_argument("--served-model-name", help="the name clients use in `model` (default: --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000; 0: any free)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `tieredkv serve` until interrupted; 2 and one `tieredkv: error:` line on a bad start."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        print("tieredkv: error: serve needs fastapi and uvicorn: pip install 'tieredkv[serve]'", file=sys.stderr)
+        return 2
+    from tieredkv.serve.server import serve
+
+    try:
+        serve(engine_config(args.config, args.model), args.host, args.port, args.served_model_name)
+    except ValueError as err:
+        print(f"tieredkv: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def engine_config(path: str | None, model: str | None) -> EngineConfig:
+    """The engine keys of the YAML file at `path` (if any), with `model` over its model."""
+    from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
+
+    if path is None and model is None:
+        raise ValueError("serve: give a CONFIG.yaml, --model, or both")
+    config = EngineConfig.from_dict(read_yaml(path), extra_sections=EXPERIMENT_SECTIONS) if path else EngineConfig()
+    if model is not None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=model))
+    return config

@@ -1,0 +1,161 @@
+"""The FastAPI application: routes, error objects, Prometheus metrics.
+
+Routes (following vLLM's OpenAI server): `GET /v1/models`, `POST /v1/completions`,
+`POST /v1/chat/completions`, `GET /health`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`.
+A bad request is a 400 with an OpenAI error object whose `param` names the field; an engine
+failure is a 500 for the requests it touched, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tieredkv.async_engine import AsyncLLM
+from tieredkv.experiment.prometheus import PrometheusMetrics
+from tieredkv.serve.handlers import OpenAIHandlers
+from tieredkv.serve.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    validation_error,
+)
+from tieredkv.text import chat_prompt
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def build_app(allm: AsyncLLM, model: str) -> FastAPI:
+    """The server's application over `allm`, serving it under the name `model`; closing the
+    application (uvicorn's shutdown) closes the engine."""
+    metrics = PrometheusMetrics()
+    handlers = OpenAIHandlers(allm, model, metrics)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await allm.close()
+
+    app = FastAPI(title="tieredkv", lifespan=lifespan)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model, "object": "model", "created": started, "owned_by": "tieredkv",
+                "root": allm.engine.config.model.model, "parent": None,
+                "max_model_len": allm.engine.max_request_tokens}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await _generate(handlers, handlers.completion_job(body), body.stream, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await _generate(handlers, handlers.chat_job(body), body.stream, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        handlers.check_model(body.model)
+        tokens = _tokenize(allm, body)
+        return {"count": len(tokens), "max_model_len": allm.engine.max_request_tokens, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        handlers.check_model(body.model)
+        tokenizer = _tokenizer(allm, "tokens")
+        if body.tokens:
+            try:
+                allm.engine.tokenize(body.tokens)
+            except ValueError as err:
+                raise BadRequest("tokens", str(err).replace("prompt:", "tokens:", 1)) from None
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.update(model, allm.stats())
+        text, content_type = metrics.exposition()
+        return Response(text, media_type=content_type)
+
+    return app
+
+
+async def _generate(handlers: OpenAIHandlers, job: Any, stream: bool, raw: Request) -> Response:
+    if stream:
+        return StreamingResponse(handlers.stream(job), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        body = await _unless_disconnected(handlers.respond(job), raw)
+    except Exception as err:
+        logger.exception("request %s failed", job.id)
+        return JSONResponse(error_body(f"the engine failed: {err}", "InternalServerError", 500), status_code=500)
+    if body is None:  # the client left; its requests were aborted
+        return Response(status_code=499)
+    return JSONResponse(body)
+
+
+async def _unless_disconnected(work: Awaitable[dict[str, Any]], raw: Request) -> dict[str, Any] | None:
+    """The result of `work`, or None (with `work` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(raw))
+    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        watch.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client closes the connection (the body was read already)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _tokenizer(allm: AsyncLLM, param: str) -> Any:
+    tokenizer = allm.engine.tokenizer
+    if tokenizer is None:
+        raise BadRequest(param, f"{param}: the model directory has no tokenizer")
+    return tokenizer
+
+
+def _tokenize(allm: AsyncLLM, body: TokenizeRequest) -> list[int]:
+    if body.messages is not None:
+        try:
+            return chat_prompt(allm.engine.tokenizer, body.messages)
+        except ValueError as err:
+            raise BadRequest("messages", str(err)) from None
+    if body.prompt is None:
+        raise BadRequest("prompt", "prompt: give a prompt (or messages) to tokenize")
+    return _tokenizer(allm, "prompt").encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def bad_request(err: BadRequest) -> JSONResponse:
+        return JSONResponse(error_body(err.message, "BadRequestError", 400, err.param), status_code=400)
+
+    @app.exception_handler(BadRequest)
+    async def on_bad_request(request: Request, err: BadRequest) -> JSONResponse:
+        return bad_request(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
+        return bad_request(validation_error(err.errors()))
