@@ -168,7 +168,8 @@ def test_numpy_ints_are_token_ids_and_parameters(llm, expected):
         prompt = [kind(t) for t in PROMPTS[3]]
         params = SamplingParams(max_tokens=np.int64(MAX_TOKENS), temperature=np.float32(0.0))
         assert tokens(llm.generate(prompt, params, use_tqdm=False)) == [expected[3]]
-    params = SamplingParams(top_k=np.int64(2), seed=np.int64(3), stop_token_ids=[np.int64(7)], ignore_eos=np.bool_(True))
+    params = SamplingParams(top_k=np.int64(2), seed=np.int64(3), stop_token_ids=[np.int64(7)],
+                            ignore_eos=np.bool_(True))
     assert (params.top_k, params.seed, params.stop_token_ids, params.ignore_eos) == (2, 3, (7,), True)
     assert all(type(v) is int for v in (params.top_k, params.seed, *params.stop_token_ids))
 

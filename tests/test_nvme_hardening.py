@@ -277,7 +277,8 @@ class BuggyBackend(SyncBackend):
 def test_a_bug_while_checking_a_job_is_counted_apart_and_logged_as_an_error(tmp_path, caplog):
     src = cpu_pool(1)
     fill(src, [7])
-    with caplog.at_level(logging.ERROR, logger="tieredkv"), make_store(tmp_path / "kv", backend=BuggyBackend(2)) as store:
+    store = make_store(tmp_path / "kv", backend=BuggyBackend(2))
+    with caplog.at_level(logging.ERROR, logger="tieredkv"), store:
         job = store.submit_write(BlockRef(7, *_ids(7)), src[0])
         assert store.wait([job]) == {job: False}  # the job fails; nobody waits forever
         stats = store.stats()

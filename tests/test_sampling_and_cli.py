@@ -54,10 +54,12 @@ def test_top_k_restricts_the_choice():
 def test_stop_tokens_and_eos(llm):
     greedy = tokens(llm, SamplingParams(max_tokens=16, temperature=0.0))
     stop = greedy[0][5]
-    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop]), use_tqdm=False)
+    params = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop])
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)
     first_stop = greedy[0].index(stop)
     assert out[0].token_ids == greedy[0][: first_stop + 1] and out[0].finish_reason == "stop"
-    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0].finish_reason == "length"
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    assert out[0].finish_reason == "length"
 
 
 def test_string_prompts_with_a_tokenizer(tmp_path):

@@ -162,7 +162,8 @@ def test_chat_equals_llm_chat(server, reference):
     assert "".join(c.choices[0].delta.content for c in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
     # content as a list of text parts (as vllm bench sends it) is the same message
-    parts = [{"role": "user", "content": [{"type": "text", "text": "swap or "}, {"type": "text", "text": "recompute?"}]}]
+    content = [{"type": "text", "text": "swap or "}, {"type": "text", "text": "recompute?"}]
+    parts = [{"role": "user", "content": content}]
     same = client.chat.completions.create(model=NAME, messages=[MESSAGES[0], *parts], max_tokens=10, temperature=0)
     assert same.choices[0].message.content == want.text
 

@@ -124,7 +124,9 @@ class LLMEngine:
         budget = free - (1 - cache.gpu_memory_utilization) * total
         num = int(budget // self.runner.kv_spec.block_bytes(cache.block_size))
         if num < 1:
-            raise ValueError("gpu_memory_utilization: leaves no memory for the KV cache; raise it or set num_gpu_blocks")
+            raise ValueError(
+                "gpu_memory_utilization: leaves no memory for the KV cache; raise it or set num_gpu_blocks"
+            )
         return num
 
     # ------------------------------------------------------------------ requests
@@ -330,7 +332,9 @@ class LLM(LLMEngine):
     ) -> list[RequestOutput]:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts; give one or one per prompt")
+            raise ValueError(
+                f"sampling_params: got {len(params)} for {len(prompts)} prompts; give one or one per prompt"
+            )
         results: dict[str, RequestOutput] = {}
         order = []
         for prompt, p in zip(prompts, params, strict=True):

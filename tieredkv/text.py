@@ -42,7 +42,9 @@ def chat_prompt(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
     ):
         raise ValueError("messages: expected a non-empty list of {'role': ..., 'content': ...} mappings")
     try:
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     except Exception as err:  # the template is user code (jinja): its errors are the request's
         raise ValueError(f"messages: the chat template failed on them: {err}") from err
     return list(ids)

@@ -1,8 +1,9 @@
 """The NVMe store's file: opened with O_DIRECT where the filesystem takes it, locked, preallocated.
 
-Operations: `store_file(path)` (which file a store path names), `SlotFile(path, geometry, claim)` (open or create), `.vanished()` (deleted or
-replaced under us), `.read_superblock()` / `.holds_slots()` / `.wipe()` / `.format()`, `.scan(backend,
-fingerprint)` (the blocks whose slot headers verify, for restarts), `.close()`, `remove_empty_dirs`.
+Operations: `store_file(path)` (which file a store path names), `SlotFile(path, geometry, claim)`
+(open or create), `.vanished()` (deleted or replaced under us), `.read_superblock()` /
+`.holds_slots()` / `.wipe()` / `.format()`, `.scan(backend, fingerprint)` (the blocks whose slot
+headers verify, for restarts), `.close()`, `remove_empty_dirs`.
 
 Opening never harms what it did not make: a symbolic link is not followed; a non-empty file
 without the store's magic is refused unless `claim` says the file is the store's own (a damaged
