@@ -340,7 +340,6 @@ class LLM(LLMEngine):
                         bar.update(1)
         return [results[rid] for rid in order]
 
-
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
