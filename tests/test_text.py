@@ -45,6 +45,16 @@ def test_deltas_add_up_to_the_text_and_never_split_a_character(chat_model_dir, t
         assert deltas.count("") >= 3
 
 
+def test_half_a_character_at_the_end_is_flushed(chat_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    tokens = tokenizer.encode("ab 😀")
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    for token in tokens[:-1]:  # the emoji's last byte never comes
+        detok.add(token)
+    assert detok.take_delta(finished=False) == "ab "
+    assert detok.flush() is None and detok.take_delta(finished=True) == "\ufffd"
+
+
 def test_stop_string_across_tokens_is_held_back_and_cut(chat_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["block tier", "zzz"]))

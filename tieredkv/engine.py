@@ -361,7 +361,6 @@ class LLM(LLMEngine):
                         results[out.request_id] = out
                         bar.update(1)
 
-
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],

@@ -92,21 +92,20 @@ class IncrementalDetokenizer:
         if is_stop_token:
             return None
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        full_text = self._decode(self._ids[self._prefix :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
-            return None  # nothing new yet, or half a character
-        self._prefix, self._read = self._read, len(self._ids)
-        return self._append(full_text[len(prefix_text) :])
+        return self._advance(force=False)
 
     def flush(self) -> str | None:
         """At the end: add the text of tokens still waiting for the rest of a character;
         return the stop string it completes, if any."""
-        if self._read == len(self._ids):
-            return None
+        return self._advance(force=True) if self._read < len(self._ids) else None
+
+    def _advance(self, force: bool) -> str | None:
+        """Decode the window; move it on unless its text is not new or ends in half a character."""
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
-        self._prefix = self._read = len(self._ids)
+        if not force and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR)):
+            return None
+        self._prefix, self._read = self._read, len(self._ids)
         return self._append(full_text[len(prefix_text) :])
 
     def _append(self, delta: str) -> str | None:
