@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -185,7 +186,7 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
-EXPERIMENT_SECTIONS = ("name", "workload", "variants")  # YAML sections the engine does not read
+EXPERIMENT_SECTIONS = ("name", "workload", "variants", "sweep", "slo")  # YAML sections the engine does not read
 
 SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 
@@ -226,4 +227,21 @@ def read_yaml(path: str) -> dict[str, Any]:
         raise ValueError(f"config: {path} is not valid YAML: {err}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"config: {path} must hold a mapping of keys (model, cache, scheduler, workload, ...)")
+    return doc
+
+
+RESULTS_VAR = "${results}"  # in a YAML path: the run's results folder
+
+
+def resolve_paths(doc: dict[str, Any], folder: str, results_dir: str) -> dict[str, Any]:
+    """The YAML document with its relative paths (a model directory, `cache.nvme_path`) taken
+    from `folder` (the file's own), `~` expanded and `${results}` replaced by `results_dir`."""
+    doc = dict(doc)
+    model = doc.get("model")
+    if isinstance(model, str) and not os.path.isabs(model) and os.path.isdir(os.path.join(folder, model)):
+        doc["model"] = os.path.normpath(os.path.join(folder, model))
+    cache = doc.get("cache")
+    if isinstance(cache, dict) and isinstance(cache.get("nvme_path"), str):
+        path = os.path.expanduser(cache["nvme_path"].replace(RESULTS_VAR, os.path.abspath(results_dir)))
+        doc["cache"] = {**cache, "nvme_path": os.path.normpath(os.path.join(folder, path))}
     return doc

@@ -190,6 +190,7 @@ class Scheduler:
     def _requeue(self, seq: Sequence) -> None:
         """Back to the front of the waiting queue, to be prefilled again."""
         seq.num_computed_tokens = 0
+        seq.recomputing = True
         seq.prefetched = False
         seq.load_from = None
         seq.status = SequenceStatus.WAITING

@@ -32,7 +32,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found cached at its first admission
+    recomputing: bool = False  # preempted and requeued: its prefix hits are its own blocks
     status: SequenceStatus = SequenceStatus.WAITING
     prefetched: bool = False  # NVMe prefix loads considered since it last joined the queue
     load_from: int | None = None  # first token of the prefix blocks being read from NVMe

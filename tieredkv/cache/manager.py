@@ -150,8 +150,16 @@ class KVCacheManager:
         if not self._promote(seq, cpu_blocks, table[start : start + len(cpu_blocks)]):
             return 0
         seq.num_computed_tokens += len(cpu_blocks) * self.block_size
+        self._count_hit(seq, len(cpu_blocks) * self.block_size)
         self._num_committed[seq.request_id] = start + len(cpu_blocks)
         return len(cpu_blocks)
+
+    def _count_hit(self, seq: Sequence, num_tokens: int) -> None:
+        """Count prompt tokens reused from a cache: a client's prompt, not a recomputed
+        sequence finding its own blocks again."""
+        if not seq.recomputing:
+            seq.num_cached_tokens += num_tokens
+            self.prefix_hit_tokens += num_tokens
 
     def loading(self, seq: Sequence) -> bool:
         """Whether NVMe reads for this sequence are still in flight."""
@@ -194,8 +202,8 @@ class KVCacheManager:
         num_hit_blocks = len(reused) + self._promote(seq, promoted, fresh)
         self._num_committed[seq.request_id] = num_hit_blocks
         num_cached = num_hit_blocks * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
-        self.prefix_hit_tokens += num_cached
+        seq.num_computed_tokens = num_cached
+        self._count_hit(seq, num_cached)
         return Allocation(tuple(b.block_id for b in fresh), num_cached)
 
     def _promote(self, seq: Sequence, cpu_blocks: list[Block], gpu_blocks: list[Block]) -> int:

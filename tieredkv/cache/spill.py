@@ -85,11 +85,13 @@ class NVMeSpill:
             block_id, block_hash = written
             self._on_disk[block_id] = block_hash
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | str]:
         store = self.store.stats()
         return {
             "nvme_spilled_blocks": self.spilled_blocks,
             "nvme_slots_used": store["slots_used"],
+            "nvme_slots_total": store["slots_total"],
+            "nvme_io_backend": store["backend"],
             "nvme_hits": store["hits"],
             "nvme_corrupt": store["corrupt"],
             "nvme_io_errors": store["io_errors"] + store["enospc"] + store["short_reads"] + store["short_writes"],
