@@ -72,6 +72,7 @@ class KVCacheManager:
         self._landing: set[str] = set()
         self._landing_blocks: set[int] = set()
         self.prefix_hit_tokens = 0
+        self.gpu_hit_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -154,12 +155,13 @@ class KVCacheManager:
         self._num_committed[seq.request_id] = start + len(cpu_blocks)
         return len(cpu_blocks)
 
-    def _count_hit(self, seq: Sequence, num_tokens: int) -> None:
-        """Count prompt tokens reused from a cache: a client's prompt, not a recomputed
-        sequence finding its own blocks again."""
+    def _count_hit(self, seq: Sequence, num_tokens: int, num_gpu_blocks: int = 0) -> None:
+        """Count prompt tokens reused from a cache (`num_gpu_blocks` of them found on the GPU):
+        a client's prompt, not a recomputed sequence finding its own blocks again."""
         if not seq.recomputing:
             seq.num_cached_tokens += num_tokens
             self.prefix_hit_tokens += num_tokens
+            self.gpu_hit_blocks += num_gpu_blocks
 
     def loading(self, seq: Sequence) -> bool:
         """Whether NVMe reads for this sequence are still in flight."""
@@ -203,7 +205,7 @@ class KVCacheManager:
         self._num_committed[seq.request_id] = num_hit_blocks
         num_cached = num_hit_blocks * self.block_size
         seq.num_computed_tokens = num_cached
-        self._count_hit(seq, num_cached)
+        self._count_hit(seq, num_cached, len(reused))
         return Allocation(tuple(b.block_id for b in fresh), num_cached)
 
     def _promote(self, seq: Sequence, cpu_blocks: list[Block], gpu_blocks: list[Block]) -> int:
@@ -330,6 +332,7 @@ class KVCacheManager:
             "gpu_blocks_free": self.pool.num_free,
             "gpu_evictions": self.pool.num_evictions,
             "prefix_hit_tokens": self.prefix_hit_tokens,
+            "gpu_hit_blocks": self.gpu_hit_blocks,
         }
         if self.offload:
             stats.update(self.offload.stats())

@@ -228,7 +228,8 @@ def format_summary(s: Summary) -> str:
         ("ITL p50 / p90 / p99", _ms(s.itl_s)),
         ("E2EL p50 / p90 / p99", _ms(s.e2el_s)),
         ("prefix hit rate", hit),
-        ("  from CPU / NVMe", f"{s.stats.get('cpu_hit_blocks', 0)} / {s.stats.get('nvme_loaded_blocks', 0)} blocks"),
+        ("  from GPU / CPU / NVMe", f"{s.stats.get('gpu_hit_blocks', 0)} / {s.stats.get('cpu_hit_blocks', 0)} / "
+                                    f"{s.stats.get('nvme_loaded_blocks', 0)} blocks"),
         ("preemptions", ", ".join(f"{k} {v}" for k, v in preempt.items())),
         ("GPU blocks evicted", str(s.stats.get("gpu_evictions", 0))),
         ("moved D2H / H2D", f"{s.stats.get('bytes_d2h', 0) / 2**20:.1f} / {s.stats.get('bytes_h2d', 0) / 2**20:.1f} MiB"),
