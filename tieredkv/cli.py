@@ -8,9 +8,11 @@ results and exits with status 130.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import traceback
+from collections.abc import Iterator
 
 DEFAULT_CONFIG = "configs/demo.yaml"
 EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
@@ -56,17 +58,33 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     level = "debug" if args.verbose else args.log_level
-    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True)
+    with _logging(level):
+        try:
+            return _run(args)
+        except (ValueError, OSError) as err:
+            if level == "debug":
+                traceback.print_exc()
+            print(f"tieredkv: error: {err}", file=sys.stderr)
+            return EXIT_ERROR
+        except KeyboardInterrupt:
+            print("tieredkv: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def _logging(level: str) -> Iterator[None]:
+    """Log records of `level` and above to stderr while the command runs."""
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    saved = root.level
+    root.addHandler(handler)
+    root.setLevel(level.upper())
     try:
-        return _run(args)
-    except (ValueError, OSError) as err:
-        if level == "debug":
-            traceback.print_exc()
-        print(f"tieredkv: error: {err}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("tieredkv: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved)
 
 
 def _run(args: argparse.Namespace) -> int:
