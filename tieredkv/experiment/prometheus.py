@@ -1,6 +1,6 @@
 """Prometheus exposition of a running experiment: `tieredkv run CONFIG --prometheus-port PORT`.
 
-Needs `prometheus-client` (`pip install 'tieredkv[prometheus]'`). Every number in the engine's
+Needs `prometheus-client` (`pip install prometheus-client`). Every number in the engine's
 `stats()` becomes a gauge `tieredkv_<stat>{variant=...}`, and a stat holding a mapping (preemptions
 by kind, ...) a gauge with a `kind` label; they are refreshed each time the run samples its
 timeline. The clients add `tieredkv_requests_total{variant, outcome}`, `tieredkv_output_tokens_total`
@@ -23,7 +23,7 @@ class PrometheusExporter:
         try:
             import prometheus_client as prom
         except ImportError as err:
-            raise ValueError("--prometheus-port needs prometheus-client: pip install 'tieredkv[prometheus]'") from err
+            raise ValueError("--prometheus-port needs prometheus-client: pip install prometheus-client") from err
         self._prom = prom
         self.registry = prom.CollectorRegistry()
         self._gauges: dict[str, Any] = {}
