@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                              "that is installed, else to its paged SDPA (5.17: give paged|sdpa to keep SDPA)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    [run] = load_experiment(find_config(args.config)).runs
+    [run] = load_experiment(find_config(args.config), base_only=True).runs
     config, workload = EngineConfig.from_dict(run.engine_doc), run.workload
     name = f"{run.name}/transformers"
     if args.max_requests is not None and args.max_requests < 1:

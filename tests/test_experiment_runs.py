@@ -288,3 +288,13 @@ def test_default_config_is_found_anywhere_and_hits_every_tier(tmp_path, monkeypa
     assert result["engine"]["tiers"]["nvme"]["path"] == str(tmp_path / "results" / "demo" / "nvme")
     assert sorted(p.name for p in (tmp_path / "results" / "demo").iterdir()) == [
         ".tieredkv-results", "blocks.png", "result.json", "throughput.png", "ttft_cdf.png"]
+
+
+def test_from_yaml_takes_paths_from_the_config_folder(tmp_path, monkeypatch):
+    from tieredkv import LLM
+
+    config = write_config(tmp_path / "experiments", cache={**ENGINE["cache"], "nvme_path": "store",
+                                                           "nvme_bytes": "4MiB"}, scheduler={"cost_model": COST})
+    monkeypatch.chdir(tmp_path)
+    with LLM.from_yaml(os.path.relpath(config)) as llm:
+        assert llm.config.cache.nvme_path == str(tmp_path / "experiments" / "store")

@@ -216,4 +216,4 @@ def test_shipped_mooncake_slice_reads_as_documented():
     assert [r.name for r in experiment.runs][:3] == [f"mooncake_8b/recompute-only/rate={r}" for r in (4, 6, 8)]
     assert len(experiment.runs) == 9
     trace = experiment.runs[0].workload.describe()
-    assert (trace["format"], trace["lines"], trace["requests"], trace["returning"]) == ("mooncake", 266, 180, 54)
+    assert (trace["format"], trace["lines"], trace["requests"], trace["returning"]) == ("mooncake", 266, 158, 46)

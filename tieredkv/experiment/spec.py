@@ -78,8 +78,9 @@ def shipped_config_dirs() -> list[Path]:
 
 
 def load_experiment(path: str, out_dir: str = "results", compare: bool = False,
-                    sweep: str | None = None) -> Experiment:
-    """Read and check the experiment file (module docstring)."""
+                    sweep: str | None = None, base_only: bool = False) -> Experiment:
+    """Read and check the experiment file (module docstring); `base_only`: one run of the base
+    config, whatever the file's variants and load points."""
     doc = read_yaml(path)
     EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS)  # the base must be valid on its own
     name = _folder_name("name", str(doc.get("name", Path(path).stem)))
@@ -90,11 +91,13 @@ def load_experiment(path: str, out_dir: str = "results", compare: bool = False,
     if isinstance(section.get("path"), str):
         section["path"] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(section["path"])))
     points = parse_sweep(sweep) if sweep is not None else _sweep_section(doc.get("sweep"))
+    if base_only:
+        points, compare = None, False
     if points is not None:
         _check_sweep_key(points[0], section)
     slo = Slo.from_dict(doc["slo"]) if doc.get("slo") is not None else None
     folder = os.path.join(out_dir, name)
-    listed = _variants(doc, compare or (points is not None and bool(doc.get("variants"))))
+    listed = _variants(doc, compare or (points is not None and bool(doc.get("variants"))) and not base_only)
     runs = []
     for variant, override in listed:
         for value in points[1] if points else [None]:

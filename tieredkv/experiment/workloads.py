@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import os
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -228,7 +229,7 @@ class ReplayWorkload:
 
     @functools.cached_property
     def _trace(self) -> tuple[list[TraceLine], list[TraceRequest]]:
-        lines = read_trace(self.path, self.format, self.block_tokens)
+        lines = _read_trace(self.path, self.format, self.block_tokens)
         selected = select(
             lines, block_tokens=self.block_tokens, start_s=self.start_s, duration_s=self.duration_s,
             fraction=self.fraction, max_requests=self.max_requests, max_input_tokens=self.max_input_tokens,
@@ -272,6 +273,20 @@ class ReplayWorkload:
             await client.request(prompt, self.output_tokens(request), f"line{line.line}", request.returning)
 
         await asyncio.gather(*(one(r) for r in self.requests))
+
+
+def _read_trace(path: str, fmt: TraceFormat, block_tokens: int) -> list[TraceLine]:
+    """`read_trace`, once per file version (every load point of a sweep replays the same file)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return read_trace(path, fmt, block_tokens)  # which says what is wrong
+    return _read_trace_version(path, fmt, block_tokens, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_trace_version(path: str, fmt: TraceFormat, block_tokens: int, mtime_ns: int, size: int) -> list[TraceLine]:
+    return read_trace(path, fmt, block_tokens)
 
 
 async def _send_all(client: Client, prompts: list[tuple[str, list[int], bool]], max_tokens: int,
