@@ -32,6 +32,7 @@ from tieredkv.async_engine import AsyncLLM
 from tieredkv.config import EngineConfig
 from tieredkv.experiment.metrics import (
     RequestRecord,
+    Slo,
     Summary,
     format_comparison,
     format_summary,
@@ -218,15 +219,19 @@ async def _run(run: Run, experiment: Experiment, options: Options,
     await llm.close()
     _remove_scratch_store(run)
     summary = summarize(run.name, client.records, elapsed, stats, partial=interrupt.fired)
-    slo = None
-    if experiment.slo is not None:
-        measured = experiment.slo.measure(client.records)
-        slo = {"targets": experiment.slo.targets, "measured": measured,
-               "met": experiment.slo.holds(measured, summary)}
     result = result_document(run.name, engine, describe_workload(run.workload), summary, client.records, start,
-                             timeline, point=dict([run.point]) if run.point else None, slo=slo,
+                             timeline, point=dict([run.point]) if run.point else None,
+                             slo=_slo(experiment.slo, client.records, summary),
                              keep_prompt_ids=options.keep_prompt_ids)
     return summary, result
+
+
+def _slo(slo: Slo | None, records: list[RequestRecord], summary: Summary) -> dict[str, Any] | None:
+    """The targets, what the run measured for them, and whether they held."""
+    if slo is None:
+        return None
+    measured = slo.measure(records)
+    return {"targets": slo.targets, "measured": measured, "met": slo.holds(measured, summary)}
 
 
 def startup_summary(name: str, engine: dict[str, Any]) -> str:
