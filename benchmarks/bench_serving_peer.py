@@ -40,21 +40,17 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, ModelConfig, read_yaml
-from tieredkv.experiment.harness import (
-    RequestRecord,
-    Summary,
-    format_summary,
-    result_document,
-    summarize,
-)
+from tieredkv.config import EngineConfig, ModelConfig
+from tieredkv.experiment.metrics import RequestRecord, Summary, format_summary, summarize
+from tieredkv.experiment.results import device_name, result_document
+from tieredkv.experiment.spec import find_config, load_experiment
 from tieredkv.experiment.workloads import (
     LongDocQAWorkload,
     MultiTurnWorkload,
     PreemptionStormWorkload,
     ReplayWorkload,
     Workload,
-    make_workload,
+    describe_workload,
 )
 from tieredkv.model.presets import PRESETS, build_preset
 from tieredkv.model.runner import KVSpec
@@ -91,9 +87,9 @@ def longest_request(workload: Workload) -> tuple[int, int]:
     if isinstance(workload, PreemptionStormWorkload):
         return workload.prompt_tokens, workload.max_tokens
     assert isinstance(workload, ReplayWorkload), f"unknown workload {type(workload).__name__}"
-    rows = workload.lines()
-    prompts = [len(r["prompt"]) for r in rows if isinstance(r.get("prompt"), list)]
-    return max(prompts, default=0), max(int(r.get("max_tokens", workload.max_tokens)) for r in rows)
+    requests = workload.requests
+    return (max(r.line.num_prompt_tokens or 0 for r in requests),
+            max(workload.output_tokens(r) for r in requests))
 
 
 def peer_settings(config: EngineConfig, cb_fields: set[str]) -> dict[str, Any]:
@@ -228,6 +224,7 @@ class PeerClient:
                 raise RuntimeError(f"transformers failed the request: {out.error}")
             if out.is_finished():
                 record.cached_tokens = self.counters.hits.get(request_id, 0)
+                record.output_token_ids, record.finished = tokens, True
                 return tokens
 
     async def _next(self, outputs: asyncio.Queue) -> Any:
@@ -295,8 +292,14 @@ async def run_peer(config: EngineConfig, workload: Workload, name: str, attn: st
         manager.destroy()
     stats = {**counters.stats, "gpu_blocks_total": num_blocks}
     summary = summarize(name, client.records, elapsed, stats)
-    document = result_document(name, {**config.to_dict(), "peer": {**peer, "max_requests": max_requests}},
-                               workload, summary, client.records, start, timeline=[])
+    block_size = config.cache.block_size
+    engine = {"config": config.to_dict(), "peer": {**peer, "max_requests": max_requests},
+              "tiers": {"gpu": {"blocks": num_blocks, "tokens": num_blocks * block_size,
+                                "bytes": num_blocks * counters.block_bytes}},
+              "io_backend": None, "cost_model": None, "preemption": "transformers",
+              "device": device_name(model.device)}
+    document = result_document(name, engine, describe_workload(workload), summary, client.records, start,
+                               timeline=[])
     return summary, document
 
 
@@ -310,11 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                              "that is installed, else to its paged SDPA (5.17: give paged|sdpa to keep SDPA)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    doc = read_yaml(args.config)
-    config = EngineConfig.from_dict({k: v for k, v in doc.items() if k not in EXPERIMENT_SECTIONS})
+    [run] = load_experiment(find_config(args.config), base_only=True).runs
+    config, workload = EngineConfig.from_dict(run.engine_doc), run.workload
     config = dataclasses.replace(config, model=config.model.resolved())  # "auto" decided as ours decides it
-    workload = make_workload(doc.get("workload") or {})
-    name = f"{doc.get('name', 'experiment')}/transformers"
+    name = f"{run.name}/transformers"
     if args.max_requests is not None and args.max_requests < 1:
         parser.error(f"--max-requests: expected a number of requests >= 1, got {args.max_requests}")
     summary, document = asyncio.run(run_peer(config, workload, name, args.attn, args.max_requests,
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(out, "w") as f:
         json.dump(document, f, indent=1, default=str)
     print(format_summary(summary))
-    print(f"attention: {document['config']['peer']['attn_implementation']}; wrote {out}")
+    print(f"attention: {document['engine']['peer']['attn_implementation']}; wrote {out}")
     return 0 if summary.errors == 0 else 1
 
 

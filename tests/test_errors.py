@@ -107,7 +107,8 @@ def test_request_larger_than_the_cache_is_rejected():
 
 def test_from_yaml_reads_the_demo_config(tmp_path):
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
-    no_disk = demo.read_text().replace("nvme_path: results/demo/nvme", "nvme_path: null")
+    no_disk = demo.read_text().replace("nvme_path: ${results}/nvme", "nvme_path: null")
+    assert "nvme_path: null" in no_disk
     config = tmp_path / "demo.yaml"
     config.write_text(no_disk.replace("nvme_bytes: 16MiB", "nvme_bytes: 0"))
     with LLM.from_yaml(str(config)) as llm:

@@ -94,7 +94,7 @@ def test_cli_runs_the_default_config(capsys, tmp_path, monkeypatch):
     (tmp_path / "configs" / "demo.yaml").write_text(demo.read_text())
     assert main(["run", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^requests +18 \(0 errors\)", out, re.M)
+    assert re.search(r"^requests +24 \(0 errors\)", out, re.M)
     assert "preemptions" in out and "TTFT p50 / p90 / p99" in out
 
 

@@ -1,14 +1,23 @@
-"""Command line: `tieredkv run [CONFIG]`, `tieredkv serve [CONFIG] [--model M]`."""
+"""Command line: `tieredkv run [CONFIG]`, `tieredkv serve [CONFIG] [--model M]`.
+
+Every error `tieredkv run` finds before the workload runs (the config, the trace, the results folder, a locked
+store, a busy port) is one `tieredkv: error: ...` line and exit status 2; Ctrl-C writes the partial
+results and exits with status 130.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+import traceback
+from collections.abc import Iterator
 
 from tieredkv import serve
 
 DEFAULT_CONFIG = "configs/demo.yaml"
+EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,48 +29,100 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="run a YAML experiment and print its summary",
         description="Build the engine from a YAML file, run its workload with a progress bar and print a "
-        "summary table (requests, tokens/s, TTFT and inter-token latency percentiles, prefix hits per tier, "
-        "preemptions, bytes moved); writes OUT/<name>/result.json and PNG plots.",
+        "summary table (requests, tokens/s, TTFT, TPOT, inter-token and end-to-end latency percentiles, prefix "
+        "hits per tier, preemptions, bytes moved); writes OUT/<name>/result.json and PNG plots (the folder is "
+        "emptied first). Ctrl-C stops early and keeps what ran.",
     )
-    run.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"YAML file (default: {DEFAULT_CONFIG})")
+    run.add_argument("config", nargs="?", default=DEFAULT_CONFIG,
+                     help=f"YAML file, or the name of a config shipped with tieredkv (default: {DEFAULT_CONFIG})")
     run.add_argument("--compare", action="store_true",
-                     help="run every entry of the file's `variants:` list and print them side by side")
+                     help="run every entry of the file's `variants:` list, print them side by side and write "
+                     "comparison.json and overlaid plots")
+    run.add_argument("--sweep", metavar="KEY=V1,V2,...",
+                     help="run each variant at each load point of a workload key (e.g. rate=0.5,1,2,4; overrides "
+                     "the file's sweep: section) and report goodput under the file's slo: section")
     run.add_argument("--out", default="results", help="where result.json and the plots go (default: results/)")
+    run.add_argument("--prompt-ids", action="store_true",
+                     help="keep every request's prompt token ids in result.json (output ids are always kept)")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.add_argument("--prometheus-port", type=int, metavar="PORT",
                      help="serve the engine's stats and the clients' latencies at :PORT/metrics while the run "
                      "lasts (needs prometheus-client)")
+    run.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level (same as --log-level debug)")
+    run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                     help="logging level (default: info: a start-up summary of each engine)")
     serve.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
         build_parser().print_help()
         return 0
     if args.command == "serve":
         return serve.main(args)
-    from tieredkv.experiment.harness import format_comparison, format_summary, run_experiment
+    level = "debug" if args.verbose else args.log_level
+    with _logging(level):
+        try:
+            return _run(args)
+        except (ValueError, OSError) as err:
+            if level == "debug":
+                traceback.print_exc()
+            print(f"tieredkv: error: {err}", file=sys.stderr)
+            return EXIT_ERROR
+        except KeyboardInterrupt:
+            print("tieredkv: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def _logging(level: str) -> Iterator[None]:
+    """Log records of `level` and above to stderr while the command runs."""
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    saved = root.level
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tieredkv.experiment.harness import (
+        format_comparison,
+        format_summary,
+        format_sweep,
+        run_experiment,
+    )
     from tieredkv.experiment.prometheus import PrometheusExporter
+    from tieredkv.experiment.spec import find_config
 
     exporter = None
     try:
         if args.prometheus_port is not None:
             exporter = PrometheusExporter(args.prometheus_port)
             print(f"Prometheus metrics at http://localhost:{exporter.port}/metrics", flush=True)
-        summaries = run_experiment(args.config, args.out, args.compare, use_tqdm=not args.no_progress,
-                                   on_summary=lambda s: print(format_summary(s), flush=True), exporter=exporter)
-    except ValueError as err:
-        print(f"tieredkv: error: {err}", file=sys.stderr)
-        return 2
+        outcome = run_experiment(
+            find_config(args.config), args.out, args.compare, use_tqdm=not args.no_progress,
+            on_summary=lambda s: print(format_summary(s), flush=True), exporter=exporter, sweep=args.sweep,
+            keep_prompt_ids=args.prompt_ids,
+        )
     finally:
         if exporter is not None:
             exporter.close()
-    if len(summaries) > 1:
-        print(format_comparison(summaries))
-    print(f"results in {args.out}/")
+    if outcome.sweep is not None:
+        print(format_sweep(outcome.sweep))
+    elif len(outcome.summaries) > 1:
+        print(format_comparison(outcome.summaries))
+    if outcome.interrupted:
+        print(f"interrupted: partial results in {outcome.folder}/", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"results in {outcome.folder}/")
     return 0
 
 

@@ -287,7 +287,7 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
-EXPERIMENT_SECTIONS = ("name", "workload", "variants")  # YAML sections the engine does not read
+EXPERIMENT_SECTIONS = ("name", "workload", "variants", "sweep", "slo")  # YAML sections the engine does not read
 
 SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 
@@ -363,3 +363,20 @@ def _unique_key_loader() -> type:
             return super().construct_mapping(node, deep)
 
     return UniqueKeyLoader
+
+
+RESULTS_VAR = "${results}"  # in a YAML path: the run's results folder
+
+
+def resolve_paths(doc: dict[str, Any], folder: str, results_dir: str) -> dict[str, Any]:
+    """The YAML document with its relative paths (a model directory, `cache.nvme_path`) taken
+    from `folder` (the file's own), `~` expanded and `${results}` replaced by `results_dir`."""
+    doc = dict(doc)
+    model = doc.get("model")
+    if isinstance(model, str) and not os.path.isabs(model) and os.path.isdir(os.path.join(folder, model)):
+        doc["model"] = os.path.normpath(os.path.join(folder, model))
+    cache = doc.get("cache")
+    if isinstance(cache, dict) and isinstance(cache.get("nvme_path"), str):
+        path = os.path.expanduser(cache["nvme_path"].replace(RESULTS_VAR, os.path.abspath(results_dir)))
+        doc["cache"] = {**cache, "nvme_path": os.path.normpath(os.path.join(folder, path))}
+    return doc

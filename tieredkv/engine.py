@@ -25,7 +25,7 @@ from tieredkv.cache.hashing import model_fingerprint
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.calibrate import calibrate
-from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
+from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml, resolve_paths
 from tieredkv.memory import check_fits
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import RequestMetrics, RequestOutput
@@ -299,8 +299,12 @@ class LLM(LLMEngine):
 
     @classmethod
     def from_yaml(cls, path: str) -> LLM:
-        """An engine built from a YAML experiment file (its experiment sections are ignored)."""
-        return cls(config=EngineConfig.from_dict(read_yaml(path), extra_sections=EXPERIMENT_SECTIONS))
+        """An engine built from a YAML experiment file (its experiment sections are ignored);
+        relative paths are taken from the file's folder, `${results}` is results/<name>."""
+        doc = read_yaml(path)
+        results = os.path.join("results", str(doc.get("name", "experiment")))
+        doc = resolve_paths(doc, os.path.dirname(os.path.abspath(path)), results)
+        return cls(config=EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS))
 
     def generate(
         self,

@@ -121,6 +121,8 @@ class Scheduler:
         if chunk.num_skipped_tokens:
             seq.num_computed_tokens += chunk.num_skipped_tokens
             self.nvme_skipped_tokens += chunk.num_skipped_tokens
+            if not seq.recomputing:
+                seq.num_cached_tokens += chunk.num_skipped_tokens
         return chunk.num_new_tokens
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
@@ -175,7 +177,9 @@ class Scheduler:
             if got is None:
                 return
             self.waiting.remove(seq)
-            seq.num_computed_tokens = seq.num_cached_tokens = got.num_cached_tokens
+            seq.num_computed_tokens = got.num_cached_tokens
+            if not seq.recomputing:  # a client's prompt hit, not its own blocks found again
+                seq.num_cached_tokens = got.num_cached_tokens
             budget -= self._run(seq, n, got, out)
 
     def _run(self, seq: Sequence, n: int, got: Allocation, out: SchedulerOutput) -> int:
@@ -204,6 +208,7 @@ class Scheduler:
     def _requeue(self, seq: Sequence) -> None:
         """Back to the front of the waiting queue, to be prefilled again."""
         seq.num_computed_tokens = 0
+        seq.recomputing = True
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

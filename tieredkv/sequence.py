@@ -36,7 +36,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found cached at its first admission
+    recomputing: bool = False  # preempted and requeued: its prefix hits are its own blocks
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None  # why it failed (finish_reason "error")

@@ -119,6 +119,7 @@ class KVCacheManager:
         self._landing_jobs: set[int] = set()
         self._landing_blocks: set[int] = set()
         self.prefix_hit_tokens = 0
+        self.gpu_hit_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -224,8 +225,16 @@ class KVCacheManager:
         self._extend(seq.request_id, self.pool.allocate(max(need, 0)) or [])
         if not self._promote(cpu_blocks, table[start : start + len(cpu_blocks)]):
             return 0
+        self._count_hit(seq, len(cpu_blocks) * self.block_size)
         self._num_committed[seq.request_id] = start + len(cpu_blocks)
         return len(cpu_blocks)
+
+    def _count_hit(self, seq: Sequence, num_tokens: int, num_gpu_blocks: int = 0) -> None:
+        """Count prompt tokens reused from a cache (`num_gpu_blocks` of them found on the GPU):
+        a client's prompt, not a recomputed sequence finding its own blocks again."""
+        if not seq.recomputing:
+            self.prefix_hit_tokens += num_tokens
+            self.gpu_hit_blocks += num_gpu_blocks
 
     # ------------------------------------------------------------------ GPU blocks
 
@@ -265,7 +274,7 @@ class KVCacheManager:
         num_promoted = self._promote(promoted, fresh)
         num_hit_blocks = len(reused) + num_promoted
         self._num_committed[seq.request_id] = num_hit_blocks
-        self.prefix_hit_tokens += num_hit_blocks * self.block_size
+        self._count_hit(seq, num_hit_blocks * self.block_size, len(reused))
         return Allocation(num_hit_blocks * self.block_size, landing or num_promoted > 0)
 
     def _promote(self, cpu_blocks: list[Block], gpu_blocks: list[Block]) -> int:
@@ -386,6 +395,7 @@ class KVCacheManager:
             "gpu_blocks_free": self.pool.num_free,
             "gpu_evictions": self.pool.num_evictions,
             "prefix_hit_tokens": self.prefix_hit_tokens,
+            "gpu_hit_blocks": self.gpu_hit_blocks,
         }
         if self.offload:
             stats.update(self.offload.stats())

@@ -1,7 +1,7 @@
 """Prometheus exposition of a running experiment (`tieredkv run CONFIG --prometheus-port PORT`)
 and of the HTTP server (`tieredkv serve`, at its own /metrics).
 
-Needs `prometheus-client` (`pip install 'tieredkv[prometheus]'`). Every number in the engine's
+Needs `prometheus-client` (`pip install prometheus-client`). Every number in the engine's
 `stats()` becomes a gauge `tieredkv_<stat>{variant=...}`, and a stat holding a mapping (preemptions
 by kind, ...) a gauge with a `kind` label; they are refreshed each time the run samples its
 timeline (the server: at each scrape). The clients add `tieredkv_requests_total{variant,

@@ -9,7 +9,8 @@ requests through `client.request(prompt, max_tokens, tag)` at the times it choos
 - `long_doc_qa`: D documents of L tokens, Q questions each, interleaved so documents fall out
   of the GPU between their questions.
 - `preemption_storm`: many long generations that together exceed the GPU KV budget.
-- `replay`: a JSONL file of `{"time": s, "prompt": [ids] | "text": str, "max_tokens": n}`.
+- `replay`: a JSONL trace: `{"time": s, "prompt": [ids] | "text": str, "max_tokens": n}` lines, or
+  the Mooncake FAST'25 format (`traces.py`), with a time window, sampling and time scaling.
 
 Arrivals (`rate`): None sends requests at once, a number draws Poisson arrivals at that many
 requests (for `multi_turn`: users) per second. The same seed sends the same requests.
@@ -19,13 +20,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import functools
+import os
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
-from tieredkv.config import check_int, unknown_key
+from tieredkv.config import check_choice, check_int, unknown_key
+from tieredkv.experiment.traces import (
+    TraceFormat,
+    TraceLine,
+    TraceRequest,
+    prompt_token_ids,
+    read_trace,
+    select,
+)
 
 FIRST_TOKEN_ID = 4  # ids below are often special tokens
 
@@ -46,7 +56,7 @@ def _check_fields(workload: Any) -> None:
         value = getattr(workload, f.name)
         if f.type in ("int", int) or (f.type == "int | None" and value is not None):
             check_int(f"workload.{f.name}", value, 0 if f.name == "seed" else 1)
-        elif f.name.endswith("_s") and (not isinstance(value, (int, float)) or value < 0):
+        elif f.name.endswith("_s") and value is not None and (not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"workload.{f.name}: expected seconds >= 0, got {value!r}")
     rate = getattr(workload, "rate", None)
     if rate is not None and (not isinstance(rate, (int, float)) or rate <= 0):
@@ -176,42 +186,111 @@ class PreemptionStormWorkload:
 
 @dataclass(frozen=True)
 class ReplayWorkload:
-    """Requests read from a JSONL file, sent at their `time` (seconds from the start)."""
+    """Requests read from a JSONL trace (`traces.py`: this project's prompts format or the
+    Mooncake FAST'25 format), sent at their times.
+
+    Selection: lines in [`start_s`, `start_s + duration_s`) of the trace's clock, a seeded
+    `fraction` of its conversations, prompts of at most `max_input_tokens`, the first
+    `max_requests`. Times start at 0 and are multiplied by `time_scale` (0.5: twice as fast), or
+    scaled so that requests arrive `rate` per second on average. Outputs are capped at
+    `max_output_tokens`; `max_tokens` is for prompts lines that do not say. A Mooncake hash id
+    stands for `block_tokens` tokens drawn from `seed`."""
 
     path: str = ""
-    max_tokens: int = 16  # for lines that do not say
+    format: TraceFormat = "auto"
+    max_tokens: int = 16
+    max_output_tokens: int | None = None
+    time_scale: float = 1.0
+    rate: float | None = None
+    start_s: float = 0.0
+    duration_s: float | None = None
+    fraction: float = 1.0
+    max_requests: int | None = None
+    max_input_tokens: int | None = None
+    block_tokens: int = 512
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.path:
+        if not self.path or not isinstance(self.path, str):
             raise ValueError("workload.path: a replay needs the JSONL file of requests")
-        check_int("workload.max_tokens", self.max_tokens, 1)
+        check_choice("workload.format", self.format, get_args(TraceFormat))
+        _check_fields(self)
+        if not isinstance(self.time_scale, (int, float)) or isinstance(self.time_scale, bool) or self.time_scale < 0:
+            raise ValueError(
+                f"workload.time_scale: expected a factor >= 0 (0.5 replays twice as fast), got {self.time_scale!r}"
+            )
+        if self.rate is not None and self.time_scale != 1.0:
+            raise ValueError("workload.rate: set either rate (requests per second) or time_scale, not both")
+        if not isinstance(self.fraction, (int, float)) or isinstance(self.fraction, bool) or not 0 < self.fraction <= 1:
+            raise ValueError(
+                f"workload.fraction: expected a fraction of conversations in (0, 1], got {self.fraction!r}"
+            )
 
-    def lines(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-        except FileNotFoundError:
-            raise ValueError(f"workload.path: {self.path!r} does not exist") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"workload.path: {self.path} is not JSONL: {err}") from None
-        for i, row in enumerate(rows):
-            if "prompt" not in row and "text" not in row:
-                raise ValueError(f"workload.path: line {i + 1} of {self.path} has neither 'prompt' nor 'text'")
-        return rows
+    @functools.cached_property
+    def requests(self) -> list[TraceRequest]:
+        """The selected requests (the file is read and checked once)."""
+        return self._trace[1]
+
+    @functools.cached_property
+    def _trace(self) -> tuple[list[TraceLine], list[TraceRequest]]:
+        lines = _read_trace(self.path, self.format, self.block_tokens)
+        selected = select(
+            lines, block_tokens=self.block_tokens, start_s=self.start_s, duration_s=self.duration_s,
+            fraction=self.fraction, max_requests=self.max_requests, max_input_tokens=self.max_input_tokens,
+            time_scale=self.time_scale, rate=self.rate, seed=self.seed,
+        )
+        if not selected:
+            raise ValueError(f"workload: no line of {self.path} is selected; widen the window, fraction or limits")
+        return lines, selected
+
+    def describe(self) -> dict[str, Any]:
+        """The trace as replayed: its format, lines read and sent, returning ones, arrival span."""
+        lines, selected = self._trace
+        span = selected[-1].time_s
+        return {
+            "format": "mooncake" if lines[0].hash_ids else "prompts", "lines": len(lines),
+            "requests": len(selected), "returning": sum(r.returning for r in selected),
+            "conversations": len({r.conversation for r in selected}), "span_s": span,
+            "offered_rate": (len(selected) - 1) / span if span > 0 else None,
+            "prompt_tokens": sum(r.line.num_prompt_tokens or 0 for r in selected),
+        }
 
     @property
     def num_requests(self) -> int:
-        return len(self.lines())
+        return len(self.requests)
+
+    def output_tokens(self, request: TraceRequest) -> int:
+        n = request.line.output_tokens or self.max_tokens
+        return n if self.max_output_tokens is None else min(n, self.max_output_tokens)
 
     async def run(self, client: Client, vocab_size: int) -> None:
         at = _clock()
+        blocks: dict[int, list[int]] = {}
 
-        async def one(i: int, row: dict[str, Any]) -> None:
-            await at(float(row.get("time", 0.0)))
-            await client.request(row.get("prompt", row.get("text")), int(row.get("max_tokens", self.max_tokens)),
-                                 f"line{i + 1}")
+        async def one(request: TraceRequest) -> None:
+            line = request.line
+            if line.hash_ids:
+                prompt = prompt_token_ids(line, self.block_tokens, vocab_size, self.seed, blocks)
+            else:
+                prompt = list(line.prompt) if isinstance(line.prompt, tuple) else line.prompt
+            await at(request.time_s)
+            await client.request(prompt, self.output_tokens(request), f"line{line.line}", request.returning)
 
-        await asyncio.gather(*(one(i, row) for i, row in enumerate(self.lines())))
+        await asyncio.gather(*(one(r) for r in self.requests))
+
+
+def _read_trace(path: str, fmt: TraceFormat, block_tokens: int) -> list[TraceLine]:
+    """`read_trace`, once per file version (every load point of a sweep replays the same file)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return read_trace(path, fmt, block_tokens)  # which says what is wrong
+    return _read_trace_version(path, fmt, block_tokens, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_trace_version(path: str, fmt: TraceFormat, block_tokens: int, mtime_ns: int, size: int) -> list[TraceLine]:
+    return read_trace(path, fmt, block_tokens)
 
 
 async def _send_all(client: Client, prompts: list[tuple[str, list[int], bool]], max_tokens: int,
@@ -247,3 +326,12 @@ def make_workload(section: dict[str, Any]) -> Workload:
         if key not in allowed:
             raise ValueError(unknown_key(f"workload.{key}", [f"workload.{k}" for k in allowed]))
     return cls(**section)
+
+
+def describe_workload(workload: Workload) -> dict[str, Any]:
+    """The workload's kind, keys and number of requests (for a replay, the trace as selected)."""
+    kind = next(k for k, cls in WORKLOADS.items() if isinstance(workload, cls))
+    doc = {"kind": kind, **dataclasses.asdict(workload), "num_requests": workload.num_requests}
+    if isinstance(workload, ReplayWorkload):
+        doc["trace"] = workload.describe()
+    return doc

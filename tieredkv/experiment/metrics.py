@@ -1,0 +1,287 @@
+"""What a run's clients saw, and the figures made of it.
+
+Operations:
+- `RequestRecord`: one request as its client saw it (monotonic seconds).
+- `summarize(name, records, elapsed_s, stats) -> Summary`: a run's figures.
+- `serving_metrics(summary, records)`: the figures under the names `vllm bench serve` gives
+  them (`mean_ttft_ms`, `median_ttft_ms`, `std_ttft_ms`, `p90_ttft_ms`, `p99_ttft_ms`, and the
+  same for `tpot`, `itl` and `e2el`; `request_throughput`, `output_throughput`, ...).
+- `Slo` / `check_slo(slo, records)`: latency targets such as `ttft_p90_ms: 2000`.
+- `format_summary(summary)` / `format_comparison(summaries)`: the tables `tieredkv run` prints;
+  a figure with no sample (no returning request, say) prints n/a.
+
+Latencies, as vLLM defines them: TTFT from the request's sending to its first token; ITL the
+gaps between tokens; TPOT a request's (last token - first token) / (output tokens - 1); E2EL
+from sending to the last token. The prefix hit rate counts the tokens of the clients' prompts
+that were found cached when the request was first admitted (`cached_tokens`).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass
+class RequestRecord:
+    """What one client saw (monotonic seconds). `finished`: its stream ended (not cut short by
+    an interrupted run); `cached_tokens`: prompt tokens found cached at its first admission."""
+
+    tag: str
+    arrival: float
+    returning: bool = False
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    finished: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+    @property
+    def e2el(self) -> float | None:
+        return self.token_times[-1] - self.arrival if self.token_times else None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    return {f"p{q}": percentile(values, q) for q in PERCENTILES}
+
+
+def latencies(records: list[RequestRecord], kind: str) -> list[float]:
+    """Every sample of one latency (`ttft`, `tpot`, `itl`, `e2el`) in seconds."""
+    if kind == "itl":
+        return [x for r in records for x in r.itls]
+    values = (getattr(r, kind) for r in records if r.error is None)
+    return [v for v in values if v is not None]
+
+
+@dataclass
+class Summary:
+    """Figures of one run (seconds; a percentile of no samples is None)."""
+
+    name: str
+    requests: int
+    errors: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    ttft_s: dict[str, float | None]
+    ttft_returning_s: dict[str, float | None]
+    itl_s: dict[str, float | None]
+    stats: dict[str, Any]
+    tpot_s: dict[str, float | None] = field(default_factory=dict)
+    e2el_s: dict[str, float | None] = field(default_factory=dict)
+    cached_tokens: int = 0
+    partial: bool = False
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Prompt tokens found cached at first admission, over all prompt tokens."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+def summarize(name: str, records: list[RequestRecord], elapsed_s: float, stats: dict[str, Any],
+              partial: bool = False) -> Summary:
+    """The figures of a run from what its clients recorded and the engine's `stats`."""
+    ok = [r for r in records if r.error is None]
+    return Summary(
+        name=name, requests=len(records), errors=len(records) - len(ok),
+        prompt_tokens=sum(r.prompt_tokens for r in ok),
+        output_tokens=sum(len(r.token_times) for r in records), elapsed_s=elapsed_s,
+        ttft_s=_percentiles(latencies(records, "ttft")),
+        ttft_returning_s=_percentiles(latencies([r for r in records if r.returning], "ttft")),
+        itl_s=_percentiles(latencies(records, "itl")), stats=stats,
+        tpot_s=_percentiles(latencies(records, "tpot")), e2el_s=_percentiles(latencies(records, "e2el")),
+        cached_tokens=sum(r.cached_tokens for r in ok), partial=partial,
+    )
+
+
+def serving_metrics(summary: Summary, records: list[RequestRecord]) -> dict[str, float | int | None]:
+    """The run's figures under `vllm bench serve`'s names (milliseconds, tokens per second)."""
+    elapsed = summary.elapsed_s or None
+    out: dict[str, float | int | None] = {
+        "duration": summary.elapsed_s,
+        "completed": sum(r.finished and r.error is None for r in records),
+        "failed": summary.errors,
+        "total_input_tokens": summary.prompt_tokens,
+        "total_output_tokens": summary.output_tokens,
+        "request_throughput": summary.requests / elapsed if elapsed else None,
+        "output_throughput": summary.output_tokens / elapsed if elapsed else None,
+        "total_token_throughput": (summary.prompt_tokens + summary.output_tokens) / elapsed if elapsed else None,
+    }
+    for kind in LATENCIES:
+        ms = [v * 1e3 for v in latencies(records, kind)]
+        out[f"mean_{kind}_ms"] = statistics.fmean(ms) if ms else None
+        out[f"median_{kind}_ms"] = statistics.median(ms) if ms else None
+        out[f"std_{kind}_ms"] = statistics.pstdev(ms) if ms else None
+        for q in PERCENTILES:
+            out[f"p{q}_{kind}_ms"] = percentile(ms, q)
+    return out
+
+
+# ---------------------------------------------------------------------------- service-level objectives
+
+_SLO_KEY = re.compile(r"^(ttft|tpot|itl|e2el)_(p\d+(?:\.\d+)?|mean|median)_ms$")
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency targets (milliseconds), e.g. `{"ttft_p90_ms": 2000, "itl_p99_ms": 100}`."""
+
+    targets: dict[str, float]
+
+    @classmethod
+    def from_dict(cls, section: Any) -> Slo:
+        if not isinstance(section, dict) or not section:
+            raise ValueError("slo: expected a mapping of targets such as {ttft_p90_ms: 2000, itl_p99_ms: 100}")
+        for key, value in section.items():
+            if not _SLO_KEY.match(str(key)):
+                raise ValueError(
+                    f"slo.{key}: not a target; write <latency>_<statistic>_ms with latency ttft, tpot, itl or "
+                    "e2el and statistic p<N>, mean or median, e.g. ttft_p90_ms")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"slo.{key}: expected milliseconds > 0, got {value!r}")
+        return cls({str(k): float(v) for k, v in section.items()})
+
+    def measure(self, records: list[RequestRecord]) -> dict[str, float | None]:
+        """Each target's latency in this run (ms; None without samples)."""
+        measured: dict[str, float | None] = {}
+        for key in self.targets:
+            kind, stat = _SLO_KEY.match(key).groups()
+            ms = [v * 1e3 for v in latencies(records, kind)]
+            if not ms:
+                measured[key] = None
+            elif stat == "mean":
+                measured[key] = statistics.fmean(ms)
+            elif stat == "median":
+                measured[key] = statistics.median(ms)
+            else:
+                measured[key] = percentile(ms, float(stat[1:]))
+        return measured
+
+    def holds(self, measured: dict[str, float | None], summary: Summary) -> bool:
+        """Every target met, no request failed and the run was not cut short (a latency with no
+        sample cannot show that it was met)."""
+        if summary.errors or summary.partial:
+            return False
+        return all(measured[k] is not None and measured[k] <= v for k, v in self.targets.items())
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+def _ms(values: dict[str, float | None]) -> str:
+    if not values or all(v is None for v in values.values()):
+        return "n/a"
+    return " / ".join("n/a" if v is None else f"{v * 1e3:.1f}" for v in values.values()) + " ms"
+
+
+def format_summary(s: Summary) -> str:
+    preempt = s.stats.get("preemptions", {})
+    nvme_choice = s.stats.get("nvme_prefix_blocks", {})
+    hit = "n/a" if s.prefix_hit_rate is None else f"{s.prefix_hit_rate:.1%} ({s.cached_tokens} tokens)"
+    rows = [
+        ("requests", f"{s.requests} ({s.errors} errors), {s.requests_per_s:.2f} req/s"
+         + (" [interrupted: partial]" if s.partial else "")),
+        ("prompt / output tokens", f"{s.prompt_tokens} / {s.output_tokens}"),
+        ("elapsed", f"{s.elapsed_s:.2f} s"),
+        ("output tokens/s", f"{s.output_tokens_per_s:.1f}"),
+        ("TTFT p50 / p90 / p99", _ms(s.ttft_s)),
+        ("  returning requests", _ms(s.ttft_returning_s)),
+        ("TPOT p50 / p90 / p99", _ms(s.tpot_s)),
+        ("ITL p50 / p90 / p99", _ms(s.itl_s)),
+        ("E2EL p50 / p90 / p99", _ms(s.e2el_s)),
+        ("prefix hit rate", hit),
+        ("  from GPU / CPU / NVMe", f"{s.stats.get('gpu_hit_blocks', 0)} / {s.stats.get('cpu_hit_blocks', 0)} / "
+                                    f"{s.stats.get('nvme_loaded_blocks', 0)} blocks"),
+        ("preemptions", ", ".join(f"{k} {v}" for k, v in preempt.items())),
+        ("GPU blocks evicted", str(s.stats.get("gpu_evictions", 0))),
+        ("moved D2H / H2D",
+         f"{s.stats.get('bytes_d2h', 0) / 2**20:.1f} / {s.stats.get('bytes_h2d', 0) / 2**20:.1f} MiB"),
+        ("compute waited on transfers", f"{s.stats.get('transfer_wait_s', 0.0):.3f} s"),
+        ("spilled to NVMe", f"{s.stats.get('nvme_spilled_blocks', 0)} blocks"),
+        ("NVMe prefix blocks: load / compute", f"{nvme_choice.get('load', 0)} / {nvme_choice.get('compute', 0)}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([f"== {s.name} =="] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def _scaled(get: Callable[[Summary], float | None], scale: float) -> Callable[[Summary], float | None]:
+    def value(s: Summary) -> float | None:
+        v = get(s)
+        return None if v is None else v * scale
+
+    return value
+
+
+COMPARED: list[tuple[str, Callable[[Summary], float | None]]] = [
+    ("output tok/s", lambda s: s.output_tokens_per_s),
+    ("TTFT p50 ms", _scaled(lambda s: s.ttft_s["p50"], 1e3)),
+    ("TTFT p99 ms", _scaled(lambda s: s.ttft_s["p99"], 1e3)),
+    ("return TTFT p50 ms", _scaled(lambda s: s.ttft_returning_s["p50"], 1e3)),
+    ("ITL p50 ms", _scaled(lambda s: s.itl_s["p50"], 1e3)),
+    ("prefix hit %", _scaled(lambda s: s.prefix_hit_rate, 100)),
+]
+
+
+def comparison_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
+    """Per variant, each compared figure and its ratio to the first variant's (None: n/a)."""
+    first = summaries[0]
+    rows = []
+    for s in summaries:
+        cells = {}
+        for name, get in COMPARED:
+            value, base = get(s), get(first)
+            cells[name] = {"value": value, "ratio": value / base if value is not None and base else None}
+        rows.append({"name": s.name, "figures": cells})
+    return rows
+
+
+def format_comparison(summaries: list[Summary]) -> str:
+    """Side by side, with each figure's ratio to the first variant's."""
+    width = max(len(s.name) for s in summaries) + 2
+    lines = [f"{'variant':<{width}}" + "".join(f"{name:>22}" for name, _ in COMPARED)]
+    for row in comparison_rows(summaries):
+        cells = []
+        for cell in row["figures"].values():
+            value = "n/a" if cell["value"] is None else f"{cell['value']:.1f}"
+            ratio = "" if cell["ratio"] is None else f"({cell['ratio']:.2f}x)"
+            cells.append(f"{value:>12} {ratio:>9}")
+        lines.append(f"{row['name']:<{width}}" + "".join(cells))
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""Load sweeps: each variant at each load point, and its goodput under the file's SLOs.
+
+Operations:
+- `sweep_document(experiment, done) -> dict`: sweep.json: per variant, per load point the
+  figures (vLLM's names) and whether the SLOs held; the variant's goodput.
+- `goodput(points)`: the highest load at which the SLOs held, at it and at every lower point
+  (a single lucky point above a failing one is noise, not capacity); None if none held.
+- `format_sweep(doc)`: the table `tieredkv run --sweep` prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tieredkv.experiment.metrics import Summary
+from tieredkv.experiment.spec import Experiment, Run
+
+SWEPT = ("request_throughput", "output_throughput", "p90_ttft_ms", "p99_ttft_ms", "median_ttft_ms",
+         "median_tpot_ms", "p99_itl_ms", "p99_e2el_ms")
+GOODPUT_RULE = "highest load point at which every SLO held, at it and at every lower point"
+
+
+def goodput(points: list[dict[str, Any]]) -> float | None:
+    """Highest `value` of the ascending `points` up to the first whose SLOs did not hold."""
+    best = None
+    for point in sorted(points, key=lambda p: p["value"]):
+        if not point["slo_met"]:
+            break
+        best = point["value"]
+    return best
+
+
+def sweep_document(experiment: Experiment, done: list[tuple[Run, Summary, dict[str, Any]]]) -> dict[str, Any]:
+    """sweep.json of the runs done (all of them, unless the sweep was interrupted)."""
+    assert experiment.sweep is not None, "a sweep document needs load points"
+    key = experiment.sweep[0]
+    variants: dict[str, list[dict[str, Any]]] = {}
+    for run, summary, result in done:
+        metrics = result["metrics"]
+        variants.setdefault(run.variant or experiment.name, []).append({
+            "value": run.point[1], **{k: metrics[k] for k in SWEPT},
+            "slo_met": None if result["slo"] is None else result["slo"]["met"],
+            "slo_measured": None if result["slo"] is None else result["slo"]["measured"],
+            "partial": summary.partial, "errors": summary.errors,
+            "result": f"{run.folder}/result.json",
+        })
+    return {
+        "schema_version": 1,
+        "name": experiment.name,
+        "key": key,
+        "points": experiment.sweep[1],
+        "slo": None if experiment.slo is None else experiment.slo.targets,
+        "goodput_rule": GOODPUT_RULE,
+        "variants": [{"name": name, "goodput": goodput(points) if experiment.slo is not None else None,
+                      "points": points} for name, points in variants.items()],
+    }
+
+
+def format_sweep(doc: dict[str, Any]) -> str:
+    """Per variant and load point: throughput, TTFT p90 / p99, ITL p99, SLO; then goodput."""
+    key = doc["key"]
+    lines = [f"{'variant':<22}{key:>10}{'req/s':>9}{'out tok/s':>11}{'TTFT p90 ms':>13}{'TTFT p99 ms':>13}"
+             f"{'ITL p99 ms':>12}{'SLO':>6}"]
+
+    def cell(value: float | None, width: int, fmt: str = ".1f") -> str:
+        return f"{'n/a' if value is None else format(value, fmt):>{width}}"
+
+    for variant in doc["variants"]:
+        for p in variant["points"]:
+            slo = "n/a" if p["slo_met"] is None else "met" if p["slo_met"] else "miss"
+            lines.append(f"{variant['name']:<22}{p['value']:>10g}{cell(p['request_throughput'], 9, '.2f')}"
+                         f"{cell(p['output_throughput'], 11)}{cell(p['p90_ttft_ms'], 13)}{cell(p['p99_ttft_ms'], 13)}"
+                         f"{cell(p['p99_itl_ms'], 12)}{slo:>6}" + ("  (partial)" if p["partial"] else ""))
+    if doc["slo"] is None:
+        lines.append("goodput: n/a (the file has no slo: section)")
+    else:
+        targets = ", ".join(f"{k} <= {v:g}" for k, v in doc["slo"].items())
+        lines.append(f"goodput ({key} under SLO {targets}):")
+        for variant in doc["variants"]:
+            value = variant["goodput"]
+            lines.append(f"  {variant['name']:<20} {'none of the points' if value is None else f'{value:g}'}")
+    return "\n".join(lines)
