@@ -201,11 +201,13 @@ def test_the_engine_reports_what_the_store_found_at_start_up(tmp_path):
     params = SamplingParams(max_tokens=4, temperature=0.0)
     with tiered_llm(tmp_path / "kv") as llm:
         llm.generate(prompts, params, use_tqdm=False)
-        spilled = llm.stats()["nvme_spilled_blocks"]
-    assert spilled > 0
+        assert llm.stats()["nvme_spilled_blocks"] > 0
+    # (closing may finish a few more writes: count what the new engine found, all of it restored)
     with tiered_llm(tmp_path / "kv") as llm:
         stats = llm.stats()
-    assert (stats["nvme_restored"], stats["nvme_scan_discarded"], stats["nvme_reformatted"]) == (spilled, 0, 0)
+    restored = stats["nvme_slots_used"]
+    assert restored > 0
+    assert (stats["nvme_restored"], stats["nvme_scan_discarded"], stats["nvme_reformatted"]) == (restored, 0, 0)
 
 
 # ------------------------------------------------------------------ 11: a missing path
