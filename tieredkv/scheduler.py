@@ -141,6 +141,8 @@ class Scheduler:
         return budget
 
     def _prefetch(self) -> None:
+        if not self.waiting:
+            return
         ahead = self._prefill_backlog()
         for seq in itertools.islice(self.waiting, PREFETCH_DEPTH):
             self._plan_loads(seq, ahead)
@@ -154,9 +156,9 @@ class Scheduler:
     def _plan_loads(self, seq: Sequence, gpu_queue_tokens: int) -> None:
         """Plan the sequence's NVMe prefix loads against the disk's and the GPU's queues: the
         reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
-        disk_queue_blocks = self.kv.nvme_reads_in_flight()
 
-        def split(num_blocks: int, first_token: int) -> int:
+        def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
+            disk_queue_blocks = self.kv.nvme_reads_in_flight()
             return self.policy.nvme_blocks_to_compute(num_blocks, first_token, disk_queue_blocks, gpu_queue_tokens)
 
         plan = self.kv.plan_loads(seq, split)
@@ -165,10 +167,13 @@ class Scheduler:
             self.nvme_prefix_blocks["load"] += plan.num_load
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
+        backlog = self._prefill_backlog()  # for sequences beyond the prefetch depth
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            self._plan_loads(seq, self._prefill_backlog())
+            self._plan_loads(seq, backlog)
             prefix = self.kv.match_prefix(seq)
             n = self.kv.computable(seq, budget, prefix).num_new_tokens
             if n == 0:  # nothing to compute before its NVMe blocks arrive
