@@ -38,6 +38,7 @@ from tieredkv.text import IncrementalDetokenizer, Message, chat_prompt
 from tieredkv.tiers.backend import BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.opener import open_store
+from tieredkv.tiers.remote import open_remote, pair_stores
 from tieredkv.transfer.engine import make_transfer_engine
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = self._num_gpu_blocks()
         kv_cache = self.runner.allocate_kv_cache(num_blocks, block_size)
+        self.remote: BlockStore | None = None  # the remote tier's own store, for its stats
         hf_config = self.runner.model.config.to_dict()
         self.fingerprint = model_fingerprint(hf_config, self.runner.weights_id, config.model.dtype, block_size)
         self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload(kv_cache))
@@ -89,7 +91,17 @@ class LLMEngine:
             )
         check_fits("cpu_cache_bytes", num_blocks, self.block_bytes, torch.device("cpu"))
         tier = CPUTier(num_blocks, tuple(kv_cache[:, :, 0].shape), kv_cache.dtype, pin=kv_cache.is_cuda)
-        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_nvme())
+        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_stores())
+
+    def _build_stores(self) -> BlockStore | None:
+        """The store below the CPU tier: NVMe, the remote server, or both (reads from the first
+        that holds a block, writes to both)."""
+        nvme = self._build_nvme()
+        cache = self.config.cache
+        if cache.remote_url is not None:
+            self.remote = open_remote(cache.remote_url, cache.remote_bytes, self.block_bytes, self.fingerprint,
+                                      cache.block_size)
+        return pair_stores(nvme, self.remote)
 
     def _build_nvme(self) -> BlockStore | None:
         cache = self.config.cache
@@ -101,7 +113,8 @@ class LLMEngine:
     def _cost_model(self) -> CostModel | None:
         """Pinned in the config, else measured (`auto` with a CPU tier, and an NVMe tier, need one)."""
         sched, cache = self.config.scheduler, self.config.cache
-        needed = self.kv.offload is not None and (sched.preemption == "auto" or cache.nvme_path is not None)
+        slow_tier = cache.nvme_path is not None or cache.remote_url is not None
+        needed = self.kv.offload is not None and (sched.preemption == "auto" or slow_tier)
         if sched.cost_model is not None or not needed:
             return sched.cost_model
         device = self.runner.device
@@ -111,7 +124,17 @@ class LLMEngine:
         disk_dir = cache.nvme_path
         if disk_dir is not None and not os.path.isdir(disk_dir):  # the store's file itself
             disk_dir = os.path.dirname(os.path.abspath(disk_dir))
-        return calibrate(key, device, self.runner.prefill_probe, max_tokens, disk_dir)
+        return self._with_remote_reads(calibrate(key, device, self.runner.prefill_probe, max_tokens, disk_dir))
+
+    def _with_remote_reads(self, cost: CostModel) -> CostModel:
+        """With a remote tier, loads are planned against the slower of the disk and the server,
+        whose read bandwidth is measured now (not cached: the server may be another next time)."""
+        remote = self.remote.measure_read_bandwidth() if self.remote is not None else None
+        if remote is None:
+            return cost
+        speeds = [s for s in (cost.disk_read_bytes_per_s, remote) if s is not None]
+        logger.info("remote tier reads %.2f GB/s", remote / 1e9)
+        return dataclasses.replace(cost, disk_read_bytes_per_s=min(speeds))
 
     def _num_gpu_blocks(self) -> int:
         cache = self.config.cache
@@ -266,6 +289,7 @@ class LLMEngine:
             **self._counters,
             "requests_waiting": len(self.scheduler.waiting),
             "requests_running": len(self.scheduler.running),
+            **(self.remote.stats() if self.remote is not None else {}),
         }
 
 

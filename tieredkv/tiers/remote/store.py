@@ -1,0 +1,391 @@
+"""The remote tier: KV blocks in a Redis server that several engines share (a `BlockStore`).
+
+    store = RemoteStore(url, block_bytes, fingerprint, block_size, budget_bytes=0)
+    store.contains(block_hash)             # known here, else one EXISTS (misses remembered briefly)
+    job = store.submit_write(ref, src)     # None: stored already, over budget, or the tier is down
+    job = store.submit_read(ref, dst)      # None: not stored (a miss)
+    store.poll() -> [(job, ok), ...]; store.wait([job, ...]) -> {job: ok}
+    store.stats(); store.measure_read_bandwidth(); store.close()
+
+Jobs queue to an asyncio loop on a thread of its own (`connection.py`), which sends them in
+pipelines of up to `pipeline_ops` commands, with at most `max_in_flight` pipelines in flight
+(writes take at most half of them, so reads never wait behind a burst of writes). A write first
+asks whether the key exists (another engine may have stored the block) and sends only the
+blocks the server lacks. A read verifies the value (`value_format.py`) before copying it into
+`dst`: a missing key (evicted, deleted, flushed) or a value that does not verify (truncated,
+garbage) fails the job, is counted, and a bad value is deleted so that a later write replaces it.
+
+Faults never raise: while the server is unreachable the tier is down (lookups miss, submits
+return None, jobs in flight fail) and a health check brings it back (see `connection.py`).
+`budget_bytes` bounds the bytes this engine stores: past it, it deletes the blocks it stored
+and used least recently. Counters: `stats()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.remote.connection import ANY_ERROR, LINK_ERRORS, LoopThread, ServerLink, describe
+from tieredkv.tiers.remote.jobs import JobBook
+from tieredkv.tiers.remote.value_format import ValueLayout, block_key, epoch_key
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 1.0  # one EXISTS from the engine's thread
+MISS_MEMORY_S = 1.0  # a block found absent is not looked up again for this long
+MAX_KNOWN_BLOCKS = 1 << 20
+CLOSE_TIMEOUT_S = 5.0  # blocks remembered as stored by others
+_COUNTERS = ("hit_blocks stored_blocks errors misses corrupt write_skipped evicted_blocks bytes_read "
+             "bytes_written rejected_writes").split()
+
+
+@dataclass(eq=False)
+class _Op:
+    job: int
+    kind: Literal["read", "write"]
+    ref: BlockRef
+    block: torch.Tensor  # the caller's CPU block as flat uint8
+
+
+class RemoteStore:
+    """A `BlockStore` on a Redis server (module docstring)."""
+
+    def __init__(self, url: str, block_bytes: int, fingerprint: int, block_size: int, budget_bytes: int = 0,
+                 max_in_flight: int = 8, pipeline_ops: int = 8, connect_timeout_s: float = 2.0) -> None:
+        """`fingerprint`: the engine's model fingerprint (blocks of other models are never
+        read); `budget_bytes`: the most this engine stores (0: no limit of its own). An
+        unreachable server is not an error: the store starts down and keeps trying."""
+        self.layout = ValueLayout.for_block(block_bytes, block_size, fingerprint)
+        if budget_bytes and budget_bytes < self.layout.value_bytes:
+            raise ValueError(f"budget_bytes={budget_bytes} holds no block value of {self.layout.value_bytes} bytes")
+        self.url, self.budget_bytes, self._fingerprint = url, budget_bytes, fingerprint
+        self.max_in_flight, self.pipeline_ops = max_in_flight, pipeline_ops
+        self.jobs = JobBook()
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
+        self._owned: OrderedDict[int, None] = OrderedDict()  # blocks this engine stored, LRU first
+        self._known: OrderedDict[int, None] = OrderedDict()  # blocks seen stored by others
+        self._absent: dict[int, float] = {}  # block -> until when it counts as absent
+        self._writing: set[int] = set()
+        self._queue: list[_Op] = []
+        self._closed = False
+        self._loop = LoopThread("tieredkv-remote")
+        try:
+            self.link = ServerLink(url, epoch_key(fingerprint), self._loop, self._forget_all, max_in_flight + 2)
+        except ValueError:
+            self._loop.close()
+            raise
+        self._loop.call(self._make_semaphores())
+        self.link.start(connect_timeout_s)
+
+    async def _make_semaphores(self) -> None:  # they belong to the loop: made on it
+        self._slots = asyncio.Semaphore(self.max_in_flight)
+        self._write_slots = asyncio.Semaphore(max(1, self.max_in_flight // 2))
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---------------------------------------------------------------- the BlockStore API
+
+    def contains(self, block_hash: int) -> bool:
+        """True if the block is stored, as far as this engine knows or the server says now."""
+        if not self.link.up or self._closed:
+            return False
+        with self._lock:
+            if block_hash in self._owned or block_hash in self._known:
+                return True
+            if self._absent.get(block_hash, 0.0) > time.monotonic():
+                return False
+        try:
+            found = self._loop.call(self.link.client.exists(self._key(block_hash)), LOOKUP_TIMEOUT_S)
+        except ANY_ERROR as err:
+            self._fault(err)
+            return False
+        with self._lock:
+            if found:
+                self._remember(block_hash)
+            else:
+                if len(self._absent) > MAX_KNOWN_BLOCKS:
+                    self._absent.clear()
+                self._absent[block_hash] = time.monotonic() + MISS_MEMORY_S
+        return bool(found)
+
+    def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
+        """Start storing the block in `src`; None if nothing was started (module docstring)."""
+        block = self._check_block(src, "src", ref)
+        with self._lock:
+            if self._closed or not self.link.up or ref.block_hash in self._writing:
+                return None
+            if ref.block_hash in self._owned or ref.block_hash in self._known:
+                self._touch(ref.block_hash)
+                return None
+            if not self._make_room():
+                self._counts["rejected_writes"] += 1
+                return None
+            self._writing.add(ref.block_hash)
+        return self._enqueue("write", ref, block)
+
+    def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
+        """Start loading the block into `dst`; None if it is not known to be stored."""
+        block = self._check_block(dst, "dst", ref)
+        if not self.contains(ref.block_hash):
+            return None
+        return self._enqueue("read", ref, block)
+
+    def poll(self) -> list[tuple[int, bool]]:
+        return self.jobs.poll()
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]:
+        return self.jobs.wait(job_ids, timeout)
+
+    def stats(self) -> dict[str, int | str | bool]:
+        """`remote_*` counters: blocks read back and stored, faults (each one cost a recompute
+        or a lost write), and what this engine stores on the server."""
+        with self._lock:
+            out: dict[str, int | str | bool] = {f"remote_{name}": n for name, n in self._counts.items()}
+            out["remote_owned_blocks"] = len(self._owned)
+        out["remote_errors"] += self.link.faults
+        out["remote_connected"] = self.link.up
+        out["remote_in_flight"] = self.jobs.in_flight
+        return out
+
+    def close(self) -> None:
+        """Finish the jobs in flight (each ends by a socket timeout at the latest), then
+        disconnect. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.jobs.drain()
+        self._loop.call(self._aclose())
+        self._loop.close()
+
+    async def _aclose(self) -> None:
+        if self._tasks:  # deletions still on their way
+            await asyncio.wait(list(self._tasks), timeout=CLOSE_TIMEOUT_S)
+        await self.link.aclose()
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def measure_read_bandwidth(self, num_bytes: int = 64 << 20) -> float | None:
+        """Bytes/s of block reads through this store (a probe block written and read back
+        `num_bytes` worth, pipelined as jobs are); None while the server is unreachable."""
+        if not self.link.up:
+            return None
+        probe = BlockRef(0, 0, ())  # hash 0 is a real block's only by a 2**-64 chance
+        src = torch.zeros(self.layout.block_bytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        key = f"{self._key(0)}:probe"
+        try:
+            self._loop.call(self.link.client.set(key, self.layout.pack(probe, src)), 10.0)
+            count = max(self.max_in_flight * self.pipeline_ops, num_bytes // self.layout.value_bytes)
+            start = time.perf_counter()
+            self._loop.call(self._probe_reads(key, count, probe, dst), 60.0)
+            elapsed = time.perf_counter() - start
+            self._loop.call(self.link.client.unlink(key), 10.0)
+        except ANY_ERROR as err:
+            logger.warning("remote tier: measuring its read bandwidth failed (%s)", describe(err))
+            return None
+        return count * self.layout.block_bytes / elapsed
+
+    async def _probe_reads(self, key: str, count: int, probe: BlockRef, dst: torch.Tensor) -> None:
+        batches = [min(self.pipeline_ops, count - i) for i in range(0, count, self.pipeline_ops)]
+
+        async def one(n: int) -> None:
+            async with self._slots:
+                values = await self._pipeline([("get", key)] * n)
+            for value in values:
+                assert self.layout.verify(probe, value, dst) == "ok", "the probe block did not verify"
+
+        await asyncio.gather(*(one(n) for n in batches))
+
+    # ---------------------------------------------------------------- submitting
+
+    def _key(self, block_hash: int) -> str:
+        return block_key(self._fingerprint, block_hash)
+
+    def _check_block(self, block: torch.Tensor, name: str, ref: BlockRef) -> torch.Tensor:
+        if block.device.type != "cpu" or not block.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor (a view of one CPU block)")
+        flat = block.reshape(-1).view(torch.uint8)
+        if flat.numel() != self.layout.block_bytes:
+            raise ValueError(f"{name} holds {flat.numel()} bytes; blocks are {self.layout.block_bytes}")
+        if len(ref.token_ids) > self.layout.block_size:
+            raise ValueError(f"{len(ref.token_ids)} token ids, more than block_size={self.layout.block_size}")
+        return flat
+
+    def _enqueue(self, kind: Literal["read", "write"], ref: BlockRef, block: torch.Tensor) -> int:
+        job = self.jobs.start()
+        with self._lock:
+            self._queue.append(_Op(job, kind, ref, block))
+            first = len(self._queue) == 1
+        if first:  # one wake-up for everything queued before the loop gets to it
+            self._loop.soon(self._dispatch)
+        return job
+
+    def _make_room(self) -> bool:
+        """Keep this engine's stored bytes within the budget for one more block (lock held):
+        delete the blocks it stored and used least recently; False if the writes in flight
+        alone fill the budget."""
+        if not self.budget_bytes:
+            return True
+        most = self.budget_bytes // self.layout.value_bytes
+        if len(self._writing) + 1 > most:
+            return False
+        doomed = []
+        while len(self._owned) + len(self._writing) + 1 > most:
+            doomed.append(self._owned.popitem(last=False)[0])
+        if doomed:
+            self._counts["evicted_blocks"] += len(doomed)
+            keys = [self._key(h) for h in doomed]
+            self._loop.soon(lambda: self._spawn(self._delete(keys)))
+        return True
+
+    def _remember(self, block_hash: int) -> None:
+        """The block is stored by another engine (lock held)."""
+        self._absent.pop(block_hash, None)
+        if block_hash not in self._owned:
+            self._known[block_hash] = None
+            self._known.move_to_end(block_hash)
+            if len(self._known) > MAX_KNOWN_BLOCKS:
+                self._known.popitem(last=False)
+
+    def _touch(self, block_hash: int) -> None:
+        for index in (self._owned, self._known):
+            if block_hash in index:
+                index.move_to_end(block_hash)
+
+    def _forget(self, block_hash: int) -> None:
+        self._owned.pop(block_hash, None)
+        self._known.pop(block_hash, None)
+
+    def _forget_all(self) -> None:
+        """The server's blocks are not the ones known (a new epoch): forget them all."""
+        with self._lock:
+            self._owned.clear()
+            self._known.clear()
+            self._absent.clear()
+
+    def _fault(self, err: BaseException) -> None:
+        """Count a failed operation; a fault of the link takes the tier down (any thread)."""
+        with self._lock:
+            self._counts["errors"] += 1
+        if isinstance(err, LINK_ERRORS):
+            self.link.failed(err)  # at once: the next lookups must not wait for the server too
+
+    # ---------------------------------------------------------------- the loop's side
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _dispatch(self) -> None:
+        """Send everything queued, in pipelines (loop thread)."""
+        with self._lock:
+            ops, self._queue = self._queue, []
+        for kind, run in (("read", self._run_reads), ("write", self._run_writes)):
+            same = [op for op in ops if op.kind == kind]
+            for i in range(0, len(same), self.pipeline_ops):
+                self._spawn(run(same[i : i + self.pipeline_ops]))
+
+    async def _pipeline(self, commands: list[tuple]) -> list:
+        """Run commands in one pipeline; a refused command comes back as its exception."""
+        async with self.link.client.pipeline(transaction=False) as pipe:
+            for name, *args in commands:
+                getattr(pipe, name)(*args)
+            return await pipe.execute(raise_on_error=False)
+
+    async def _run_reads(self, ops: list[_Op]) -> None:
+        async with self._slots:
+            if not self.link.up:
+                return self._fail(ops, ConnectionError("the tier is down"))
+            try:
+                values = await self._pipeline([("get", self._key(op.ref.block_hash)) for op in ops])
+            except ANY_ERROR as err:
+                return self._fail(ops, err)
+        damaged = [self._key(op.ref.block_hash) for op, value in zip(ops, values, strict=True)
+                   if not self._finish_read(op, value)]
+        if damaged:
+            await self._delete(damaged)
+
+    def _finish_read(self, op: _Op, value: object) -> bool:
+        """Verify and book one read; False if its value was damaged (to be deleted)."""
+        verdict = "corrupt" if isinstance(value, Exception) else self.layout.verify(op.ref, value, op.block)
+        with self._lock:
+            if verdict == "ok":
+                self._counts["hit_blocks"] += 1
+                self._counts["bytes_read"] += self.layout.block_bytes
+                self._touch(op.ref.block_hash)
+            else:
+                self._counts["errors"] += 1
+                self._counts["misses" if verdict == "missing" else "corrupt"] += 1
+                self._forget(op.ref.block_hash)
+        if verdict != "ok":
+            logger.debug("remote read of block %#x failed: %s", op.ref.block_hash, verdict)
+        self.jobs.finish(op.job, verdict == "ok")
+        return verdict != "corrupt"
+
+    async def _run_writes(self, ops: list[_Op]) -> None:
+        async with self._write_slots, self._slots:
+            if not self.link.up:
+                return self._fail(ops, ConnectionError("the tier is down"))
+            keys = [self._key(op.ref.block_hash) for op in ops]
+            try:
+                exists = await self._pipeline([("exists", key) for key in keys])
+                todo = [(op, key) for op, key, found in zip(ops, keys, exists, strict=True) if found != 1]
+                sets = [("set", key, self.layout.pack(op.ref, op.block)) for op, key in todo]
+                results = await self._pipeline(sets) if sets else []
+            except ANY_ERROR as err:
+                return self._fail(ops, err)
+        stored = {id(op): not isinstance(r, Exception) for (op, _), r in zip(todo, results, strict=True)}
+        for op in ops:
+            self._finish_write(op, stored.get(id(op)))
+
+    def _finish_write(self, op: _Op, stored: bool | None) -> None:
+        """Book one write: `stored` True (sent), False (refused, e.g. out of memory) or None
+        (the server had the block already)."""
+        block_hash = op.ref.block_hash
+        with self._lock:
+            self._writing.discard(block_hash)
+            if stored is None:
+                self._counts["write_skipped"] += 1
+                self._remember(block_hash)
+            elif stored:
+                self._counts["stored_blocks"] += 1
+                self._counts["bytes_written"] += self.layout.value_bytes
+                self._known.pop(block_hash, None)
+                self._owned[block_hash] = None
+            else:
+                self._counts["errors"] += 1
+        self.jobs.finish(op.job, stored is not False)
+
+    def _fail(self, ops: list[_Op], err: BaseException) -> None:
+        """Fail every job of a pipeline that did not run (loop thread)."""
+        if isinstance(err, LINK_ERRORS) and self.link.up:
+            self.link.failed(err)
+        with self._lock:
+            self._counts["errors"] += len(ops)
+            for op in ops:
+                if op.kind == "write":
+                    self._writing.discard(op.ref.block_hash)
+        for op in ops:
+            self.jobs.finish(op.job, False)
+
+    async def _delete(self, keys: list[str]) -> None:
+        try:
+            await self.link.client.unlink(*keys)
+        except ANY_ERROR as err:  # a leftover is found bad again by the next reader
+            logger.debug("remote tier: deleting %d keys failed: %s", len(keys), describe(err))
