@@ -90,11 +90,12 @@ class ServerLink:
     """The client of one server, whether it is usable now, and the epoch of its blocks."""
 
     def __init__(self, url: str, epoch_key: str, loop: LoopThread, on_epoch: Callable[[], None],
-                 max_connections: int, health_s: float = HEALTH_S) -> None:
+                 max_connections: int, health_s: float | None = None) -> None:
         """`on_epoch` runs on the loop's thread when the server's blocks are not the ones known
-        (first contact, restarted empty, flushed). ValueError for URL options redis-py refuses."""
+        (first contact, restarted empty, flushed); `health_s`: seconds between health checks
+        (default HEALTH_S). ValueError for URL options redis-py refuses."""
         self.url, self.loop, self._epoch_key, self._on_epoch = url, loop, epoch_key, on_epoch
-        self.health_s = health_s
+        self.health_s = HEALTH_S if health_s is None else health_s
         self.up = False
         self.epoch: bytes | None = None
         self.faults = 0  # times the link went down

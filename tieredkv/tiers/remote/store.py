@@ -37,7 +37,7 @@ import torch
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.remote.connection import ANY_ERROR, LINK_ERRORS, LoopThread, ServerLink, describe
 from tieredkv.tiers.remote.jobs import JobBook
-from tieredkv.tiers.remote.value_format import ValueLayout, block_key, epoch_key
+from tieredkv.tiers.remote.value_format import ValueLayout, Verdict, block_key, epoch_key
 
 logger = logging.getLogger(__name__)
 
@@ -316,13 +316,15 @@ class RemoteStore:
                 values = await self._pipeline([("get", self._key(op.ref.block_hash)) for op in ops])
             except ANY_ERROR as err:
                 return self._fail(ops, err)
-        damaged = [self._key(op.ref.block_hash) for op, value in zip(ops, values, strict=True)
-                   if not self._finish_read(op, value)]
-        if damaged:
+        verdicts = [self._book_read(op, value) for op, value in zip(ops, values, strict=True)]
+        damaged = [self._key(op.ref.block_hash) for op, v in zip(ops, verdicts, strict=True) if v == "corrupt"]
+        if damaged:  # before the jobs are reported, so that no write of theirs finds them stored
             await self._delete(damaged)
+        for op, verdict in zip(ops, verdicts, strict=True):
+            self.jobs.finish(op.job, verdict == "ok")
 
-    def _finish_read(self, op: _Op, value: object) -> bool:
-        """Verify and book one read; False if its value was damaged (to be deleted)."""
+    def _book_read(self, op: _Op, value: object) -> Verdict:
+        """Verify one value into its block and count the outcome."""
         verdict = "corrupt" if isinstance(value, Exception) else self.layout.verify(op.ref, value, op.block)
         with self._lock:
             if verdict == "ok":
@@ -335,8 +337,7 @@ class RemoteStore:
                 self._forget(op.ref.block_hash)
         if verdict != "ok":
             logger.debug("remote read of block %#x failed: %s", op.ref.block_hash, verdict)
-        self.jobs.finish(op.job, verdict == "ok")
-        return verdict != "corrupt"
+        return verdict
 
     async def _run_writes(self, ops: list[_Op]) -> None:
         async with self._write_slots, self._slots:
