@@ -129,6 +129,8 @@ class ServerLink:
             self.epoch = epoch
             self._on_epoch()
         if not self.up:
+            # connections made before the outage may be dead (a restarted server): start afresh
+            await self.client.connection_pool.disconnect(inuse_connections=True)
             self.up = True
             if self._said_down:
                 logger.warning("remote tier %s: reachable again; using it", redacted(self.url))
