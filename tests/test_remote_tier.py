@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.redis_server import RedisServer, wait_until
-from tests.remote_worker import GREEDY, NEW_TOKENS, prompts, remote_llm
+from tests.remote_worker import BLOCK_BYTES, GREEDY, NEW_TOKENS, prompts, remote_llm
 from tieredkv import LLM
 from tieredkv.config import EngineConfig
 from tieredkv.tiers.remote import connection
@@ -96,8 +96,9 @@ def damage(server: RedisServer, fault: str) -> None:
     for key in keys:
         if fault == "delete":
             client.delete(key)
-        elif fault == "garbage":
-            client.set(key, os.urandom(len(client.get(key))))
+        elif fault == "garbage":  # a good header over a random payload: only the payload xxh3 tells
+            value = client.get(key)
+            client.set(key, value[:-BLOCK_BYTES] + os.urandom(BLOCK_BYTES))
         elif fault == "truncate":
             client.set(key, client.get(key)[:-100])
 
