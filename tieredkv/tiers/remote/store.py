@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -44,7 +45,8 @@ logger = logging.getLogger(__name__)
 LOOKUP_TIMEOUT_S = 1.0  # one EXISTS from the engine's thread
 MISS_MEMORY_S = 1.0  # a block found absent is not looked up again for this long
 MAX_KNOWN_BLOCKS = 1 << 20
-CLOSE_TIMEOUT_S = 5.0  # blocks remembered as stored by others
+CLOSE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 30.0  # blocks remembered as stored by others
 _COUNTERS = ("hit_blocks stored_blocks errors misses corrupt write_skipped evicted_blocks bytes_read "
              "bytes_written rejected_writes").split()
 
@@ -179,37 +181,38 @@ class RemoteStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def measure_read_bandwidth(self, num_bytes: int = 64 << 20) -> float | None:
-        """Bytes/s of block reads through this store (a probe block written and read back
-        `num_bytes` worth, pipelined as jobs are); None while the server is unreachable."""
+    def measure_read_bandwidth(self, num_bytes: int = 64 << 20, max_blocks: int = 256) -> float | None:
+        """Bytes/s of block reads through this store: a probe block written once and read back
+        (`num_bytes` worth, at most `max_blocks` reads) in pipelines, verified as jobs are; None
+        while the server is unreachable or if the probe failed."""
         if not self.link.up:
             return None
-        probe = BlockRef(0, 0, ())  # hash 0 is a real block's only by a 2**-64 chance
+        probe = BlockRef(0, 0, ())
         src = torch.zeros(self.layout.block_bytes, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        key = f"{self._key(0)}:probe"
+        key = f"{self._key(0)}:probe:{os.urandom(8).hex()}"  # engines starting together probe apart
+        count = min(max_blocks, max(self.max_in_flight * self.pipeline_ops, num_bytes // self.layout.value_bytes))
         try:
-            self._loop.call(self.link.client.set(key, self.layout.pack(probe, src)), 10.0)
-            count = max(self.max_in_flight * self.pipeline_ops, num_bytes // self.layout.value_bytes)
+            self._loop.call(self.link.client.set(key, self.layout.pack(probe, src)), PROBE_TIMEOUT_S)
             start = time.perf_counter()
-            self._loop.call(self._probe_reads(key, count, probe, dst), 60.0)
+            verified = self._loop.call(self._probe_reads(key, count, probe), PROBE_TIMEOUT_S)
             elapsed = time.perf_counter() - start
-            self._loop.call(self.link.client.unlink(key), 10.0)
+            self._loop.call(self.link.client.unlink(key), PROBE_TIMEOUT_S)
         except ANY_ERROR as err:
             logger.warning("remote tier: measuring its read bandwidth failed (%s)", describe(err))
             return None
-        return count * self.layout.block_bytes / elapsed
+        return count * self.layout.block_bytes / elapsed if verified else None
 
-    async def _probe_reads(self, key: str, count: int, probe: BlockRef, dst: torch.Tensor) -> None:
+    async def _probe_reads(self, key: str, count: int, probe: BlockRef) -> bool:
+        """Read the probe `count` times as jobs read blocks; whether every read verified."""
+        dst = torch.empty(self.layout.block_bytes, dtype=torch.uint8)
         batches = [min(self.pipeline_ops, count - i) for i in range(0, count, self.pipeline_ops)]
 
-        async def one(n: int) -> None:
+        async def one(n: int) -> bool:
             async with self._slots:
                 values = await self._pipeline([("get", key)] * n)
-            for value in values:
-                assert self.layout.verify(probe, value, dst) == "ok", "the probe block did not verify"
+            return all(self.layout.verify(probe, value, dst) == "ok" for value in values)
 
-        await asyncio.gather(*(one(n) for n in batches))
+        return all(await asyncio.gather(*(one(n) for n in batches)))
 
     # ---------------------------------------------------------------- submitting
 
