@@ -10,7 +10,9 @@ It starts its own `redis-server` on a free loopback port (temp dir, no persisten
   store   RemoteStore.submit_write of N blocks (copy, xxh3, header, EXISTS then SET), wait for
           all; then submit_read of all of them into other blocks (GET, header and payload xxh3
           checked, copied), wait; the blocks come back bit-identical.
-Each store figure is divided by the raw figure of its own round; medians over rounds are
+After an untimed warm-up of both (the server's memory and this process's are faulted in), the
+rounds alternate which goes first. Each store figure is divided by the raw figure of its own
+round; medians over rounds are
 printed with the range of the ratios (target: >= 80%). With `--redis-benchmark`, the C client's
 loopback peak for the same value size (`redis-benchmark -t set,get -d VALUE`) is printed too.
 Bytes counted are block payload bytes.
@@ -24,15 +26,14 @@ import argparse
 import asyncio
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import redis
 import torch
+from common import start_redis_server
 from redis.asyncio import Redis
 
 from tieredkv.tiers.backend import BlockRef
@@ -47,24 +48,6 @@ def parse_bytes(text: str) -> int:
         if text.endswith(unit) and text[: len(text) - len(unit)].strip().isdigit():
             return int(text[: len(text) - len(unit)]) * UNITS[unit]
     raise argparse.ArgumentTypeError(f"{text!r}: give bytes like 1GiB, 2MiB, 4096")
-
-
-def start_server(binary: str, directory: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
-            "--appendonly", "no", "--protected-mode", "no"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            return proc, f"redis://127.0.0.1:{port}/0"
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"{binary} did not start on port {port}")
 
 
 async def raw_round(url: str, value: bytes, n: int, in_flight: int, pipeline: int) -> tuple[float, float]:
@@ -141,7 +124,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
-    proc, url = (None, args.url) if args.url else start_server(args.server_bin, tempfile.mkdtemp())
+    proc, url = (None, args.url) if args.url else start_redis_server(args.server_bin)
     try:
         run(args, url)
     finally:
@@ -161,11 +144,18 @@ def run(args: argparse.Namespace, url: str) -> None:
     value = bytes(torch.randint(0, 256, (value_bytes,), dtype=torch.uint8).numpy())
     client = redis.Redis.from_url(url)
     secs: dict[str, list[float]] = {k: [] for k in ("raw_set", "raw_get", "store_write", "store_read")}
-    for r in range(args.rounds):  # interleaved, so that drift hits both alike
+    # untimed warm-up: the server's and this process's memory for the values is faulted in
+    asyncio.run(raw_round(url, value, n, args.in_flight, args.pipeline))
+    store_round(url, args, src, dst, first_hash=1 << 62)
+    for r in range(args.rounds):  # interleaved, in turns, so that drift hits both alike
         client.flushall()
+        if r % 2:
+            store = store_round(url, args, src, dst, first_hash=(r + 1) << 32)
+            client.flushall()
         raw = asyncio.run(raw_round(url, value, n, args.in_flight, args.pipeline))
-        client.flushall()
-        store = store_round(url, args, src, dst, first_hash=(r + 1) << 32)
+        if not r % 2:
+            client.flushall()
+            store = store_round(url, args, src, dst, first_hash=(r + 1) << 32)
         for key, s in zip(secs, (*raw, *store), strict=True):
             secs[key].append(s)
     gbs = {k: [n * args.block / s / 1e9 for s in v] for k, v in secs.items()}
