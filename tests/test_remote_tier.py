@@ -16,6 +16,7 @@ from tests.redis_server import RedisServer, wait_until
 from tests.remote_worker import BLOCK_BYTES, GREEDY, NEW_TOKENS, prompts, remote_llm
 from tieredkv import LLM
 from tieredkv.config import EngineConfig
+from tieredkv.serve.server import startup_report
 from tieredkv.tiers.remote import connection
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +43,9 @@ def test_prefixes_come_back_from_the_remote_tier(redis_server, tmp_path, expecte
     with remote_llm(redis_server.url, **({"nvme_path": str(tmp_path / "a")} if nvme else {}), **nvme) as llm:
         assert generate(llm) == expected
         stats = settled_stats(llm)
+        report = dict(line.split("  ", 1) for line in startup_report(llm).splitlines())
+    assert report["remote tier"].strip() == f"{redis_server.url}, connected, storing what the server keeps"
+    assert (report["NVMe tier"].strip() == "none") != with_nvme and ("nvme_slots_total" in stats) == with_nvme
     assert stats["remote_stored_blocks"] > 0 and stats["remote_errors"] == 0
     assert len(redis_server.block_keys()) == stats["remote_stored_blocks"]
     if with_nvme:  # writes go to both tiers

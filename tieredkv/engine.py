@@ -38,7 +38,7 @@ from tieredkv.text import IncrementalDetokenizer, Message, chat_prompt
 from tieredkv.tiers.backend import BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.opener import open_store
-from tieredkv.tiers.remote import open_remote, pair_stores
+from tieredkv.tiers.remote import NVME_STORE_STATS, open_remote, pair_stores
 from tieredkv.transfer.engine import make_transfer_engine
 
 logger = logging.getLogger(__name__)
@@ -279,8 +279,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """Blocks per tier, prefix-cache hits, preemptions by kind, NVMe prefix blocks by the cost
-        model's choice (load or compute), tokens computed."""
-        return {
+        model's choice (load or compute), tokens computed, the remote tier's counters."""
+        stats = {
             **self.kv.stats(),
             "preemptions": dict(self.scheduler.num_preemptions),
             "swap_fallbacks": self.scheduler.num_swap_fallbacks,
@@ -291,6 +291,10 @@ class LLMEngine:
             "requests_running": len(self.scheduler.running),
             **(self.remote.stats() if self.remote is not None else {}),
         }
+        if self.config.cache.nvme_path is None:  # the spill path served the remote tier alone
+            for key in NVME_STORE_STATS:
+                stats.pop(key, None)
+        return stats
 
 
     def close(self) -> None:

@@ -7,9 +7,9 @@ two-phase job bookkeeping, `chain.py` a local store and the remote one as one st
 from __future__ import annotations
 
 from tieredkv.tiers.backend import BlockStore
-from tieredkv.tiers.remote.chain import StorePair
+from tieredkv.tiers.remote.chain import NVME_STORE_STATS, StorePair
 
-__all__ = ["StorePair", "open_remote"]
+__all__ = ["NVME_STORE_STATS", "StorePair", "open_remote", "pair_stores"]
 
 
 def open_remote(remote_url: str, remote_bytes: int, block_bytes: int, fingerprint: int, block_size: int):

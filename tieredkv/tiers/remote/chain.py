@@ -7,7 +7,8 @@
     store.poll(); store.wait(jobs); store.stats(); store.close()
 
 `stats()` is the local store's (zeros without one), which the spill path reports as the
-`nvme_*` stats; the remote store reports its own (`remote_*`).
+`nvme_*` stats (an engine without NVMe drops those of `NVME_STORE_STATS`); the remote store
+reports its own (`remote_*`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ NO_LOCAL_STATS: dict[str, int | str | bool] = {
                      "internal_errors restored scan_discarded reformatted").split(), 0),
     "backend": "none",
 }
+
+
+# the spill path's stats that describe the NVMe store itself: an engine without one drops them
+NVME_STORE_STATS = ("nvme_slots_total nvme_slots_used nvme_io_backend nvme_hits nvme_corrupt nvme_io_errors "
+                    "nvme_files_lost nvme_internal_errors nvme_restored nvme_scan_discarded nvme_reformatted").split()
 
 
 class StorePair:
