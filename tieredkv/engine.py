@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -41,6 +41,9 @@ from tieredkv.tiers.nvme.opener import open_store
 from tieredkv.tiers.remote import NVME_STORE_STATS, open_remote, pair_stores
 from tieredkv.transfer.engine import make_transfer_engine
 
+if TYPE_CHECKING:
+    from tieredkv.tiers.remote.store import RemoteStore  # imports redis, an optional dependency
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_GPU_BLOCKS = 256
@@ -57,7 +60,7 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = self._num_gpu_blocks()
         kv_cache = self.runner.allocate_kv_cache(num_blocks, block_size)
-        self.remote: BlockStore | None = None  # the remote tier's own store, for its stats
+        self.remote: RemoteStore | None = None  # the remote tier's own store (its stats, its bandwidth)
         hf_config = self.runner.model.config.to_dict()
         self.fingerprint = model_fingerprint(hf_config, self.runner.weights_id, config.model.dtype, block_size)
         self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload(kv_cache))
@@ -111,7 +114,8 @@ class LLMEngine:
                           cache.block_size, backend=cache.io_backend)
 
     def _cost_model(self) -> CostModel | None:
-        """Pinned in the config, else measured (`auto` with a CPU tier, and an NVMe tier, need one)."""
+        """Pinned in the config, else measured (`auto` with a CPU tier, and an NVMe or remote
+        tier, need one)."""
         sched, cache = self.config.scheduler, self.config.cache
         slow_tier = cache.nvme_path is not None or cache.remote_url is not None
         needed = self.kv.offload is not None and (sched.preemption == "auto" or slow_tier)

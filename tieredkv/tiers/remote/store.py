@@ -42,7 +42,7 @@ from tieredkv.tiers.remote.value_format import ValueLayout, Verdict, block_key, 
 
 logger = logging.getLogger(__name__)
 
-LOOKUP_TIMEOUT_S = 1.0  # one EXISTS from the engine's thread
+LOOKUP_TIMEOUT_S = 2.0  # one EXISTS from the engine's thread (a hung server stalls a step once)
 MISS_MEMORY_S = 1.0  # a block found absent is not looked up again for this long
 MAX_KNOWN_BLOCKS = 1 << 20
 CLOSE_TIMEOUT_S = 5.0
