@@ -4,8 +4,11 @@ scheduled sequence reads back exactly its own tokens' KV (tests/kv_factory.py)."
 
 from __future__ import annotations
 
+import time
+
 from tests.kv_factory import BLOCK_BYTES, make_kv, make_scheduler, make_seq, run_step, run_until_done
 from tieredkv.policy import CostModel
+from tieredkv.tiers.nvme.io_backends import SyncBackend
 
 SWAP_WINS = CostModel(d2h_bytes_per_s=1e15, h2d_bytes_per_s=1e15, prefill_s_per_token=1.0)
 RECOMPUTE_WINS = CostModel(d2h_bytes_per_s=1.0, h2d_bytes_per_s=1.0, prefill_s_per_token=1e-9)
@@ -166,3 +169,51 @@ def test_a_prefix_on_nvme_is_split_between_computing_and_loading(tmp_path):
     assert sched.nvme_prefix_blocks == {"load": 1, "compute": 1, "compute_for_queues": 0}
     assert sched.nvme_skipped_tokens == 4
     assert sim.kv.stats()["nvme_loaded_blocks"] == 1
+
+
+def test_a_swapped_sequence_shares_the_prefix_blocks_the_cpu_tier_holds(tmp_path):
+    """Its full blocks already cached in the CPU tier are not copied again, and come back
+    exactly on swap-in."""
+    sim = make_kv(5, num_cpu_blocks=8, cpu_policy="lru")
+    sched = make_scheduler(sim, "swap")
+    prompt = list(range(1, 10))  # two full blocks, then one token
+    run_prompts(sched, sim, [prompt, [50 + i for i in range(17)]])  # the second evicts (demotes) the first
+    assert sim.kv.stats()["cpu_blocks_cached"] >= 2
+    a, b = make_seq("a", prompt + [70, 71, 72], max_tokens=8), make_seq("b", range(81, 88), max_tokens=8)
+    sched.add(b)
+    sched.add(a)  # the newest: the one swapped out
+    run_until_done(sched, sim)  # check_kv in every step: a's and b's KV exact throughout
+    stats = sim.kv.stats()
+    assert sched.num_preemptions["swap"] >= 1 and stats["cpu_shared_swap_blocks"] >= 1
+    assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+
+
+class SlowReads(SyncBackend):
+    """The sync backend with every read taking `delay_s` (a disk slower than calibrated)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(threads=1)
+        self.delay_s = delay_s
+
+    def _run(self, req) -> None:
+        if req.op == "read":
+            time.sleep(self.delay_s)
+        super()._run(req)
+
+
+def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more(tmp_path):
+    docs = [[d * 1000 + j for j in range(33)] for d in range(6)]  # 8 full blocks each
+    first = make_kv(10, num_cpu_blocks=4, nvme_path=str(tmp_path), cpu_policy="lru")
+    run_prompts(make_scheduler(first, "recompute"), first, docs)
+    first.kv.close()
+    # calibrated: the disk reads a block in 1 ms, as fast as the GPU computes 1 token; it takes 30 ms
+    calibrated = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 1e-3)
+    sim = make_kv(64, num_cpu_blocks=64, nvme_path=str(tmp_path), backend=SlowReads(0.03))
+    sched = make_scheduler(sim, "recompute", calibrated)
+    loads = []
+    for doc in docs:
+        before = dict(sched.nvme_prefix_blocks)
+        run_prompts(sched, sim, [doc])
+        loads.append(sched.nvme_prefix_blocks["load"] - before["load"])
+    assert loads[0] > 0 and loads[-1] == 0  # the first plan believed the calibration; later ones the disk
+    assert sched.disk_rate.bytes_per_s < calibrated.disk_read_bytes_per_s
