@@ -70,6 +70,7 @@ class Scheduler:
         measured = config.cost_model is None and cost is not None and cost.disk_read_bytes_per_s is not None
         self.disk_rate = ObservedRate(cost.disk_read_bytes_per_s) if measured else None
         self.nvme_skipped_tokens = 0  # prefill tokens jumped over: their KV came from NVMe
+        self.nvme_load_waits = 0  # steps a sequence had nothing to compute before its loads landed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -109,6 +110,7 @@ class Scheduler:
             seq = self.running[i]
             n = self._next_chunk(seq, budget)
             if n == 0:  # waiting for its NVMe blocks, or they are landing
+                self.nvme_load_waits += 1
                 i += 1
                 continue
             while self.kv.allocate(seq, n) is None:
@@ -195,6 +197,7 @@ class Scheduler:
             prefix = self.kv.match_prefix(seq)
             n = self.kv.computable(seq, budget, prefix).num_new_tokens
             if n == 0:  # nothing to compute before its NVMe blocks arrive
+                self.nvme_load_waits += 1
                 continue
             got = self.kv.allocate(seq, n, prefix)
             if got is None:
