@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tieredkv.cache.admission import CPUPolicy
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.config import SchedulerConfig
@@ -19,6 +20,7 @@ from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme import NVMeStore
+from tieredkv.tiers.nvme.io_backends import BlockIO, IOBackend
 from tieredkv.transfer.engine import FaultyTransfers, TransferEngine
 
 BS = 4
@@ -37,7 +39,7 @@ class SimKV:
 
 
 def make_kv(num_gpu_blocks: int, num_cpu_blocks: int = 0, nvme_path: str | None = None,
-            nvme_blocks: int = 64) -> SimKV:
+            nvme_blocks: int = 64, cpu_policy: CPUPolicy = "tinylfu", backend: IOBackend | BlockIO = "sync") -> SimKV:
     """GPU (and CPU, and NVMe) tiers of the given sizes, in ordinary memory."""
     layers, _, bs, heads, dim = BLOCK_SHAPE
     gpu = torch.zeros((layers, 2, num_gpu_blocks, bs, heads, dim))
@@ -47,8 +49,9 @@ def make_kv(num_gpu_blocks: int, num_cpu_blocks: int = 0, nvme_path: str | None 
     transfers = FaultyTransfers(TransferEngine(gpu, tier.data))
     store = None
     if nvme_path is not None:
-        store = NVMeStore(nvme_path, (nvme_blocks + 1) * 2 * BLOCK_BYTES, BLOCK_BYTES, ROOT, BS, backend="sync")
-    return SimKV(KVCacheManager(num_gpu_blocks, BS, ROOT, CPUOffload(tier, transfers, store)), gpu, transfers)
+        store = NVMeStore(nvme_path, (nvme_blocks + 1) * 2 * BLOCK_BYTES, BLOCK_BYTES, ROOT, BS, backend=backend)
+    offload = CPUOffload(tier, transfers, store, cpu_policy)
+    return SimKV(KVCacheManager(num_gpu_blocks, BS, ROOT, offload), gpu, transfers)
 
 
 def make_scheduler(sim: SimKV, preemption: Preemption = "recompute", cost: CostModel | None = None,

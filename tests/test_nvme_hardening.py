@@ -286,3 +286,11 @@ def test_a_bug_while_checking_a_job_is_counted_apart_and_logged_as_an_error(tmp_
         stats = store.stats()
     assert (stats["internal_errors"], stats["io_errors"], stats["writes"]) == (1, 0, 0)
     assert any(r.levelno == logging.ERROR and "internal error" in r.getMessage() for r in caplog.records)
+
+
+def test_the_disk_probe_reads_through_the_store_backend_at_its_queue_depth(tmp_path):
+    from tieredkv import calibrate
+
+    rate = calibrate.measure_disk_read(str(tmp_path), num_bytes=8 << 20, read_bytes=10_000, queue_depth=8)
+    assert rate is not None and rate > 0
+    assert os.listdir(tmp_path) == []  # the probe file is gone

@@ -24,11 +24,26 @@ LOAD_WINS = {"d2h_bytes_per_s": 1e15, "h2d_bytes_per_s": 1e15, "prefill_s_per_to
              "disk_read_bytes_per_s": 1e15}
 
 
-def tiered_llm(path, backend: str = "sync", cost_model: dict = LOAD_WINS, **kw) -> LLM:
-    """GPU and CPU tiers so small that most prefixes end up on NVMe."""
-    return LLM(model="tiny-llama", block_size=4, num_gpu_blocks=30, cpu_cache_bytes=24 * BLOCK_BYTES,
+def tiered_llm(path, backend: str = "sync", cost_model: dict = LOAD_WINS, cpu_policy: str = "lru", **kw) -> LLM:
+    """GPU and CPU tiers so small that most prefixes end up on NVMe. The LRU CPU tier writes
+    every block it demotes; the default frequency policy only those asked for again."""
+    return LLM(model="tiny-llama", block_size=4, num_gpu_blocks=30,
+               cpu_cache_bytes=24 * BLOCK_BYTES, cpu_policy=cpu_policy,
                nvme_path=str(path), nvme_bytes="4MiB", io_backend=backend, preemption="recompute",
                scheduler={"cost_model": cost_model}, **kw)
+
+
+def test_blocks_asked_for_again_are_written_and_served_after_restart(tmp_path, reference_outputs):
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+    with tiered_llm(tmp_path, cpu_policy="tinylfu") as llm:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+        first = llm.stats()["nvme_spilled_blocks"]
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert llm.stats()["nvme_spilled_blocks"] > first  # asked for again: now worth a write
+    with tiered_llm(tmp_path, cpu_policy="tinylfu") as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert llm.stats()["nvme_loaded_blocks"] > 0
 
 
 @pytest.mark.parametrize("backend", ["sync", "aiofiles", "uring"])

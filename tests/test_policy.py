@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from tieredkv.policy import CostModel, choose_preemption, split_nvme_prefix
+from tieredkv.policy import CostModel, ObservedRate, TierPolicy, choose_preemption, split_nvme_prefix
 
 COSTS = CostModel(d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9, prefill_s_per_token=1e-4, prefill_s_per_token_sq=1e-8)
 
@@ -49,3 +51,40 @@ def test_a_busy_gpu_makes_loading_pay():
 def test_a_disk_faster_than_compute_loads_everything():
     fast = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=1e15)
     assert split_nvme_prefix(10, 1, 0, 4, fast, disk_queue_bytes=100, gpu_queue_tokens=0) == 0
+
+
+def test_loaded_blocks_arrive_before_the_gpu_would_have_computed_the_first_of_them():
+    """Whatever the queues and speeds, a plan never has a request wait for a load that ends
+    after the compute it replaces would have: the last loaded block lands no later than the
+    GPU, computing on, would have finished the first one loaded."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        cost = CostModel(1e15, rng.uniform(0.5, 50.0), prefill_s_per_token=rng.uniform(1e-4, 1e-2),
+                         prefill_s_per_token_sq=rng.choice([0.0, 1e-6]), disk_read_bytes_per_s=rng.uniform(0.5, 50.0))
+        n, first = rng.randrange(1, 40), 4 * rng.randrange(0, 20)
+        disk_queue, gpu_queue = rng.uniform(0, 20), rng.randrange(0, 200)
+        c = split_nvme_prefix(n, 1, first, 4, cost, disk_queue, gpu_queue)
+        if c == n:
+            continue
+        per_block = 1 / cost.disk_read_bytes_per_s + 1 / cost.h2d_bytes_per_s
+        loads_land = disk_queue / cost.disk_read_bytes_per_s + (n - c) * per_block
+        gpu_reaches = cost.recompute_s(gpu_queue) + cost.recompute_s(first + (c + 1) * 4) - cost.recompute_s(first)
+        assert loads_land <= gpu_reaches + 1e-9
+
+
+def test_the_observed_disk_rate_corrects_a_wrong_calibration_within_seconds():
+    rate = ObservedRate(prior=10e9)  # calibrated 10 GB/s; the disk gives 1 GB/s
+    busy = 0.0
+    while busy < 2.0:  # 2 s of reads, seen 50 ms at a time
+        busy += 0.05
+        rate.update(int(busy * 1e9), busy)
+    assert rate.bytes_per_s == pytest.approx(1e9, rel=0.1)
+    rate.update(int(busy * 1e9), busy + 1.0)  # idle counters change nothing; busy time with no bytes slows it
+    assert rate.bytes_per_s < 0.5e9
+
+
+def test_nvme_plans_use_the_observed_rate_over_the_calibrated_one():
+    policy = TierPolicy("recompute", block_bytes=1, block_size=4, cost=BALANCED)
+    assert policy.nvme_blocks_to_compute(10, 0) == 5
+    assert policy.nvme_blocks_to_compute(10, 0, disk_bytes_per_s=1e15) == 0
+    assert policy.nvme_blocks_to_compute(10, 0, disk_bytes_per_s=1 / 40e-3) == 10

@@ -49,7 +49,8 @@ def negate_layer_1(path) -> None:
 
 
 def engine(model_dir, nvme_dir) -> LLM:
-    return LLM(model=str(model_dir), block_size=16, num_gpu_blocks=8, cpu_cache_bytes="256KiB",
+    # an LRU CPU tier writes every block it demotes (one pass fills the store)
+    return LLM(model=str(model_dir), block_size=16, num_gpu_blocks=8, cpu_cache_bytes="256KiB", cpu_policy="lru",
                nvme_path=str(nvme_dir), nvme_bytes="8MiB", io_backend="sync", preemption="recompute",
                scheduler={"cost_model": LOAD_WINS})
 

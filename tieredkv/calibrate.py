@@ -1,7 +1,9 @@
 """Start-up calibration of the cost model: PCIe (or host memcpy) bandwidth each way, prefill
-time as a function of length, and the NVMe tier's read bandwidth. Results are cached per device and model in
-`$XDG_CACHE_HOME/tieredkv/cost_models.json`. A disk that cannot be measured (too little free
-space beside the store for the probe file) gets a default read bandwidth and a warning.
+time as a function of length, and the NVMe tier's read bandwidth (through the store's own
+path: its backend, read size and queue depth; the scheduler corrects it online). Results are
+cached per device and model in `$XDG_CACHE_HOME/tieredkv/cost_models.json`. A disk that cannot
+be measured (too little free space beside the store for the probe file) gets a default read
+bandwidth and a warning.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from tieredkv.policy import CostModel
+from tieredkv.tiers.nvme.io_backends import BlockIO, IOBackend, IORequest, make_backend
+from tieredkv.tiers.nvme.slot_format import ALIGN, aligned_empty
 from tieredkv.user_cache import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -55,17 +60,22 @@ def measure_bandwidth(device: torch.device, num_bytes: int = 64 << 20) -> tuple[
     return num_bytes / d2h, num_bytes / h2d
 
 
-def measure_disk_read(directory: str, num_bytes: int = 64 << 20) -> float | None:
-    """Bytes/s of large direct reads from a probe file written in `directory`; None, with a
-    warning, where the probe cannot be written (less than twice its size free, or a write
-    error): the caller then assumes DEFAULT_DISK_READ_BYTES_PER_S."""
+def measure_disk_read(
+    directory: str, num_bytes: int = 64 << 20, read_bytes: int = 4 << 20, queue_depth: int = 1,
+    backend: IOBackend = "sync",
+) -> float | None:
+    """Bytes/s of direct reads of `read_bytes` each, `queue_depth` in flight through the NVMe
+    store's I/O `backend`, from a probe file written in `directory` (the engine measures its
+    store's own path: slot-sized reads at the store's queue depth). None, with a warning,
+    where the probe cannot be written (less than twice its size free, or a write error): the
+    caller then assumes DEFAULT_DISK_READ_BYTES_PER_S."""
     why = None
     try:
         free = shutil.disk_usage(directory).free
         if free < 2 * num_bytes:
             why = f"{free >> 20} MiB free, the probe needs {2 * num_bytes >> 20} MiB"
         else:
-            return _probe_disk_read(directory, num_bytes)
+            return _probe_disk_read(directory, num_bytes, -(-read_bytes // ALIGN) * ALIGN, queue_depth, backend)
     except OSError as err:
         why = f"writing the probe file failed: {err}"
     logger.warning(
@@ -76,7 +86,7 @@ def measure_disk_read(directory: str, num_bytes: int = 64 << 20) -> float | None
     return None
 
 
-def _probe_disk_read(directory: str, num_bytes: int) -> float:
+def _probe_disk_read(directory: str, num_bytes: int, read_bytes: int, queue_depth: int, backend: IOBackend) -> float:
     """O_DIRECT where it works; otherwise the page cache is dropped for the file first."""
     path = os.path.join(directory, ".tieredkv-calibration")
     chunk = 4 << 20
@@ -84,7 +94,7 @@ def _probe_disk_read(directory: str, num_bytes: int) -> float:
     buf.write(os.urandom(chunk))
     try:
         with open(path, "wb") as f:
-            for _ in range(num_bytes // chunk):
+            for _ in range(-(-num_bytes // chunk)):
                 f.write(buf)
             f.flush()
             os.fsync(f.fileno())
@@ -95,16 +105,35 @@ def _probe_disk_read(directory: str, num_bytes: int) -> float:
             fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            start = time.perf_counter()
-            for offset in range(0, num_bytes, chunk):
-                os.preadv(fd, [buf], offset)
-            return num_bytes / (time.perf_counter() - start)
+            return _timed_reads(fd, num_bytes, read_bytes, queue_depth, make_backend(backend, queue_depth, directory))
         finally:
             os.close(fd)
     finally:
         buf.close()
         with contextlib.suppress(OSError):
             os.remove(path)
+
+
+def _timed_reads(fd: int, num_bytes: int, read_bytes: int, queue_depth: int, io: BlockIO) -> float:
+    """Read `num_bytes` of `fd` in `read_bytes` pieces, `queue_depth` in flight; bytes/s."""
+    offsets = list(range(0, num_bytes - read_bytes + 1, read_bytes))
+    total = len(offsets)
+    buffers = [memoryview(aligned_empty(read_bytes).numpy()) for _ in range(min(queue_depth, total))]
+    free, done = list(range(len(buffers))), 0
+    start = time.perf_counter()
+    try:
+        while done < total:
+            while free and offsets:
+                tag = free.pop()
+                io.submit([IORequest(tag, "read", fd, offsets.pop(), (buffers[tag],))])
+            for completion in io.reap(None):
+                if completion.result != read_bytes:
+                    raise OSError(f"a probe read returned {completion.result}")
+                free.append(completion.tag)
+                done += 1
+    finally:
+        io.close()
+    return done * read_bytes / (time.perf_counter() - start)
 
 
 def fit_prefill(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
@@ -116,12 +145,21 @@ def fit_prefill(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
     return a, b
 
 
+class DiskProbe(NamedTuple):
+    """Where and how the NVMe store reads: its directory, read size, queue depth, backend."""
+
+    directory: str
+    read_bytes: int
+    queue_depth: int
+    backend: IOBackend
+
+
 def calibrate(
-    key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int, disk_dir: str | None = None
+    key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int, disk: DiskProbe | None = None
 ) -> CostModel:
     """The cost model for `key` (device + model [+ disk]), measured once and cached."""
-    if disk_dir is not None:
-        key = f"{key}/disk:{os.path.abspath(disk_dir)}"
+    if disk is not None:
+        key = f"{key}/disk:{os.path.abspath(disk.directory)}:{disk.read_bytes}x{disk.queue_depth}:{disk.backend}"
     path = cache_file()
     try:
         cached = json.loads(path.read_text())
@@ -138,10 +176,11 @@ def calibrate(
     t1 = _timed(lambda: prefill(n1), device, reps=2)
     t2 = _timed(lambda: prefill(n2), device, reps=2)
     a, b = fit_prefill(n1, t1, n2, t2)
-    disk = measure_disk_read(disk_dir) if disk_dir is not None else None
-    if disk_dir is not None and disk is None:  # a guess: used now, not cached
+    disk_rate = measure_disk_read(disk.directory, read_bytes=disk.read_bytes, queue_depth=disk.queue_depth,
+                                  backend=disk.backend) if disk is not None else None
+    if disk is not None and disk_rate is None:  # a guess: used now, not cached
         return CostModel(d2h, h2d, a, b, DEFAULT_DISK_READ_BYTES_PER_S)
-    model = CostModel(d2h, h2d, a, b, disk)
+    model = CostModel(d2h, h2d, a, b, disk_rate)
     logger.info("calibrated %s: %s", key, model)
     cached[key] = asdict(model)
     try:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Literal, get_args
 
+from tieredkv.cache.admission import CPUPolicy
 from tieredkv.policy import CostModel, Preemption
 from tieredkv.tiers.nvme.io_backends import IOBackend
 
@@ -173,6 +174,7 @@ class CacheConfig:
     nvme_path: str | None = None
     nvme_bytes: int = 0
     io_backend: IOBackend = "uring"
+    cpu_policy: CPUPolicy = "tinylfu"
     remote_url: str | None = None
     remote_bytes: int = 0
 
@@ -193,6 +195,7 @@ class CacheConfig:
                 raise ValueError(f"nvme_path: expected a directory path, got {self.nvme_path!r}")
             _set(self, "nvme_path", os.path.expanduser(os.fspath(self.nvme_path)))
         check_choice("io_backend", self.io_backend, get_args(IOBackend))
+        check_choice("cpu_policy", self.cpu_policy, get_args(CPUPolicy))
         if self.nvme_bytes and not self.nvme_path:
             raise ValueError("nvme_bytes: set nvme_path (a directory for the block store) to use an NVMe tier")
         if self.nvme_path and not self.nvme_bytes:

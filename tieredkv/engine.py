@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from tieredkv.cache.hashing import model_fingerprint
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
-from tieredkv.calibrate import calibrate
+from tieredkv.calibrate import DiskProbe, calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml, resolve_paths
 from tieredkv.memory import check_fits
 from tieredkv.model.runner import ModelRunner
@@ -38,6 +38,7 @@ from tieredkv.text import IncrementalDetokenizer, Message, chat_prompt
 from tieredkv.tiers.backend import BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.opener import open_store
+from tieredkv.tiers.nvme.store import DEFAULT_QUEUE_DEPTH
 from tieredkv.tiers.remote import NVME_STORE_STATS, open_remote, pair_stores
 from tieredkv.transfer.engine import make_transfer_engine
 
@@ -94,7 +95,7 @@ class LLMEngine:
             )
         check_fits("cpu_cache_bytes", num_blocks, self.block_bytes, torch.device("cpu"))
         tier = CPUTier(num_blocks, tuple(kv_cache[:, :, 0].shape), kv_cache.dtype, pin=kv_cache.is_cuda)
-        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_stores())
+        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_stores(), cache.cpu_policy)
 
     def _build_stores(self) -> BlockStore | None:
         """The store below the CPU tier: NVMe, the remote server, or both (reads from the first
@@ -128,7 +129,8 @@ class LLMEngine:
         disk_dir = cache.nvme_path
         if disk_dir is not None and not os.path.isdir(disk_dir):  # the store's file itself
             disk_dir = os.path.dirname(os.path.abspath(disk_dir))
-        return self._with_remote_reads(calibrate(key, device, self.runner.prefill_probe, max_tokens, disk_dir))
+        probe = DiskProbe(disk_dir, self.block_bytes, DEFAULT_QUEUE_DEPTH, cache.io_backend) if disk_dir else None
+        return self._with_remote_reads(calibrate(key, device, self.runner.prefill_probe, max_tokens, probe))
 
     def _with_remote_reads(self, cost: CostModel) -> CostModel:
         """With a remote tier, loads are planned against the slower of the disk and the server,
@@ -290,6 +292,8 @@ class LLMEngine:
             "swap_fallbacks": self.scheduler.num_swap_fallbacks,
             "nvme_prefix_blocks": dict(self.scheduler.nvme_prefix_blocks),
             "nvme_skipped_tokens": self.scheduler.nvme_skipped_tokens,
+            "nvme_load_waits": self.scheduler.nvme_load_waits,
+            **({"disk_read_bytes_per_s": self.scheduler.disk_rate.bytes_per_s} if self.scheduler.disk_rate else {}),
             **self._counters,
             "requests_waiting": len(self.scheduler.waiting),
             "requests_running": len(self.scheduler.running),

@@ -6,14 +6,14 @@ Preemption: what to do with a sequence that must leave the GPU.
 - `auto`: whichever the cost model says is cheaper, per sequence.
 
 Slow-tier hits: prefix blocks found on NVMe are loaded, recomputed, or both at once
-(`split_nvme_prefix`).
+(`split_nvme_prefix`), against the disk bandwidth the engine observes (`ObservedRate`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 Preemption = Literal["auto", "swap", "recompute"]
@@ -98,6 +98,32 @@ def split_nvme_prefix(
     return min(range(num_blocks + 1), key=finish_s)
 
 
+class ObservedRate:
+    """A bandwidth as the engine gets it: bytes moved over the seconds something was in flight,
+    recent seconds weighing most (what came `half_life_s` of busy time ago counts half). It
+    starts from the calibrated `prior`, worth `prior_s` busy seconds, so a disk slower (or
+    faster) than calibrated is corrected within a few seconds of use."""
+
+    def __init__(self, prior: float, half_life_s: float = 0.5, prior_s: float = 0.1) -> None:
+        self.half_life_s = half_life_s
+        self._bytes, self._seconds = prior * prior_s, prior_s
+        self._seen = (0, 0.0)  # the cumulative counters at the last update
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self._bytes / self._seconds
+
+    def update(self, total_bytes: int, total_busy_s: float) -> None:
+        """Take in cumulative counters (bytes moved, seconds busy) read from the device."""
+        nbytes, seconds = total_bytes - self._seen[0], total_busy_s - self._seen[1]
+        self._seen = (total_bytes, total_busy_s)
+        if seconds <= 0:
+            return
+        keep = 0.5 ** (seconds / self.half_life_s)
+        self._bytes = self._bytes * keep + nbytes
+        self._seconds = self._seconds * keep + seconds
+
+
 @dataclass(frozen=True)
 class TierPolicy:
     """The configured preemption mode and the cost model, bound to the KV block size."""
@@ -111,9 +137,15 @@ class TierPolicy:
         return choose_preemption(self.mode, num_tokens, num_blocks, self.block_bytes, cpu_free_blocks, self.cost)
 
     def nvme_blocks_to_compute(
-        self, num_blocks: int, first_token: int, disk_queue_blocks: int = 0, gpu_queue_tokens: int = 0
+        self, num_blocks: int, first_token: int, disk_queue_blocks: int = 0, gpu_queue_tokens: int = 0,
+        disk_bytes_per_s: float | None = None,
     ) -> int:
+        """`split_nvme_prefix` with the queues, at `disk_bytes_per_s` (the observed bandwidth)
+        where given, else the calibrated one."""
+        cost = self.cost
+        if cost is not None and disk_bytes_per_s is not None:
+            cost = replace(cost, disk_read_bytes_per_s=disk_bytes_per_s)
         return split_nvme_prefix(
-            num_blocks, self.block_bytes, first_token, self.block_size, self.cost,
+            num_blocks, self.block_bytes, first_token, self.block_size, cost,
             disk_queue_blocks * self.block_bytes, gpu_queue_tokens,
         )

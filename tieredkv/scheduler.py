@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost
 from tieredkv.config import SchedulerConfig
-from tieredkv.policy import TierPolicy
+from tieredkv.policy import ObservedRate, TierPolicy
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
 
 PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of their turn
@@ -61,9 +61,16 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
         self.num_swap_fallbacks = 0
-        # prefix blocks found on NVMe at planning, by what the cost model chose for them
-        self.nvme_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0}
+        # prefix blocks found on NVMe at planning, by what the cost model chose for them;
+        # `compute_for_queues`: computed only because of the disk's and the GPU's queues
+        self.nvme_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0, "compute_for_queues": 0}
+        # the disk's read bandwidth as the engine gets it, from the calibrated figure on (a
+        # cost model pinned in the config stays as pinned)
+        cost = policy.cost
+        measured = config.cost_model is None and cost is not None and cost.disk_read_bytes_per_s is not None
+        self.disk_rate = ObservedRate(cost.disk_read_bytes_per_s) if measured else None
         self.nvme_skipped_tokens = 0  # prefill tokens jumped over: their KV came from NVMe
+        self.nvme_load_waits = 0  # steps a sequence had nothing to compute before its loads landed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -103,6 +110,7 @@ class Scheduler:
             seq = self.running[i]
             n = self._next_chunk(seq, budget)
             if n == 0:  # waiting for its NVMe blocks, or they are landing
+                self.nvme_load_waits += 1
                 i += 1
                 continue
             while self.kv.allocate(seq, n) is None:
@@ -158,13 +166,25 @@ class Scheduler:
         reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
 
         def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
-            disk_queue_blocks = self.kv.nvme_reads_in_flight()
-            return self.policy.nvme_blocks_to_compute(num_blocks, first_token, disk_queue_blocks, gpu_queue_tokens)
+            rate = self._disk_bytes_per_s()
+            plan = self.policy.nvme_blocks_to_compute
+            compute = plan(num_blocks, first_token, self.kv.nvme_reads_in_flight(), gpu_queue_tokens, rate)
+            idle = plan(num_blocks, first_token, disk_bytes_per_s=rate)
+            self.nvme_prefix_blocks["compute_for_queues"] += max(0, compute - idle)
+            return compute
 
         plan = self.kv.plan_loads(seq, split)
         if plan is not None:
             self.nvme_prefix_blocks["compute"] += plan.num_compute
             self.nvme_prefix_blocks["load"] += plan.num_load
+
+    def _disk_bytes_per_s(self) -> float | None:
+        """The observed disk read bandwidth (None: the calibrated one applies)."""
+        counters = self.kv.disk_read_counters()
+        if self.disk_rate is None or counters is None:
+            return None
+        self.disk_rate.update(*counters)
+        return self.disk_rate.bytes_per_s
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         if not self.waiting:
@@ -177,6 +197,7 @@ class Scheduler:
             prefix = self.kv.match_prefix(seq)
             n = self.kv.computable(seq, budget, prefix).num_new_tokens
             if n == 0:  # nothing to compute before its NVMe blocks arrive
+                self.nvme_load_waits += 1
                 continue
             got = self.kv.allocate(seq, n, prefix)
             if got is None:

@@ -8,7 +8,8 @@ Operations (all O(1) per block):
   free queue (cached ones stay findable until they are evicted).
 - `cache(block, ...)` / `lookup(hash, ...)` / `cached_block(hash)`: the prefix-cache hash map.
 - `refresh(block)`: an unowned cached block was used again: move it to the back.
-- `free_blocks()`: the free queue, front (next to evict) first; `drop_unowned()`: forget
+- `free_blocks()`: the free queue, front (next to evict) first; `next_victim()`: its front;
+  `drop_unowned()`: forget
   every cached block nobody owns.
 
 The free queue is in LRU order: the front is evicted first. Never-hashed blocks go to the
@@ -69,6 +70,10 @@ class BlockPool:
     def is_free(self, block: Block) -> bool:
         return block.block_id in self._free_queue
 
+    def next_victim(self) -> Block | None:
+        """The block `allocate(1)` would take (a cached one is evicted), if any."""
+        return next(iter(self._free_queue.values()), None)
+
     def cached_block(self, block_hash: int) -> Block | None:
         """The block cached under `block_hash`, if any (unverified: see `lookup`)."""
         return self._cached.get(block_hash)
@@ -90,15 +95,16 @@ class BlockPool:
             del self._free_queue[block.block_id]
         block.ref_count += 1
 
-    def release(self, blocks: Iterable[Block]) -> None:
+    def release(self, blocks: Iterable[Block], evict_first: bool = False) -> None:
         """Drop one reference from each block, in the given order (the first reaches the
-        free queue first, so it is evicted first)."""
+        free queue first, so it is evicted first). `evict_first`: blocks that reach zero go to
+        the front (their content is safe elsewhere), as never-hashed blocks always do."""
         for block in blocks:
             assert block.ref_count > 0, f"block {block.block_id} released more often than owned"
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free_queue[block.block_id] = block
-                if block.block_hash is None:
+                if evict_first or block.block_hash is None:
                     self._free_queue.move_to_end(block.block_id, last=False)
 
     def lookup(self, block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> Block | None:

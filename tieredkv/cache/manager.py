@@ -8,6 +8,7 @@ Operations:
 - `plan_loads(seq, split) -> NVMePlan | None`: once per stay in the waiting queue, start
   reading the later part of the sequence's NVMe prefix blocks into the CPU tier (`split`, the
   policy, says how many of the earlier ones to compute instead).
+- `nvme_reads_in_flight()` / `disk_read_counters()`: the disk's queue and its observed speed.
 - `computable(seq, budget, prefix) -> Chunk`: the one question about those loads: how many
   tokens the sequence may compute now (0: wait for its loads), and how many prefix tokens that
   have landed it jumps over.
@@ -100,14 +101,12 @@ class KVCacheManager:
         self.root_hash = root_hash
         self.offload = offload
         # The eviction chain, wired here and nowhere else:
-        #   GPU pool evicts a cached block ──► offload.demote: takes a CPU block (evicting one
-        #   there), queues a D2H copy
-        #   CPU pool evicts a cached block ──► spill.before_evict: if the block's NVMe write is
-        #   still in flight, waits for it
-        # so a GPU allocation may wait on a disk write (rare: spill-ahead writes cold blocks early).
+        #   GPU pool evicts a cached block ──► offload.demote: unless a lower tier holds it or the
+        #   CPU tier's admission turns it down, takes a CPU block (evicting one there) and queues
+        #   a D2H copy; a block turned down that the disk should keep goes down through staging
+        #   CPU pool evicts a cached block ──► nothing: blocks being written to disk are held,
+        #   so no allocation ever waits for the disk
         self.pool = BlockPool(num_blocks, on_evict=offload.demote if offload else None)
-        if offload is not None and offload.nvme is not None:
-            offload.pool.on_evict = offload.nvme.before_evict
         self._tables: dict[str, list[Block]] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}
@@ -148,6 +147,11 @@ class KVCacheManager:
         on_disk = itertools.takewhile(lambda ref: self.offload.nvme_contains(ref.block_hash), rest)
         return PrefixMatch(tuple(gpu), tuple(cpu), tuple(on_disk))
 
+    def _hit_candidates(self, seq: Sequence) -> list[int]:
+        """The hashes of the sequence's full blocks that a prefix hit may cover."""
+        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash)
+        return hashes[: (seq.num_tokens - 1) // self.block_size]
+
     def _full_blocks(self, seq: Sequence, start: int = 0) -> Iterator[BlockRef]:
         """The sequence's full blocks from block `start` on that a prefix hit may cover: at
         least one token must be computed to get logits, so a full hit stops one block short."""
@@ -178,6 +182,12 @@ class KVCacheManager:
     def nvme_reads_in_flight(self) -> int:
         """NVMe block reads submitted and not finished: the disk's queue."""
         return self.offload.reads_in_flight if self.offload is not None else 0
+
+    def disk_read_counters(self) -> tuple[int, float] | None:
+        """(bytes read from NVMe, seconds with reads in flight), cumulative; None without NVMe."""
+        if self.offload is None or self.offload.nvme is None:
+            return None
+        return self.offload.nvme.read_counters()
 
     def computable(self, seq: Sequence, budget: int, prefix: PrefixMatch | None = None) -> Chunk:
         """Tokens the sequence may compute now, up to `budget`: a new sequence (with its
@@ -271,6 +281,8 @@ class KVCacheManager:
         assert fresh is not None, "free count checked above"
         self._tables[seq.request_id], self._block_ids[seq.request_id] = [], []
         self._extend(seq.request_id, [*reused, *fresh])
+        if self.offload is not None:
+            self.offload.requested(self._hit_candidates(seq), len(reused))
         num_promoted = self._promote(promoted, fresh)
         num_hit_blocks = len(reused) + num_promoted
         self._num_committed[seq.request_id] = num_hit_blocks
@@ -321,7 +333,7 @@ class KVCacheManager:
         keep = self.blocks_needed(seq.num_computed_tokens)
         if self.offload is None or keep == 0:
             return False
-        cpu_blocks = self.offload.copy_out(self.block_table(seq)[:keep])
+        cpu_blocks = self.offload.copy_out(self._tables[seq.request_id][:keep])
         if cpu_blocks is None:
             return False
         self._release_gpu(seq)

@@ -2,12 +2,16 @@
 
 Operations:
 - `demote(gpu_block)`: a cached GPU block is being evicted: keep its KV in the CPU tier
-  (queued; `flush()` submits all queued demotions as one D2H job).
+  (queued; `flush()` submits all queued demotions as one D2H job), unless the tier or the
+  disk holds it already, or the admission policy prefers the block it would evict.
+- `requested(hashes, num_gpu_hits)`: a request was admitted with these full prompt blocks,
+  the first `num_gpu_hits` found on the GPU: counted for the admission policy (and the trace).
 - `lookup(hash, parent, tokens)`: a demoted prefix block in the CPU tier.
 - `copy_in(cpu_blocks, gpu_ids) -> job id`: promote or swap in (one H2D job); the CPU blocks
   stay reserved until the job has finished.
-- `copy_out(gpu_ids) -> cpu blocks | None`: swap out (one D2H job).
-- `retire()`: release what finished transfers held; book finished NVMe reads; spill ahead.
+- `copy_out(gpu_blocks) -> cpu blocks | None`: swap out (one D2H job); full blocks the CPU
+  tier caches already are shared, not copied.
+- `retire()`: release what finished transfers held; book finished NVMe reads; write to NVMe.
 - `start_loads(request_id, refs)` / `loading(request_id)` / `release_loads(request_id)`: read
   a request's prefix blocks from NVMe into held CPU blocks before it is admitted.
 """
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from tieredkv.cache.admission import CPUPolicy, make_admission
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.spill import NVMeSpill
+from tieredkv.cache.trace import BlockTrace
 from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.transfer.engine import TransferEngine, TransferError, TransferJob
@@ -26,14 +32,24 @@ from tieredkv.transfer.engine import TransferEngine, TransferError, TransferJob
 class CPUOffload:
     """The CPU tier's bookkeeping (a `BlockPool` like the GPU tier's: owned blocks hold
     swapped-out sequences, cached unowned blocks demoted prefixes), the transfer engine, and
-    optionally a slow tier (`store`, e.g. NVMe) below them."""
+    optionally a slow tier (`store`, e.g. NVMe) below them.
 
-    def __init__(self, tier: CPUTier, transfers: TransferEngine, store: BlockStore | None = None) -> None:
+    Swapped-out sequences and demoted prefixes share the tier: a swap takes its blocks first
+    (evicting prefixes; a swapped sequence comes back for certain, a prefix only maybe), and
+    shares the prefix blocks the tier holds already. `trace`, when set, records what the tier
+    was offered and asked for (`cache/trace.py`)."""
+
+    def __init__(
+        self, tier: CPUTier, transfers: TransferEngine, store: BlockStore | None = None, policy: CPUPolicy = "tinylfu"
+    ) -> None:
         self.tier = tier
         self.pool = BlockPool(tier.num_blocks)
         self.transfers = transfers
-        self.nvme = NVMeSpill(store, self.pool, tier.data) if store is not None else None
+        self.admission = make_admission(policy, tier.num_blocks)
+        self.nvme = NVMeSpill(store, self.pool, tier.data, self.admission) if store is not None else None
+        self.trace: BlockTrace | None = None
         self._demotions: list[tuple[int, Block]] = []
+        self._staging: dict[int, BlockRef] = {}  # staging CPU block id -> the block it receives
         self._held: dict[int, list[Block]] = {}
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
         self._reads: dict[int, tuple[str, Block, BlockRef]] = {}  # NVMe job -> what it fills
@@ -41,6 +57,9 @@ class CPUOffload:
         self._orphans: set[int] = set()  # reads whose request left before they finished
         self.hit_blocks = 0
         self.demoted_blocks = 0
+        self.rejected_blocks = 0  # demotions the admission policy turned down
+        self.on_disk_blocks = 0  # demotions skipped: the disk holds the block
+        self.shared_swap_blocks = 0  # swapped-out blocks that were cached in the tier already
         self.nvme_loaded_blocks = 0
         self.nvme_failed_loads = 0
 
@@ -49,18 +68,43 @@ class CPUOffload:
         return self.pool.num_free
 
     def demote(self, gpu_block: Block) -> None:
-        assert gpu_block.block_hash is not None, "only cached blocks are demoted"
-        known = self.pool.cached_block(gpu_block.block_hash)
+        block_hash = gpu_block.block_hash
+        assert block_hash is not None, "only cached blocks are demoted"
+        if self.trace is not None:
+            self.trace.offer(block_hash)
+        known = self.pool.cached_block(block_hash)
         if known is not None:
             if known.ref_count == 0:
                 self.pool.refresh(known)
             return
-        taken = self.pool.allocate(1)
-        if taken is None:  # the CPU tier is full of swapped sequences: the prefix is dropped
+        if self.nvme is not None and self.nvme.contains(block_hash):
+            self.on_disk_blocks += 1
             return
-        cpu_block = taken[0]
-        self.pool.cache(cpu_block, gpu_block.block_hash, gpu_block.parent_hash, gpu_block.token_ids)
+        victim = self.pool.next_victim()
+        if victim is None:  # the CPU tier is full of swapped sequences: the prefix is dropped
+            return
+        if victim.block_hash is not None and not self.admission.admits(block_hash, victim.block_hash):
+            self.rejected_blocks += 1
+            self._stage(gpu_block)
+            return
+        cpu_block = self.pool.allocate(1)[0]
+        self.pool.cache(cpu_block, block_hash, gpu_block.parent_hash, gpu_block.token_ids)
         self._demotions.append((gpu_block.block_id, cpu_block))
+
+    def _stage(self, gpu_block: Block) -> None:
+        """A block the CPU tier turned down goes to disk through a staging block, if worth it."""
+        if self.nvme is None or not self.nvme.worth_writing(gpu_block.block_hash):
+            return
+        staging = self.nvme.stage()
+        if staging is not None:
+            ref = BlockRef(gpu_block.block_hash, gpu_block.parent_hash, gpu_block.token_ids)
+            self._demotions.append((gpu_block.block_id, staging))
+            self._staging[staging.block_id] = ref
+
+    def requested(self, block_hashes: list[int], num_gpu_hits: int) -> None:
+        self.admission.record(block_hashes)
+        if self.trace is not None:
+            self.trace.request(tuple(block_hashes[num_gpu_hits:]))
 
     def flush(self) -> None:
         """Submit the queued demotions (before anything may overwrite their GPU blocks)."""
@@ -72,8 +116,11 @@ class CPUOffload:
             job_id = self.transfers.submit(job)
         except TransferError:
             for _, cpu_block in pending:  # their content never arrived: forget them
-                self.pool.uncache(cpu_block)
-            self.pool.release(c for _, c in pending)
+                if self._staging.pop(cpu_block.block_id, None) is not None:
+                    self.nvme.unstage(cpu_block)
+                else:
+                    self.pool.uncache(cpu_block)
+                    self.pool.release([cpu_block])
             return
         self.demoted_blocks += len(pending)
         self._held[job_id] = [c for _, c in pending]
@@ -94,27 +141,50 @@ class CPUOffload:
         self._held[job_id] = list(cpu_blocks)
         return job_id
 
-    def copy_out(self, gpu_ids: list[int]) -> list[Block] | None:
-        """D2H copy of `gpu_ids` into fresh CPU blocks (owned by the caller), or None when the
-        CPU tier has no room or the copy cannot start."""
-        cpu_blocks = self.pool.allocate(len(gpu_ids))
-        if cpu_blocks is None:
+    def copy_out(self, gpu_blocks: list[Block]) -> list[Block] | None:
+        """D2H copy of `gpu_blocks` into CPU blocks (owned by the caller), or None when the CPU
+        tier has no room or the copy cannot start. Full blocks the tier caches already are
+        shared (a reference, no copy); the blocks copied join its prefix cache."""
+        shared = [self.pool.cached_block(b.block_hash) if b.block_hash is not None else None for b in gpu_blocks]
+        copied = [b for b, known in zip(gpu_blocks, shared, strict=True) if known is None]
+        fresh = self.pool.allocate(len(copied)) if len(copied) <= self.pool.num_free else None
+        if fresh is None:
             return None
+        for known in shared:
+            if known is not None:
+                self.pool.touch(known)
         self.flush()
+        job = TransferJob("d2h", tuple(b.block_id for b in copied), tuple(b.block_id for b in fresh))
         try:
-            self.transfers.submit(TransferJob("d2h", tuple(gpu_ids), tuple(b.block_id for b in cpu_blocks)))
+            if copied:
+                self.transfers.submit(job)
         except TransferError:
-            self.pool.release(cpu_blocks)
+            self.pool.release(fresh)
+            self.pool.release(known for known in shared if known is not None)
             return None
-        return cpu_blocks
+        for gpu_block, cpu_block in zip(copied, fresh, strict=True):
+            if gpu_block.block_hash is not None:
+                self.pool.cache(cpu_block, gpu_block.block_hash, gpu_block.parent_hash, gpu_block.token_ids)
+        self.shared_swap_blocks += len(gpu_blocks) - len(copied)
+        taken = iter(fresh)
+        return [known if known is not None else next(taken) for known in shared]
 
     def retire(self) -> None:
         for job_id in self.transfers.poll():
-            self.pool.release(self._held.pop(job_id, []))
+            self._release_held(job_id)
         if self.nvme is not None:
             for job, ok in self.nvme.poll():
                 self._finish_read(job, ok)
-            self.nvme.spill_ahead()
+            self.nvme.spill_ahead(len(self._reads))
+
+    def _release_held(self, job_id: int) -> None:
+        """A transfer finished: release its CPU blocks; staged ones go on to the disk."""
+        for block in self._held.pop(job_id, []):
+            ref = self._staging.pop(block.block_id, None)
+            if ref is None:
+                self.pool.release([block])
+            else:
+                self.nvme.write_staged(block, ref)
 
     # ------------------------------------------------------------------ NVMe loads
 
@@ -185,6 +255,9 @@ class CPUOffload:
             "cpu_blocks_cached": self.pool.num_cached,
             "cpu_hit_blocks": self.hit_blocks,
             "cpu_demoted_blocks": self.demoted_blocks,
+            "cpu_rejected_blocks": self.rejected_blocks,
+            "cpu_demotions_on_disk": self.on_disk_blocks,
+            "cpu_shared_swap_blocks": self.shared_swap_blocks,
             "bytes_d2h": self.transfers.bytes_moved["d2h"],
             "bytes_h2d": self.transfers.bytes_moved["h2d"],
             "transfer_failures": self.transfers.num_failures,

@@ -235,8 +235,17 @@ def format_summary(s: Summary) -> str:
         ("moved D2H / H2D",
          f"{s.stats.get('bytes_d2h', 0) / 2**20:.1f} / {s.stats.get('bytes_h2d', 0) / 2**20:.1f} MiB"),
         ("compute waited on transfers", f"{s.stats.get('transfer_wait_s', 0.0):.3f} s"),
-        ("spilled to NVMe", f"{s.stats.get('nvme_spilled_blocks', 0)} blocks"),
-        ("NVMe prefix blocks: load / compute", f"{nvme_choice.get('load', 0)} / {nvme_choice.get('compute', 0)}"),
+        ("CPU demotions: kept / turned down / on disk",
+         f"{s.stats.get('cpu_demoted_blocks', 0)} / {s.stats.get('cpu_rejected_blocks', 0)} / "
+         f"{s.stats.get('cpu_demotions_on_disk', 0)}"),
+        ("spilled to NVMe", f"{s.stats.get('nvme_spilled_blocks', 0)} blocks "
+                            f"({s.stats.get('nvme_write_skipped_blocks', 0)} on disk already, "
+                            f"{s.stats.get('nvme_write_backlog', 0)} queued at the end)"),
+        ("NVMe prefix blocks: load / compute", f"{nvme_choice.get('load', 0)} / {nvme_choice.get('compute', 0)} "
+                                               f"({nvme_choice.get('compute_for_queues', 0)} for the queues)"),
+        ("steps waiting on NVMe loads", str(s.stats.get("nvme_load_waits", 0))),
+        ("disk read observed", f"{s.stats['disk_read_bytes_per_s'] / 1e9:.2f} GB/s"
+         if "disk_read_bytes_per_s" in s.stats else "n/a"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"== {s.name} =="] + [f"{k:<{width}}  {v}" for k, v in rows])

@@ -43,6 +43,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -66,6 +67,8 @@ from tieredkv.tiers.nvme.slot_io import SlotIO, SlotJob
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_QUEUE_DEPTH = 32  # I/Os in flight
+
 _COUNTERS = (
     "hits misses writes bytes_read bytes_written evictions write_rejected restored "
     "corrupt io_errors enospc short_reads short_writes files_lost scan_discarded reformatted "
@@ -84,7 +87,7 @@ class NVMeStore:
         fingerprint: bytes | int,
         block_size: int,
         backend: IOBackend | BlockIO = "uring",
-        queue_depth: int = 32,
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
     ) -> None:
         """`path`: the store file, or a directory to hold it; `fingerprint`: model config, dtype
         and block size (bytes, or the engine's int); `backend`: a name, or a BlockIO object
@@ -100,6 +103,8 @@ class NVMeStore:
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._generation, self._sequence, self._closed = 0, 0, False
         self._retired: list[SlotFile] = []  # files deleted under us, closed at close()
+        # time with reads in flight: bytes read over it is the read bandwidth the engine gets
+        self._reads_in_flight, self._read_busy_since, self._read_busy_s = 0, 0.0, 0.0
         self._file: SlotFile | None = None
         try:
             self._file = SlotFile(self.path, self.geometry, self._owns_file)
@@ -188,6 +193,9 @@ class NVMeStore:
                 self._counts["misses"] += 1
                 return None
             job, direct = self._new_job("read", block_hash, parent_hash, tokens, slot, payload)
+            if not self._reads_in_flight:
+                self._read_busy_since = time.monotonic()
+            self._reads_in_flight += 1
         self._io.start(job, None, direct)
         return job.id
 
@@ -236,11 +244,15 @@ class NVMeStore:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.wait, list(job_ids), timeout)
 
-    def stats(self) -> dict[str, int | str | bool]:
-        """Counters (hits, misses, bytes, evictions, each kind of fault) and slot occupancy."""
+    def stats(self) -> dict[str, int | float | str | bool]:
+        """Counters (hits, misses, bytes, evictions, each kind of fault), slot occupancy, and
+        `read_busy_s`, the seconds with reads in flight (`bytes_read` over it is the read
+        bandwidth the caller got, the disk shared as it was)."""
         with self._cond:
             out: dict[str, int | str | bool] = dict(self._counts)
+            busy = self._read_busy_s + (time.monotonic() - self._read_busy_since if self._reads_in_flight else 0.0)
             out.update(
+                read_busy_s=busy,
                 slots_total=self.num_slots,
                 slots_used=self.index.num_stored,
                 slots_free=self.index.num_free,
@@ -345,6 +357,10 @@ class NVMeStore:
             elif ok:
                 self._counts["hits" if job.op == "read" else "writes"] += 1
                 self._counts["bytes_read" if job.op == "read" else "bytes_written"] += job.nbytes
+            if job.op == "read":
+                self._reads_in_flight -= 1
+                if not self._reads_in_flight:
+                    self._read_busy_s += time.monotonic() - self._read_busy_since
             del self._jobs[job.id]
             self._done[job.id] = ok
             self._cond.notify_all()

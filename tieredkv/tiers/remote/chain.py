@@ -7,8 +7,8 @@
     store.poll(); store.wait(jobs); store.stats(); store.close()
 
 `stats()` is the local store's (zeros without one), which the spill path reports as the
-`nvme_*` stats (an engine without NVMe drops those of `NVME_STORE_STATS`); the remote store
-reports its own (`remote_*`).
+`nvme_*` stats (an engine without NVMe drops those of `NVME_STORE_STATS`), with the bytes read
+and the time spent reading of both stores; the remote store reports its own (`remote_*`).
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ import torch
 from tieredkv.tiers.backend import BlockRef, BlockStore
 
 # what an NVMe store's stats() holds, for the spill path when there is no local store
-NO_LOCAL_STATS: dict[str, int | str | bool] = {
+NO_LOCAL_STATS: dict[str, int | float | str | bool] = {
     **dict.fromkeys(("slots_total slots_used hits corrupt io_errors enospc short_reads short_writes files_lost "
-                     "internal_errors restored scan_discarded reformatted").split(), 0),
+                     "internal_errors restored scan_discarded reformatted bytes_written bytes_read").split(), 0),
+    "read_busy_s": 0.0,
     "backend": "none",
 }
 
 
 # the spill path's stats that describe the NVMe store itself: an engine without one drops them
 NVME_STORE_STATS = ("nvme_slots_total nvme_slots_used nvme_io_backend nvme_hits nvme_corrupt nvme_io_errors "
-                    "nvme_files_lost nvme_internal_errors nvme_restored nvme_scan_discarded nvme_reformatted").split()
+                    "nvme_files_lost nvme_internal_errors nvme_restored nvme_scan_discarded nvme_reformatted "
+                    "nvme_bytes_written nvme_bytes_read").split()
 
 
 class StorePair:
@@ -81,8 +83,14 @@ class StorePair:
         self._done = [(j, ok) for j, ok in self._done if j not in finished]
         return finished
 
-    def stats(self) -> dict[str, int | str | bool]:
-        return self.local.stats() if self.local is not None else dict(NO_LOCAL_STATS)
+    def stats(self) -> dict[str, int | float | str | bool]:
+        """The local store's stats, with `bytes_read` and `read_busy_s` of both stores (reads
+        from either tier: the read bandwidth the loads get)."""
+        out = self.local.stats() if self.local is not None else dict(NO_LOCAL_STATS)
+        remote = self.remote.stats()
+        out["bytes_read"] += remote["remote_bytes_read"]
+        out["read_busy_s"] += remote["remote_read_busy_s"]
+        return out
 
     def close(self) -> None:
         for store in self.stores:

@@ -43,7 +43,7 @@ from tieredkv.tiers.remote.value_format import ValueLayout, Verdict, block_key, 
 logger = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 2.0  # one EXISTS from the engine's thread (a hung server stalls a step once)
-MISS_MEMORY_S = 1.0  # a block found absent is not looked up again for this long
+MISS_MEMORY_S = 5.0  # a block found absent is not looked up again for this long
 MAX_KNOWN_BLOCKS = 1 << 20
 CLOSE_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 30.0  # blocks remembered as stored by others
@@ -80,6 +80,8 @@ class RemoteStore:
         self._absent: dict[int, float] = {}  # block -> until when it counts as absent
         self._writing: set[int] = set()
         self._queue: list[_Op] = []
+        # time with reads in flight: bytes read over it is the read bandwidth the engine gets
+        self._reads_in_flight, self._read_busy_since, self._read_busy_s = 0, 0.0, 0.0
         self._closed = False
         self._loop = LoopThread("tieredkv-remote")
         try:
@@ -155,9 +157,16 @@ class RemoteStore:
             out: dict[str, int | str | bool] = {f"remote_{name}": n for name, n in self._counts.items()}
             out["remote_owned_blocks"] = len(self._owned)
         out["remote_errors"] += self.link.faults
+        out["remote_read_busy_s"] = self.read_busy_s()
         out["remote_connected"] = self.link.up
         out["remote_in_flight"] = self.jobs.in_flight
         return out
+
+    def read_busy_s(self) -> float:
+        """Seconds with reads in flight so far (`remote_bytes_read` over it: the read bandwidth)."""
+        with self._lock:
+            busy = self._read_busy_s
+            return busy + (time.monotonic() - self._read_busy_since if self._reads_in_flight else 0.0)
 
     def close(self) -> None:
         """Finish the jobs in flight (each ends by a socket timeout at the latest), then
@@ -232,6 +241,10 @@ class RemoteStore:
     def _enqueue(self, kind: Literal["read", "write"], ref: BlockRef, block: torch.Tensor) -> int:
         job = self.jobs.start()
         with self._lock:
+            if kind == "read":
+                if not self._reads_in_flight:
+                    self._read_busy_since = time.monotonic()
+                self._reads_in_flight += 1
             self._queue.append(_Op(job, kind, ref, block))
             first = len(self._queue) == 1
         if first:  # one wake-up for everything queued before the loop gets to it
@@ -323,8 +336,15 @@ class RemoteStore:
         damaged = [self._key(op.ref.block_hash) for op, v in zip(ops, verdicts, strict=True) if v == "corrupt"]
         if damaged:  # before the jobs are reported, so that no write of theirs finds them stored
             await self._delete(damaged)
+        self._reads_done(len(ops))
         for op, verdict in zip(ops, verdicts, strict=True):
             self.jobs.finish(op.job, verdict == "ok")
+
+    def _reads_done(self, count: int) -> None:
+        with self._lock:
+            self._reads_in_flight -= count
+            if not self._reads_in_flight:
+                self._read_busy_s += time.monotonic() - self._read_busy_since
 
     def _book_read(self, op: _Op, value: object) -> Verdict:
         """Verify one value into its block and count the outcome."""
@@ -385,6 +405,7 @@ class RemoteStore:
             for op in ops:
                 if op.kind == "write":
                     self._writing.discard(op.ref.block_hash)
+        self._reads_done(sum(op.kind == "read" for op in ops))
         for op in ops:
             self.jobs.finish(op.job, False)
 

@@ -1,0 +1,123 @@
+"""The CPU tier's block trace, and its replay under other policies, offline.
+
+A trace records what was asked of the CPU tier while the engine ran:
+- `offer(hash)`: the GPU evicted a cached block; the CPU tier may keep it;
+- `request(hashes)`: a request was admitted; its prompt blocks past its GPU hits, in order,
+  were looked for in the CPU tier.
+
+`replay(trace, capacity, policy)` runs the same trace through a CPU tier of `capacity` blocks
+under `lru`, `tinylfu` (the admission rule the engine uses, `cache/admission.py`) or `belady`
+(on each offer to a full tier, drop whichever of the resident blocks and the offered one is
+requested again furthest in the future: Belady's MIN with bypass, the best any policy can do
+for blocks taken one by one). A request's hits are counted as in the engine: its leading
+resident blocks, up to the first miss. Swapped-out sequences are not in the trace: replay
+gives the whole capacity to prefixes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import OrderedDict, defaultdict
+from typing import Literal, NamedTuple
+
+from tieredkv.cache.admission import AdmitAll, FrequencyAdmission
+
+ReplayPolicy = Literal["lru", "tinylfu", "belady"]
+REPLAY_POLICIES: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "belady")
+
+
+class BlockTrace:
+    """Offers and requests, in order (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.events: list[int | tuple[int, ...]] = []  # an int is an offer, a tuple a request
+
+    def offer(self, block_hash: int) -> None:
+        self.events.append(block_hash)
+
+    def request(self, block_hashes: tuple[int, ...]) -> None:
+        if block_hashes:
+            self.events.append(block_hashes)
+
+
+class ReplayResult(NamedTuple):
+    requested_blocks: int
+    hit_blocks: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.requested_blocks if self.requested_blocks else 0.0
+
+
+def replay(trace: BlockTrace, capacity: int, policy: ReplayPolicy) -> ReplayResult:
+    if policy == "belady":
+        return _replay_belady(trace.events, capacity)
+    admission = FrequencyAdmission(capacity) if policy == "tinylfu" else AdmitAll()
+    resident: OrderedDict[int, None] = OrderedDict()
+    requested = hits = 0
+    for event in trace.events:
+        if isinstance(event, tuple):
+            admission.record(event)
+            requested += len(event)
+            run = _leading_run(event, resident)
+            for block_hash in event[:run]:
+                resident.move_to_end(block_hash)
+            hits += run
+        elif event in resident:
+            resident.move_to_end(event)
+        elif len(resident) < capacity:
+            resident[event] = None
+        elif capacity and admission.admits(event, next(iter(resident))):
+            resident.popitem(last=False)
+            resident[event] = None
+    return ReplayResult(requested, hits)
+
+
+def _replay_belady(events: list[int | tuple[int, ...]], capacity: int) -> ReplayResult:
+    uses: defaultdict[int, list[int]] = defaultdict(list)  # hash -> the events requesting it
+    for t, event in enumerate(events):
+        if isinstance(event, tuple):
+            for block_hash in event:
+                uses[block_hash].append(t)
+    never = len(events)
+
+    def next_use(block_hash: int, t: int) -> int:
+        times = uses.get(block_hash, ())
+        i = bisect.bisect_right(times, t)
+        return times[i] if i < len(times) else never
+
+    resident: dict[int, int] = {}  # hash -> its next use
+    furthest: list[tuple[int, int]] = []  # (-next use, hash), stale entries skipped
+    requested = hits = 0
+
+    def keep(block_hash: int, t: int) -> None:
+        resident[block_hash] = when = next_use(block_hash, t)
+        heapq.heappush(furthest, (-when, block_hash))
+
+    for t, event in enumerate(events):
+        if isinstance(event, tuple):
+            requested += len(event)
+            hits += _leading_run(event, resident)
+            for block_hash in event:  # requested now: each resident one's next use moves on
+                if block_hash in resident:
+                    keep(block_hash, t)
+        elif event in resident or capacity == 0:
+            continue
+        elif len(resident) < capacity:
+            keep(event, t)
+        else:
+            while -furthest[0][0] != resident.get(furthest[0][1]):
+                heapq.heappop(furthest)
+            if next_use(event, t) < -furthest[0][0]:
+                del resident[heapq.heappop(furthest)[1]]
+                keep(event, t)
+    return ReplayResult(requested, hits)
+
+
+def _leading_run(block_hashes: tuple[int, ...], resident: dict[int, object]) -> int:
+    """How many of the first `block_hashes` are resident, up to the first that is not."""
+    run = 0
+    while run < len(block_hashes) and block_hashes[run] in resident:
+        run += 1
+    return run
