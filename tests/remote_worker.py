@@ -22,9 +22,11 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
 
 
 def remote_llm(url: str | None, **kw) -> LLM:
-    """GPU and CPU tiers so small that most prefixes end up on the remote server."""
+    """GPU and CPU tiers so small that most prefixes end up on the remote server. The LRU CPU
+    tier writes every block it demotes; the default frequency policy only those asked for again."""
+    kw = {"cpu_policy": "lru", "scheduler": {"cost_model": LOAD_WINS}, **kw}
     return LLM(model="tiny-llama", block_size=4, num_gpu_blocks=30, cpu_cache_bytes=24 * BLOCK_BYTES,
-               remote_url=url, preemption="recompute", scheduler={"cost_model": LOAD_WINS}, **kw)
+               remote_url=url, preemption="recompute", **kw)
 
 
 def prompts() -> list[list[int]]:

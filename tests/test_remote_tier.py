@@ -196,8 +196,7 @@ def test_remote_settings_the_client_refuses_name_the_key(redis_server):
 
 def test_loads_are_planned_against_the_servers_measured_bandwidth(redis_server, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # calibrated here, not cached elsewhere
-    with LLM(model="tiny-llama", block_size=4, num_gpu_blocks=30, cpu_cache_bytes=24 * BLOCK_BYTES,
-             remote_url=redis_server.url, preemption="recompute") as llm:
+    with remote_llm(redis_server.url, scheduler={}) as llm:  # no cost model pinned
         cost = llm.scheduler.policy.cost
         assert llm.stats()["remote_errors"] == 0
     # measured through the store: at least a block per second, and no faster than memory
