@@ -1,7 +1,8 @@
 """The remote tier: KV blocks on a Redis server shared by engines, through redis-py's asyncio
 client. `store.py` is the `BlockStore`, `connection.py` the client, its thread and the server's
-health, `value_format.py` the keys and the verified values (NVMe slot headers), `jobs.py` the
-two-phase job bookkeeping, `chain.py` a local store and the remote one as one store.
+health, `value_format.py` the keys and the verified values (NVMe slot headers), `index.py` what
+the engine knows is stored (and its budget), `jobs.py` the two-phase job bookkeeping, `chain.py`
+a local store and the remote one as one store.
 `open_remote(...)` is the engine's door: errors name the config keys."""
 
 from __future__ import annotations

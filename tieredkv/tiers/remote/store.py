@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -37,16 +37,15 @@ import torch
 
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.remote.connection import ANY_ERROR, LINK_ERRORS, LoopThread, ServerLink, describe
+from tieredkv.tiers.remote.index import BlockIndex
 from tieredkv.tiers.remote.jobs import JobBook
 from tieredkv.tiers.remote.value_format import ValueLayout, Verdict, block_key, epoch_key
 
 logger = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 2.0  # one EXISTS from the engine's thread (a hung server stalls a step once)
-MISS_MEMORY_S = 5.0  # a block found absent is not looked up again for this long
-MAX_KNOWN_BLOCKS = 1 << 20
 CLOSE_TIMEOUT_S = 5.0
-PROBE_TIMEOUT_S = 30.0  # blocks remembered as stored by others
+PROBE_TIMEOUT_S = 30.0  # the start-up read bandwidth probe, each of its steps
 _COUNTERS = ("hit_blocks stored_blocks errors misses corrupt write_skipped evicted_blocks bytes_read "
              "bytes_written rejected_writes").split()
 
@@ -75,9 +74,7 @@ class RemoteStore:
         self.jobs = JobBook()
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
-        self._owned: OrderedDict[int, None] = OrderedDict()  # blocks this engine stored, LRU first
-        self._known: OrderedDict[int, None] = OrderedDict()  # blocks seen stored by others
-        self._absent: dict[int, float] = {}  # block -> until when it counts as absent
+        self.index = BlockIndex()
         self._writing: set[int] = set()
         self._queue: list[_Op] = []
         # time with reads in flight: bytes read over it is the read bandwidth the engine gets
@@ -104,22 +101,15 @@ class RemoteStore:
         if not self.link.up or self._closed:
             return False
         with self._lock:
-            if block_hash in self._owned or block_hash in self._known:
-                return True
-            if self._absent.get(block_hash, 0.0) > time.monotonic():
-                return False
+            if self.index.stored(block_hash) or self.index.absent(block_hash):
+                return self.index.stored(block_hash)
         try:
             found = self._loop.call(self.link.client.exists(self._key(block_hash)), LOOKUP_TIMEOUT_S)
         except ANY_ERROR as err:
             self._fault(err)
             return False
         with self._lock:
-            if found:
-                self._remember(block_hash)
-            else:
-                if len(self._absent) > MAX_KNOWN_BLOCKS:
-                    self._absent.clear()
-                self._absent[block_hash] = time.monotonic() + MISS_MEMORY_S
+            (self.index.remember if found else self.index.note_absent)(block_hash)
         return bool(found)
 
     def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
@@ -128,8 +118,8 @@ class RemoteStore:
         with self._lock:
             if self._closed or not self.link.up or ref.block_hash in self._writing:
                 return None
-            if ref.block_hash in self._owned or ref.block_hash in self._known:
-                self._touch(ref.block_hash)
+            if self.index.stored(ref.block_hash):
+                self.index.touch(ref.block_hash)
                 return None
             if not self._make_room():
                 self._counts["rejected_writes"] += 1
@@ -155,7 +145,7 @@ class RemoteStore:
         or a lost write), and what this engine stores on the server."""
         with self._lock:
             out: dict[str, int | str | bool] = {f"remote_{name}": n for name, n in self._counts.items()}
-            out["remote_owned_blocks"] = len(self._owned)
+            out["remote_owned_blocks"] = len(self.index.owned)
         out["remote_errors"] += self.link.faults
         out["remote_read_busy_s"] = self.read_busy_s()
         out["remote_connected"] = self.link.up
@@ -257,42 +247,19 @@ class RemoteStore:
         alone fill the budget."""
         if not self.budget_bytes:
             return True
-        most = self.budget_bytes // self.layout.value_bytes
-        if len(self._writing) + 1 > most:
+        doomed = self.index.make_room(self.budget_bytes // self.layout.value_bytes, len(self._writing))
+        if doomed is None:
             return False
-        doomed = []
-        while len(self._owned) + len(self._writing) + 1 > most:
-            doomed.append(self._owned.popitem(last=False)[0])
         if doomed:
             self._counts["evicted_blocks"] += len(doomed)
             keys = [self._key(h) for h in doomed]
             self._loop.soon(lambda: self._spawn(self._delete(keys)))
         return True
 
-    def _remember(self, block_hash: int) -> None:
-        """The block is stored by another engine (lock held)."""
-        self._absent.pop(block_hash, None)
-        if block_hash not in self._owned:
-            self._known[block_hash] = None
-            self._known.move_to_end(block_hash)
-            if len(self._known) > MAX_KNOWN_BLOCKS:
-                self._known.popitem(last=False)
-
-    def _touch(self, block_hash: int) -> None:
-        for index in (self._owned, self._known):
-            if block_hash in index:
-                index.move_to_end(block_hash)
-
-    def _forget(self, block_hash: int) -> None:
-        self._owned.pop(block_hash, None)
-        self._known.pop(block_hash, None)
-
     def _forget_all(self) -> None:
         """The server's blocks are not the ones known (a new epoch): forget them all."""
         with self._lock:
-            self._owned.clear()
-            self._known.clear()
-            self._absent.clear()
+            self.index.clear()
 
     def _fault(self, err: BaseException) -> None:
         """Count a failed operation; a fault of the link takes the tier down (any thread)."""
@@ -353,11 +320,11 @@ class RemoteStore:
             if verdict == "ok":
                 self._counts["hit_blocks"] += 1
                 self._counts["bytes_read"] += self.layout.block_bytes
-                self._touch(op.ref.block_hash)
+                self.index.touch(op.ref.block_hash)
             else:
                 self._counts["errors"] += 1
                 self._counts["misses" if verdict == "missing" else "corrupt"] += 1
-                self._forget(op.ref.block_hash)
+                self.index.forget(op.ref.block_hash)
         if verdict != "ok":
             logger.debug("remote read of block %#x failed: %s", op.ref.block_hash, verdict)
         return verdict
@@ -386,12 +353,11 @@ class RemoteStore:
             self._writing.discard(block_hash)
             if stored is None:
                 self._counts["write_skipped"] += 1
-                self._remember(block_hash)
+                self.index.remember(block_hash)
             elif stored:
                 self._counts["stored_blocks"] += 1
                 self._counts["bytes_written"] += self.layout.value_bytes
-                self._known.pop(block_hash, None)
-                self._owned[block_hash] = None
+                self.index.own(block_hash)
             else:
                 self._counts["errors"] += 1
         self.jobs.finish(op.job, stored is not False)
