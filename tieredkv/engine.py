@@ -266,6 +266,7 @@ class LLMEngine:
             "nvme_prefix_blocks": dict(self.scheduler.nvme_prefix_blocks),
             "nvme_skipped_tokens": self.scheduler.nvme_skipped_tokens,
             "nvme_load_waits": self.scheduler.nvme_load_waits,
+            "cpu_hits_recomputed": self.scheduler.cpu_hits_recomputed,
             **({"disk_read_bytes_per_s": self.scheduler.disk_rate.bytes_per_s} if self.scheduler.disk_rate else {}),
             **self._counters,
             "requests_waiting": len(self.scheduler.waiting),

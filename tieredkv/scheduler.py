@@ -27,7 +27,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost
+from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, PrefixMatch
 from tieredkv.config import SchedulerConfig
 from tieredkv.policy import ObservedRate, TierPolicy
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
@@ -70,6 +70,7 @@ class Scheduler:
         measured = config.cost_model is None and cost is not None and cost.disk_read_bytes_per_s is not None
         self.disk_rate = ObservedRate(cost.disk_read_bytes_per_s) if measured else None
         self.nvme_skipped_tokens = 0  # prefill tokens jumped over: their KV came from NVMe
+        self.cpu_hits_recomputed = 0  # CPU prefix blocks recomputed: copying them in was slower
         self.nvme_load_waits = 0  # steps a sequence had nothing to compute before its loads landed
 
     def add(self, seq: Sequence) -> None:
@@ -178,6 +179,16 @@ class Scheduler:
             self.nvme_prefix_blocks["compute"] += plan.num_compute
             self.nvme_prefix_blocks["load"] += plan.num_load
 
+    def _worth_copying(self, prefix: PrefixMatch) -> PrefixMatch:
+        """The prefix without its CPU hits (and what follows them) when the PCIe queue makes
+        recomputing them faster than copying them in."""
+        if not prefix.cpu_blocks:
+            return prefix
+        first = len(prefix.gpu_blocks) * self.kv.block_size
+        if self.policy.promote(len(prefix.cpu_blocks), first, self.kv.h2d_queue_blocks()):
+            return prefix
+        return PrefixMatch(prefix.gpu_blocks)
+
     def _disk_bytes_per_s(self) -> float | None:
         """The observed disk read bandwidth (None: the calibrated one applies)."""
         counters = self.kv.disk_read_counters()
@@ -194,7 +205,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             self._plan_loads(seq, backlog)
-            prefix = self.kv.match_prefix(seq)
+            found = self.kv.match_prefix(seq)
+            prefix = self._worth_copying(found)
             n = self.kv.computable(seq, budget, prefix).num_new_tokens
             if n == 0:  # nothing to compute before its NVMe blocks arrive
                 self.nvme_load_waits += 1
@@ -203,6 +215,7 @@ class Scheduler:
             if got is None:
                 return
             self.waiting.remove(seq)
+            self.cpu_hits_recomputed += len(found.cpu_blocks) - len(prefix.cpu_blocks)
             seq.num_computed_tokens = got.num_cached_tokens
             if not seq.recomputing:  # a client's prompt hit, not its own blocks found again
                 seq.num_cached_tokens = got.num_cached_tokens

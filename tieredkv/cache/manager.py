@@ -8,7 +8,8 @@ Operations:
 - `plan_loads(seq, split) -> NVMePlan | None`: once per stay in the waiting queue, start
   reading the later part of the sequence's NVMe prefix blocks into the CPU tier (`split`, the
   policy, says how many of the earlier ones to compute instead).
-- `nvme_reads_in_flight()` / `disk_read_counters()`: the disk's queue and its observed speed.
+- `nvme_reads_in_flight()` / `disk_read_counters()`: the disk's queue and its observed speed;
+  `h2d_queue_blocks()`: the PCIe queue of copies in.
 - `computable(seq, budget, prefix) -> Chunk`: the one question about those loads: how many
   tokens the sequence may compute now (0: wait for its loads), and how many prefix tokens that
   have landed it jumps over.
@@ -182,6 +183,10 @@ class KVCacheManager:
     def nvme_reads_in_flight(self) -> int:
         """NVMe block reads submitted and not finished: the disk's queue."""
         return self.offload.reads_in_flight if self.offload is not None else 0
+
+    def h2d_queue_blocks(self) -> int:
+        """Blocks queued for copying CPU → GPU and not finished: the PCIe queue."""
+        return self.offload.h2d_queue_blocks if self.offload is not None else 0
 
     def disk_read_counters(self) -> tuple[int, float] | None:
         """(bytes read from NVMe, seconds with reads in flight), cumulative; None without NVMe."""

@@ -51,6 +51,7 @@ class CPUOffload:
         self._demotions: list[tuple[int, Block]] = []
         self._staging: dict[int, BlockRef] = {}  # staging CPU block id -> the block it receives
         self._held: dict[int, list[Block]] = {}
+        self._copies_in: dict[int, int] = {}  # H2D job -> its blocks
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
         self._reads: dict[int, tuple[str, Block, BlockRef]] = {}  # NVMe job -> what it fills
         self._reads_left: dict[str, int] = {}  # request -> its reads in flight
@@ -139,7 +140,13 @@ class CPUOffload:
             self.pool.release(cpu_blocks)
             raise
         self._held[job_id] = list(cpu_blocks)
+        self._copies_in[job_id] = len(cpu_blocks)
         return job_id
+
+    @property
+    def h2d_queue_blocks(self) -> int:
+        """Blocks of the copies in (promotions, swap-ins) not retired yet: the PCIe queue."""
+        return sum(self._copies_in.values())
 
     def copy_out(self, gpu_blocks: list[Block]) -> list[Block] | None:
         """D2H copy of `gpu_blocks` into CPU blocks (owned by the caller), or None when the CPU
@@ -171,6 +178,7 @@ class CPUOffload:
 
     def retire(self) -> None:
         for job_id in self.transfers.poll():
+            self._copies_in.pop(job_id, None)
             self._release_held(job_id)
         if self.nvme is not None:
             for job, ok in self.nvme.poll():
