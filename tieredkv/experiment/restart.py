@@ -68,6 +68,7 @@ class EngineSlot:
         self._waited = 0
         self._last_stats: dict[str, Any] = {}
         self._restarting: asyncio.Task[RestartRecord] | None = None
+        self._failed: BaseException | None = None  # the restart's error: no engine will open
 
     @property
     def serving(self) -> bool:
@@ -79,11 +80,14 @@ class EngineSlot:
         return self.llm.stats() if self.llm is not None else self._last_stats
 
     async def acquire(self) -> AsyncLLM:
-        """The engine to send a request to; waits while a restart is under way."""
+        """The engine to send a request to; waits while a restart is under way (RuntimeError if
+        it failed)."""
         if not self._open.is_set():
             self._waited += 1
             while not self._open.is_set():
                 await self._open.wait()
+        if self._failed is not None:
+            raise RuntimeError(f"restart: no engine to send the request to: {self._failed}")
         assert self.llm is not None, "requests are let in only while an engine is open"
         self._in_flight += 1
         self._idle.clear()
@@ -100,7 +104,14 @@ class EngineSlot:
         happens; once begun, the restart runs to its end: `settle()` waits for it)."""
         await asyncio.sleep(max(0.0, start + restart.after_s - time.monotonic()))
         self._restarting = asyncio.create_task(self._restart(restart, config))
-        await asyncio.shield(self._restarting)
+        try:
+            await asyncio.shield(self._restarting)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # waiting requests fail instead of waiting for ever
+            self._failed = err
+            self._open.set()
+            raise
 
     async def settle(self) -> None:
         """Wait for a restart under way to finish (its error, if it failed, is raised here)."""
