@@ -121,3 +121,13 @@ def _leading_run(block_hashes: tuple[int, ...], resident: dict[int, object]) -> 
     while run < len(block_hashes) and block_hashes[run] in resident:
         run += 1
     return run
+
+
+def replay_all(trace: BlockTrace, capacity: int) -> dict[str, object]:
+    """The trace's hit rate at `capacity` blocks under every replay policy."""
+    results = {policy: replay(trace, capacity, policy) for policy in REPLAY_POLICIES}
+    return {
+        "capacity_blocks": capacity,
+        "requested_blocks": results["lru"].requested_blocks,
+        "hit_rate": {policy: result.hit_rate for policy, result in results.items()},
+    }

@@ -31,6 +31,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tieredkv.async_engine import AsyncLLM
+from tieredkv.cache.trace import BlockTrace, replay_all
 from tieredkv.config import EngineConfig
 from tieredkv.experiment.metrics import (
     RequestRecord,
@@ -198,6 +199,10 @@ async def _run(run: Run, experiment: Experiment, options: Options,
     config = EngineConfig.from_dict(run.engine_doc)
     slot = EngineSlot(AsyncLLM(config=config))
     engine = describe_engine(slot.llm.engine)
+    offload = slot.llm.engine.kv.offload  # its block trace is replayed offline after the run
+    trace = None if offload is None else BlockTrace()
+    if offload is not None:
+        offload.trace = trace
     logger.info("%s", startup_summary(run.name, engine))
     vocab = slot.llm.engine.runner.model.config.vocab_size
     timeline: list[dict[str, Any]] = []
@@ -237,6 +242,10 @@ async def _run(run: Run, experiment: Experiment, options: Options,
                              timeline, point=dict([run.point]) if run.point else None,
                              slo=_slo(experiment.slo, client.records, summary),
                              keep_prompt_ids=options.keep_prompt_ids)
+    if trace is not None:
+        result["cpu_tier_replay"] = replay_all(trace, offload.tier.num_blocks)
+        logger.info("%s: CPU tier hit rate replayed on its block trace: %s", run.name, ", ".join(
+            f"{policy} {rate:.1%}" for policy, rate in result["cpu_tier_replay"]["hit_rate"].items()))
     return summary, result
 
 
