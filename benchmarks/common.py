@@ -4,8 +4,12 @@ measured against (each benchmark measures its own peak in the same run)."""
 from __future__ import annotations
 
 import json
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 
 import torch
@@ -81,3 +85,25 @@ def write_json(path: str | None, records: list[dict]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(records, f, indent=1)
+
+
+def start_redis_server(binary: str = "redis-server") -> tuple[subprocess.Popen, str]:
+    """A fresh redis-server on a free loopback port (temp dir, no persistence); (process, URL).
+    The caller terminates the process."""
+    import redis
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", tempfile.mkdtemp(), "--save", "",
+            "--appendonly", "no", "--protected-mode", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            return proc, f"redis://127.0.0.1:{port}/0"
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{binary} did not start on port {port}")

@@ -56,3 +56,14 @@ def chat_model_dir(tmp_path_factory) -> str:
     from tests.checkpoint import save_checkpoint
 
     return str(save_checkpoint(tmp_path_factory.mktemp("chat-model")))
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free loopback port (tests/redis_server.py), stopped at the end."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()

@@ -19,6 +19,7 @@ import math
 import numbers
 import os
 import re
+import urllib.parse
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -162,7 +163,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """Sizes of the KV tiers. `num_gpu_blocks=None` sizes the GPU tier from
-    `gpu_memory_utilization` (CUDA) or uses 256 blocks (CPU)."""
+    `gpu_memory_utilization` (CUDA) or uses 256 blocks (CPU). `remote_url` names a Redis server
+    shared by engines (a tier below the CPU tier, beside or instead of NVMe); `remote_bytes` is
+    the most this engine stores there (0: no limit of its own, the server's `maxmemory` rules)."""
 
     block_size: int = 16
     num_gpu_blocks: int | None = None
@@ -172,6 +175,8 @@ class CacheConfig:
     nvme_bytes: int = 0
     io_backend: IOBackend = "uring"
     cpu_policy: CPUPolicy = "tinylfu"
+    remote_url: str | None = None
+    remote_bytes: int = 0
 
     def __post_init__(self) -> None:
         _set(self, "block_size", as_int("block_size", self.block_size, 1, 1024))
@@ -195,6 +200,11 @@ class CacheConfig:
             raise ValueError("nvme_bytes: set nvme_path (a directory for the block store) to use an NVMe tier")
         if self.nvme_path and not self.nvme_bytes:
             raise ValueError("nvme_path: set nvme_bytes (the store's size, e.g. '64GiB') to use an NVMe tier")
+        if self.remote_url is not None:
+            _set(self, "remote_url", check_remote_url(self.remote_url))
+        _set(self, "remote_bytes", parse_size(self.remote_bytes, "remote_bytes"))
+        if self.remote_bytes and self.remote_url is None:
+            raise ValueError("remote_bytes: set remote_url (e.g. 'redis://127.0.0.1:6379/0') to use a remote tier")
 
 
 @dataclass(frozen=True)
@@ -215,6 +225,36 @@ class SchedulerConfig:
             _set(self, "cost_model", cost_model_from_dict(self.cost_model))
         elif self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise ValueError(f"cost_model: expected a mapping of {', '.join(_fields(CostModel))}")
+
+
+REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
+
+
+def check_remote_url(url: Any) -> str:
+    """`url` if it reads as a Redis URL (`redis://host:port/db`, `rediss://...`, `unix:///path`),
+    else ValueError naming `remote_url`. Query options (`?socket_timeout=2`) are checked by the
+    client when the engine connects."""
+    example = "e.g. 'redis://127.0.0.1:6379/0'"
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"remote_url: expected a Redis URL, {example}; got {url!r}")
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in REMOTE_URL_SCHEMES:
+        raise ValueError(f"remote_url: {url!r} is not a Redis URL; it must start with redis://, rediss:// or "
+                         f"unix://, {example}")
+    if parsed.scheme == "unix":
+        if not parsed.path:
+            raise ValueError(f"remote_url: {url!r} names no socket path, e.g. 'unix:///run/redis.sock'")
+        return url
+    try:
+        parsed.port  # noqa: B018 (parsing it checks it)
+    except ValueError:
+        raise ValueError(f"remote_url: {url!r} has a bad port; give one in [1, 65535], {example}") from None
+    if not parsed.hostname:
+        raise ValueError(f"remote_url: {url!r} names no host, {example}")
+    db = parsed.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"remote_url: the database in {url!r} must be a number ({db!r}), {example}")
+    return url
 
 
 def cost_model_from_dict(doc: dict[str, Any]) -> CostModel:
@@ -252,6 +292,8 @@ class EngineConfig:
                 raise ValueError("preemption: 'swap' needs a CPU tier; set cpu_cache_bytes (e.g. '4GiB')")
             if self.cache.nvme_path is not None:
                 raise ValueError("nvme_path: the NVMe tier sits below the CPU tier; set cpu_cache_bytes too")
+            if self.cache.remote_url is not None:
+                raise ValueError("remote_url: the remote tier sits below the CPU tier; set cpu_cache_bytes too")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

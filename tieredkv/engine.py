@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -39,7 +39,11 @@ from tieredkv.tiers.backend import BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.opener import open_store
 from tieredkv.tiers.nvme.store import DEFAULT_QUEUE_DEPTH
+from tieredkv.tiers.remote import NVME_STORE_STATS, open_remote, pair_stores
 from tieredkv.transfer.engine import make_transfer_engine
+
+if TYPE_CHECKING:
+    from tieredkv.tiers.remote.store import RemoteStore  # imports redis, an optional dependency
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +61,7 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = self._num_gpu_blocks()
         kv_cache = self.runner.allocate_kv_cache(num_blocks, block_size)
+        self.remote: RemoteStore | None = None  # the remote tier's own store (its stats, its bandwidth)
         hf_config = self.runner.model.config.to_dict()
         self.fingerprint = model_fingerprint(hf_config, self.runner.weights_id, config.model.dtype, block_size)
         self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload(kv_cache))
@@ -90,7 +95,17 @@ class LLMEngine:
             )
         check_fits("cpu_cache_bytes", num_blocks, self.block_bytes, torch.device("cpu"))
         tier = CPUTier(num_blocks, tuple(kv_cache[:, :, 0].shape), kv_cache.dtype, pin=kv_cache.is_cuda)
-        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_nvme(), cache.cpu_policy)
+        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_stores(), cache.cpu_policy)
+
+    def _build_stores(self) -> BlockStore | None:
+        """The store below the CPU tier: NVMe, the remote server, or both (reads from the first
+        that holds a block, writes to both)."""
+        nvme = self._build_nvme()
+        cache = self.config.cache
+        if cache.remote_url is not None:
+            self.remote = open_remote(cache.remote_url, cache.remote_bytes, self.block_bytes, self.fingerprint,
+                                      cache.block_size)
+        return pair_stores(nvme, self.remote)
 
     def _build_nvme(self) -> BlockStore | None:
         cache = self.config.cache
@@ -100,9 +115,11 @@ class LLMEngine:
                           cache.block_size, backend=cache.io_backend)
 
     def _cost_model(self) -> CostModel | None:
-        """Pinned in the config, else measured (`auto` with a CPU tier, and an NVMe tier, need one)."""
+        """Pinned in the config, else measured (`auto` with a CPU tier, and an NVMe or remote
+        tier, need one)."""
         sched, cache = self.config.scheduler, self.config.cache
-        needed = self.kv.offload is not None and (sched.preemption == "auto" or cache.nvme_path is not None)
+        slow_tier = cache.nvme_path is not None or cache.remote_url is not None
+        needed = self.kv.offload is not None and (sched.preemption == "auto" or slow_tier)
         if sched.cost_model is not None or not needed:
             return sched.cost_model
         device = self.runner.device
@@ -113,7 +130,17 @@ class LLMEngine:
         if disk_dir is not None and not os.path.isdir(disk_dir):  # the store's file itself
             disk_dir = os.path.dirname(os.path.abspath(disk_dir))
         probe = DiskProbe(disk_dir, self.block_bytes, DEFAULT_QUEUE_DEPTH, cache.io_backend) if disk_dir else None
-        return calibrate(key, device, self.runner.prefill_probe, max_tokens, probe)
+        return self._with_remote_reads(calibrate(key, device, self.runner.prefill_probe, max_tokens, probe))
+
+    def _with_remote_reads(self, cost: CostModel) -> CostModel:
+        """With a remote tier, loads are planned against the slower of the disk and the server,
+        whose read bandwidth is measured now (not cached: the server may be another next time)."""
+        remote = self.remote.measure_read_bandwidth() if self.remote is not None else None
+        if remote is None:
+            return cost
+        speeds = [s for s in (cost.disk_read_bytes_per_s, remote) if s is not None]
+        logger.info("remote tier reads %.2f GB/s", remote / 1e9)
+        return dataclasses.replace(cost, disk_read_bytes_per_s=min(speeds))
 
     def _num_gpu_blocks(self) -> int:
         cache = self.config.cache
@@ -258,8 +285,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """Blocks per tier, prefix-cache hits, preemptions by kind, NVMe prefix blocks by the cost
-        model's choice (load or compute), tokens computed."""
-        return {
+        model's choice (load or compute), tokens computed, the remote tier's counters."""
+        stats = {
             **self.kv.stats(),
             "preemptions": dict(self.scheduler.num_preemptions),
             "swap_fallbacks": self.scheduler.num_swap_fallbacks,
@@ -271,7 +298,12 @@ class LLMEngine:
             **self._counters,
             "requests_waiting": len(self.scheduler.waiting),
             "requests_running": len(self.scheduler.running),
+            **(self.remote.stats() if self.remote is not None else {}),
         }
+        if self.config.cache.nvme_path is None:  # the spill path served the remote tier alone
+            for key in NVME_STORE_STATS:
+                stats.pop(key, None)
+        return stats
 
 
     def close(self) -> None:

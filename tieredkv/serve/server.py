@@ -39,6 +39,16 @@ def _cost_model(engine: LLMEngine) -> str:
             f"{cost.prefill_s_per_token:.3g} s/token + {cost.prefill_s_per_token_sq:.3g} s/token^2{disk}")
 
 
+def _remote(engine: LLMEngine, stats: dict) -> str:
+    from tieredkv.tiers.remote.connection import redacted
+
+    url, budget = engine.config.cache.remote_url, engine.config.cache.remote_bytes
+    if url is None:
+        return "none"
+    state = "connected" if stats["remote_connected"] else "not reachable now (the engine retries every second)"
+    return f"{redacted(url)}, {state}, storing {'up to ' + _size(budget) if budget else 'what the server keeps'}"
+
+
 def startup_report(engine: LLMEngine) -> str:
     """What the engine was built with, as `tieredkv serve` prints it before the URL."""
     config, stats = engine.config, engine.stats()
@@ -52,6 +62,7 @@ def startup_report(engine: LLMEngine) -> str:
         ("CPU tier", "none" if cpu is None else _tier(cpu, block_size, block_bytes)),
         ("NVMe tier",
          "none" if nvme is None else f"{_tier(nvme, block_size, block_bytes)} at {config.cache.nvme_path}"),
+        ("remote tier", _remote(engine, stats)),
         ("preemption", config.scheduler.preemption),
         ("cost model", _cost_model(engine)),
         ("I/O backend", stats.get("nvme_io_backend", f"none (no NVMe tier; configured: {config.cache.io_backend})")),

@@ -1,0 +1,183 @@
+"""Remote tier throughput: blocks written and read through `RemoteStore` against the raw client
+peak for the same value size, in the same run.
+
+It starts its own `redis-server` on a free loopback port (temp dir, no persistence), unless
+`--url` names one. For each round, on a flushed server:
+  raw     redis-py's asyncio client alone, as fast as it goes: SET then GET of N values of the
+          tier's value size (block + 4 KiB header) from ready-made bytes, `--in-flight`
+          pipelines of `--pipeline` commands at once (the tier's own settings): no header
+          packing, no checksum, no copy into a block;
+  store   RemoteStore.submit_write of N blocks (copy, xxh3, header, EXISTS then SET), wait for
+          all; then submit_read of all of them into other blocks (GET, header and payload xxh3
+          checked, copied), wait; the blocks come back bit-identical.
+After an untimed warm-up of both (the server's memory and this process's are faulted in), the
+rounds alternate which goes first. Each store figure is divided by the raw figure of its own
+round; medians over rounds are
+printed with the range of the ratios (target: >= 80%). With `--redis-benchmark`, the C client's
+loopback peak for the same value size (`redis-benchmark -t set,get -d VALUE`) is printed too.
+Bytes counted are block payload bytes.
+
+    python benchmarks/bench_remote.py --size 1GiB --block 2MiB --rounds 3 --redis-benchmark
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import redis
+import torch
+from common import start_redis_server
+from redis.asyncio import Redis
+
+from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.remote.store import RemoteStore
+
+UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "": 1}
+FINGERPRINT = 0xBE7C4
+
+
+def parse_bytes(text: str) -> int:
+    for unit in ("KiB", "MiB", "GiB", ""):
+        if text.endswith(unit) and text[: len(text) - len(unit)].strip().isdigit():
+            return int(text[: len(text) - len(unit)]) * UNITS[unit]
+    raise argparse.ArgumentTypeError(f"{text!r}: give bytes like 1GiB, 2MiB, 4096")
+
+
+async def raw_round(url: str, value: bytes, n: int, in_flight: int, pipeline: int) -> tuple[float, float]:
+    """(SET, GET) seconds for `n` values through redis-py alone."""
+    client = Redis.from_url(url, max_connections=in_flight)
+    slots = asyncio.Semaphore(in_flight)
+    batches = [range(i, min(n, i + pipeline)) for i in range(0, n, pipeline)]
+
+    async def run(batch: range, write: bool) -> None:
+        async with slots, client.pipeline(transaction=False) as pipe:
+            for i in batch:
+                pipe.set(f"raw:{i}", value) if write else pipe.get(f"raw:{i}")
+            results = await pipe.execute()
+        assert write or all(len(r) == len(value) for r in results), "a raw GET came back short"
+
+    try:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(run(b, True) for b in batches))
+        t1 = time.perf_counter()
+        await asyncio.gather(*(run(b, False) for b in batches))
+        t2 = time.perf_counter()
+        await client.unlink(*(f"raw:{i}" for i in range(n)))
+    finally:
+        await client.aclose()
+    return t1 - t0, t2 - t1
+
+
+def store_round(url: str, args: argparse.Namespace, src: torch.Tensor, dst: torch.Tensor,
+                first_hash: int) -> tuple[float, float]:
+    """(write, read) seconds for every block of `src` through a fresh RemoteStore."""
+    n = src.shape[0]
+    refs = [BlockRef(first_hash + i, first_hash + i - 1, tuple(range(16))) for i in range(n)]
+    with RemoteStore(url, args.block, FINGERPRINT, 16, max_in_flight=args.in_flight,
+                     pipeline_ops=args.pipeline) as store:
+        t0 = time.perf_counter()
+        jobs = [store.submit_write(ref, src[i]) for i, ref in enumerate(refs)]
+        ok_w = None not in jobs and all(store.wait(jobs).values())
+        t1 = time.perf_counter()
+        jobs = [store.submit_read(ref, dst[i]) for i, ref in enumerate(refs)]
+        ok_r = None not in jobs and all(store.wait(jobs).values())
+        t2 = time.perf_counter()
+        errors = store.stats()["remote_errors"]
+    assert ok_w and ok_r and not errors, f"a benchmark job failed ({errors} errors)"
+    assert torch.equal(src, dst), "blocks read back differ from the ones written"
+    return t1 - t0, t2 - t1
+
+
+def redis_benchmark(url: str, value_bytes: int, n: int, clients: int, pipeline: int) -> dict[str, float]:
+    """GB/s of SET and GET of `value_bytes` values by the C client, `redis-benchmark`."""
+    binary = shutil.which("redis-benchmark")
+    if binary is None:
+        return {}
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    cmd = [binary, "-p", port, "-t", "set,get", "-d", str(value_bytes), "-n", str(n), "-c", str(clients),
+           "-P", str(pipeline), "-r", str(n), "--csv"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rates = {}
+    for line in out.splitlines()[1:]:
+        name, rps = line.split(",")[:2]
+        rates[name.strip('"').lower()] = float(rps.strip('"')) * value_bytes / 1e9
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="an existing server (default: start redis-server on a free port)")
+    parser.add_argument("--server-bin", default="redis-server", help="the redis-server to start")
+    parser.add_argument("--size", type=parse_bytes, default=parse_bytes("1GiB"), help="payload bytes each way")
+    parser.add_argument("--block", type=parse_bytes, default=parse_bytes("2MiB"), help="CPU block bytes")
+    parser.add_argument("--in-flight", type=int, default=8, help="pipelines in flight (the tier's default)")
+    parser.add_argument("--pipeline", type=int, default=8, help="commands per pipeline (the tier's default)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--redis-benchmark", action="store_true", help="also run the C client's peak")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+
+    proc, url = (None, args.url) if args.url else start_redis_server(args.server_bin)
+    try:
+        run(args, url)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
+
+
+def run(args: argparse.Namespace, url: str) -> None:
+    n = args.size // args.block
+    src = torch.randint(0, 256, (n, args.block), dtype=torch.uint8)
+    dst = torch.zeros_like(src)  # pages faulted in now, as an engine's CPU pool's are
+    with RemoteStore(url, args.block, FINGERPRINT, 16) as probe:
+        value_bytes = probe.layout.value_bytes
+        if not probe.stats()["remote_connected"]:
+            sys.exit(f"cannot reach {url}")
+    value = bytes(torch.randint(0, 256, (value_bytes,), dtype=torch.uint8).numpy())
+    client = redis.Redis.from_url(url)
+    secs: dict[str, list[float]] = {k: [] for k in ("raw_set", "raw_get", "store_write", "store_read")}
+    # untimed warm-up: the server's and this process's memory for the values is faulted in
+    asyncio.run(raw_round(url, value, n, args.in_flight, args.pipeline))
+    store_round(url, args, src, dst, first_hash=1 << 62)
+    for r in range(args.rounds):  # interleaved, in turns, so that drift hits both alike
+        client.flushall()
+        if r % 2:
+            store = store_round(url, args, src, dst, first_hash=(r + 1) << 32)
+            client.flushall()
+        raw = asyncio.run(raw_round(url, value, n, args.in_flight, args.pipeline))
+        if not r % 2:
+            client.flushall()
+            store = store_round(url, args, src, dst, first_hash=(r + 1) << 32)
+        for key, s in zip(secs, (*raw, *store), strict=True):
+            secs[key].append(s)
+    gbs = {k: [n * args.block / s / 1e9 for s in v] for k, v in secs.items()}
+    med = {k: statistics.median(v) for k, v in gbs.items()}
+    print(f"{n * args.block / 2**30:.2f} GiB each way in {args.block >> 10} KiB blocks ({value_bytes} B values), "
+          f"{args.in_flight} pipelines x {args.pipeline} in flight, {args.rounds} rounds, hiredis="
+          f"{redis.utils.HIREDIS_AVAILABLE}; GB/s of payload, medians")
+    print(f"  raw redis-py:  SET {med['raw_set']:5.2f}  GET {med['raw_get']:5.2f}")
+    for name, key, peak in (("write", "store_write", "raw_set"), ("read ", "store_read", "raw_get")):
+        ratios = [a / b for a, b in zip(gbs[key], gbs[peak], strict=True)]  # same round
+        print(f"  store {name}:   {med[key]:5.2f} = {100 * statistics.median(ratios):3.0f}% "
+              f"[{100 * min(ratios):.0f}..{100 * max(ratios):.0f}] of raw {peak[4:].upper()}")
+    c_client = {}
+    if args.redis_benchmark:
+        client.flushall()
+        c_client = redis_benchmark(url, value_bytes, max(n, 64), args.in_flight, args.pipeline)
+        print("  redis-benchmark (C): " + "  ".join(f"{k.upper()} {v:5.2f}" for k, v in c_client.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "value_bytes": value_bytes, "gb_per_s": gbs, "median": med,
+                       "redis_benchmark": c_client}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""The remote tier: KV blocks in a Redis server that several engines share (a `BlockStore`).
+
+    store = RemoteStore(url, block_bytes, fingerprint, block_size, budget_bytes=0)
+    store.contains(block_hash)             # known here, else one EXISTS (misses remembered briefly)
+    job = store.submit_write(ref, src)     # None: stored already, over budget, or the tier is down
+    job = store.submit_read(ref, dst)      # None: not stored (a miss)
+    store.poll() -> [(job, ok), ...]; store.wait([job, ...]) -> {job: ok}
+    store.stats(); store.measure_read_bandwidth(); store.close()
+
+Jobs queue to an asyncio loop on a thread of its own (`connection.py`), which sends them in
+pipelines of up to `pipeline_ops` commands, with at most `max_in_flight` pipelines in flight
+(writes take at most half of them, so reads never wait behind a burst of writes). A write first
+asks whether the key exists (another engine may have stored the block) and sends only the
+blocks the server lacks. A read verifies the value (`value_format.py`) before copying it into
+`dst`: a missing key (evicted, deleted, flushed) or a value that does not verify (truncated,
+garbage) fails the job, is counted, and a bad value is deleted so that a later write replaces it.
+
+Faults never raise: while the server is unreachable the tier is down (lookups miss, submits
+return None, jobs in flight fail) and a health check brings it back (see `connection.py`).
+`budget_bytes` bounds the bytes this engine stores: past it, it deletes the blocks it stored
+and used least recently. Counters: `stats()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.remote.connection import ANY_ERROR, LINK_ERRORS, LoopThread, ServerLink, describe
+from tieredkv.tiers.remote.index import BlockIndex
+from tieredkv.tiers.remote.jobs import JobBook
+from tieredkv.tiers.remote.value_format import ValueLayout, Verdict, block_key, epoch_key
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 2.0  # one EXISTS from the engine's thread (a hung server stalls a step once)
+CLOSE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 30.0  # the start-up read bandwidth probe, each of its steps
+_COUNTERS = ("hit_blocks stored_blocks errors misses corrupt write_skipped evicted_blocks bytes_read "
+             "bytes_written rejected_writes").split()
+
+
+@dataclass(eq=False)
+class _Op:
+    job: int
+    kind: Literal["read", "write"]
+    ref: BlockRef
+    block: torch.Tensor  # the caller's CPU block as flat uint8
+
+
+class RemoteStore:
+    """A `BlockStore` on a Redis server (module docstring)."""
+
+    def __init__(self, url: str, block_bytes: int, fingerprint: int, block_size: int, budget_bytes: int = 0,
+                 max_in_flight: int = 8, pipeline_ops: int = 8, connect_timeout_s: float = 2.0) -> None:
+        """`fingerprint`: the engine's model fingerprint (blocks of other models are never
+        read); `budget_bytes`: the most this engine stores (0: no limit of its own). An
+        unreachable server is not an error: the store starts down and keeps trying."""
+        self.layout = ValueLayout.for_block(block_bytes, block_size, fingerprint)
+        if budget_bytes and budget_bytes < self.layout.value_bytes:
+            raise ValueError(f"budget_bytes={budget_bytes} holds no block value of {self.layout.value_bytes} bytes")
+        self.url, self.budget_bytes, self._fingerprint = url, budget_bytes, fingerprint
+        self.max_in_flight, self.pipeline_ops = max_in_flight, pipeline_ops
+        self.jobs = JobBook()
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
+        self.index = BlockIndex()
+        self._writing: set[int] = set()
+        self._queue: list[_Op] = []
+        # time with reads in flight: bytes read over it is the read bandwidth the engine gets
+        self._reads_in_flight, self._read_busy_since, self._read_busy_s = 0, 0.0, 0.0
+        self._closed = False
+        self._loop = LoopThread("tieredkv-remote")
+        try:
+            self.link = ServerLink(url, epoch_key(fingerprint), self._loop, self._forget_all, max_in_flight + 2)
+        except ValueError:
+            self._loop.close()
+            raise
+        self._loop.call(self._make_semaphores())
+        self.link.start(connect_timeout_s)
+
+    async def _make_semaphores(self) -> None:  # they belong to the loop: made on it
+        self._slots = asyncio.Semaphore(self.max_in_flight)
+        self._write_slots = asyncio.Semaphore(max(1, self.max_in_flight // 2))
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---------------------------------------------------------------- the BlockStore API
+
+    def contains(self, block_hash: int) -> bool:
+        """True if the block is stored, as far as this engine knows or the server says now."""
+        if not self.link.up or self._closed:
+            return False
+        with self._lock:
+            if self.index.stored(block_hash) or self.index.absent(block_hash):
+                return self.index.stored(block_hash)
+        try:
+            found = self._loop.call(self.link.client.exists(self._key(block_hash)), LOOKUP_TIMEOUT_S)
+        except ANY_ERROR as err:
+            self._fault(err)
+            return False
+        with self._lock:
+            (self.index.remember if found else self.index.note_absent)(block_hash)
+        return bool(found)
+
+    def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
+        """Start storing the block in `src`; None if nothing was started (module docstring)."""
+        block = self._check_block(src, "src", ref)
+        with self._lock:
+            if self._closed or not self.link.up or ref.block_hash in self._writing:
+                return None
+            if self.index.stored(ref.block_hash):
+                self.index.touch(ref.block_hash)
+                return None
+            if not self._make_room():
+                self._counts["rejected_writes"] += 1
+                return None
+            self._writing.add(ref.block_hash)
+        return self._enqueue("write", ref, block)
+
+    def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
+        """Start loading the block into `dst`; None if it is not known to be stored."""
+        block = self._check_block(dst, "dst", ref)
+        if not self.contains(ref.block_hash):
+            return None
+        return self._enqueue("read", ref, block)
+
+    def poll(self) -> list[tuple[int, bool]]:
+        return self.jobs.poll()
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]:
+        return self.jobs.wait(job_ids, timeout)
+
+    def stats(self) -> dict[str, int | str | bool]:
+        """`remote_*` counters: blocks read back and stored, faults (each one cost a recompute
+        or a lost write), and what this engine stores on the server."""
+        with self._lock:
+            out: dict[str, int | str | bool] = {f"remote_{name}": n for name, n in self._counts.items()}
+            out["remote_owned_blocks"] = len(self.index.owned)
+        out["remote_errors"] += self.link.faults
+        out["remote_read_busy_s"] = self.read_busy_s()
+        out["remote_connected"] = self.link.up
+        out["remote_in_flight"] = self.jobs.in_flight
+        return out
+
+    def read_busy_s(self) -> float:
+        """Seconds with reads in flight so far (`remote_bytes_read` over it: the read bandwidth)."""
+        with self._lock:
+            busy = self._read_busy_s
+            return busy + (time.monotonic() - self._read_busy_since if self._reads_in_flight else 0.0)
+
+    def close(self) -> None:
+        """Finish the jobs in flight (each ends by a socket timeout at the latest), then
+        disconnect. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.jobs.drain()
+        self._loop.call(self._aclose())
+        self._loop.close()
+
+    async def _aclose(self) -> None:
+        if self._tasks:  # deletions still on their way
+            await asyncio.wait(list(self._tasks), timeout=CLOSE_TIMEOUT_S)
+        await self.link.aclose()
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def measure_read_bandwidth(self, num_bytes: int = 64 << 20, max_blocks: int = 256) -> float | None:
+        """Bytes/s of block reads through this store: a probe block written once and read back
+        (`num_bytes` worth, at most `max_blocks` reads) in pipelines, verified as jobs are; None
+        while the server is unreachable or if the probe failed."""
+        if not self.link.up:
+            return None
+        probe = BlockRef(0, 0, ())
+        src = torch.zeros(self.layout.block_bytes, dtype=torch.uint8)
+        key = f"{self._key(0)}:probe:{os.urandom(8).hex()}"  # engines starting together probe apart
+        count = min(max_blocks, max(self.max_in_flight * self.pipeline_ops, num_bytes // self.layout.value_bytes))
+        try:
+            self._loop.call(self.link.client.set(key, self.layout.pack(probe, src)), PROBE_TIMEOUT_S)
+            start = time.perf_counter()
+            verified = self._loop.call(self._probe_reads(key, count, probe), PROBE_TIMEOUT_S)
+            elapsed = time.perf_counter() - start
+            self._loop.call(self.link.client.unlink(key), PROBE_TIMEOUT_S)
+        except ANY_ERROR as err:
+            logger.warning("remote tier: measuring its read bandwidth failed (%s)", describe(err))
+            return None
+        return count * self.layout.block_bytes / elapsed if verified else None
+
+    async def _probe_reads(self, key: str, count: int, probe: BlockRef) -> bool:
+        """Read the probe `count` times as jobs read blocks; whether every read verified."""
+        dst = torch.empty(self.layout.block_bytes, dtype=torch.uint8)
+        batches = [min(self.pipeline_ops, count - i) for i in range(0, count, self.pipeline_ops)]
+
+        async def one(n: int) -> bool:
+            async with self._slots:
+                values = await self._pipeline([("get", key)] * n)
+            return all(self.layout.verify(probe, value, dst) == "ok" for value in values)
+
+        return all(await asyncio.gather(*(one(n) for n in batches)))
+
+    # ---------------------------------------------------------------- submitting
+
+    def _key(self, block_hash: int) -> str:
+        return block_key(self._fingerprint, block_hash)
+
+    def _check_block(self, block: torch.Tensor, name: str, ref: BlockRef) -> torch.Tensor:
+        if block.device.type != "cpu" or not block.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor (a view of one CPU block)")
+        flat = block.reshape(-1).view(torch.uint8)
+        if flat.numel() != self.layout.block_bytes:
+            raise ValueError(f"{name} holds {flat.numel()} bytes; blocks are {self.layout.block_bytes}")
+        if len(ref.token_ids) > self.layout.block_size:
+            raise ValueError(f"{len(ref.token_ids)} token ids, more than block_size={self.layout.block_size}")
+        return flat
+
+    def _enqueue(self, kind: Literal["read", "write"], ref: BlockRef, block: torch.Tensor) -> int:
+        job = self.jobs.start()
+        with self._lock:
+            if kind == "read":
+                if not self._reads_in_flight:
+                    self._read_busy_since = time.monotonic()
+                self._reads_in_flight += 1
+            self._queue.append(_Op(job, kind, ref, block))
+            first = len(self._queue) == 1
+        if first:  # one wake-up for everything queued before the loop gets to it
+            self._loop.soon(self._dispatch)
+        return job
+
+    def _make_room(self) -> bool:
+        """Keep this engine's stored bytes within the budget for one more block (lock held):
+        delete the blocks it stored and used least recently; False if the writes in flight
+        alone fill the budget."""
+        if not self.budget_bytes:
+            return True
+        doomed = self.index.make_room(self.budget_bytes // self.layout.value_bytes, len(self._writing))
+        if doomed is None:
+            return False
+        if doomed:
+            self._counts["evicted_blocks"] += len(doomed)
+            keys = [self._key(h) for h in doomed]
+            self._loop.soon(lambda: self._spawn(self._delete(keys)))
+        return True
+
+    def _forget_all(self) -> None:
+        """The server's blocks are not the ones known (a new epoch): forget them all."""
+        with self._lock:
+            self.index.clear()
+
+    def _fault(self, err: BaseException) -> None:
+        """Count a failed operation; a fault of the link takes the tier down (any thread)."""
+        with self._lock:
+            self._counts["errors"] += 1
+        if isinstance(err, LINK_ERRORS):
+            self.link.failed(err)  # at once: the next lookups must not wait for the server too
+
+    # ---------------------------------------------------------------- the loop's side
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _dispatch(self) -> None:
+        """Send everything queued, in pipelines (loop thread)."""
+        with self._lock:
+            ops, self._queue = self._queue, []
+        for kind, run in (("read", self._run_reads), ("write", self._run_writes)):
+            same = [op for op in ops if op.kind == kind]
+            for i in range(0, len(same), self.pipeline_ops):
+                self._spawn(run(same[i : i + self.pipeline_ops]))
+
+    async def _pipeline(self, commands: list[tuple]) -> list:
+        """Run commands in one pipeline; a refused command comes back as its exception."""
+        async with self.link.client.pipeline(transaction=False) as pipe:
+            for name, *args in commands:
+                getattr(pipe, name)(*args)
+            return await pipe.execute(raise_on_error=False)
+
+    async def _run_reads(self, ops: list[_Op]) -> None:
+        async with self._slots:
+            if not self.link.up:
+                return self._fail(ops, ConnectionError("the tier is down"))
+            try:
+                values = await self._pipeline([("get", self._key(op.ref.block_hash)) for op in ops])
+            except ANY_ERROR as err:
+                return self._fail(ops, err)
+        verdicts = [self._book_read(op, value) for op, value in zip(ops, values, strict=True)]
+        damaged = [self._key(op.ref.block_hash) for op, v in zip(ops, verdicts, strict=True) if v == "corrupt"]
+        if damaged:  # before the jobs are reported, so that no write of theirs finds them stored
+            await self._delete(damaged)
+        self._reads_done(len(ops))
+        for op, verdict in zip(ops, verdicts, strict=True):
+            self.jobs.finish(op.job, verdict == "ok")
+
+    def _reads_done(self, count: int) -> None:
+        with self._lock:
+            self._reads_in_flight -= count
+            if not self._reads_in_flight:
+                self._read_busy_s += time.monotonic() - self._read_busy_since
+
+    def _book_read(self, op: _Op, value: object) -> Verdict:
+        """Verify one value into its block and count the outcome."""
+        verdict = "corrupt" if isinstance(value, Exception) else self.layout.verify(op.ref, value, op.block)
+        with self._lock:
+            if verdict == "ok":
+                self._counts["hit_blocks"] += 1
+                self._counts["bytes_read"] += self.layout.block_bytes
+                self.index.touch(op.ref.block_hash)
+            else:
+                self._counts["errors"] += 1
+                self._counts["misses" if verdict == "missing" else "corrupt"] += 1
+                self.index.forget(op.ref.block_hash)
+        if verdict != "ok":
+            logger.debug("remote read of block %#x failed: %s", op.ref.block_hash, verdict)
+        return verdict
+
+    async def _run_writes(self, ops: list[_Op]) -> None:
+        async with self._write_slots, self._slots:
+            if not self.link.up:
+                return self._fail(ops, ConnectionError("the tier is down"))
+            keys = [self._key(op.ref.block_hash) for op in ops]
+            try:
+                exists = await self._pipeline([("exists", key) for key in keys])
+                todo = [(op, key) for op, key, found in zip(ops, keys, exists, strict=True) if found != 1]
+                sets = [("set", key, self.layout.pack(op.ref, op.block)) for op, key in todo]
+                results = await self._pipeline(sets) if sets else []
+            except ANY_ERROR as err:
+                return self._fail(ops, err)
+        stored = {id(op): not isinstance(r, Exception) for (op, _), r in zip(todo, results, strict=True)}
+        for op in ops:
+            self._finish_write(op, stored.get(id(op)))
+
+    def _finish_write(self, op: _Op, stored: bool | None) -> None:
+        """Book one write: `stored` True (sent), False (refused, e.g. out of memory) or None
+        (the server had the block already)."""
+        block_hash = op.ref.block_hash
+        with self._lock:
+            self._writing.discard(block_hash)
+            if stored is None:
+                self._counts["write_skipped"] += 1
+                self.index.remember(block_hash)
+            elif stored:
+                self._counts["stored_blocks"] += 1
+                self._counts["bytes_written"] += self.layout.value_bytes
+                self.index.own(block_hash)
+            else:
+                self._counts["errors"] += 1
+        self.jobs.finish(op.job, stored is not False)
+
+    def _fail(self, ops: list[_Op], err: BaseException) -> None:
+        """Fail every job of a pipeline that did not run (loop thread)."""
+        if isinstance(err, LINK_ERRORS) and self.link.up:
+            self.link.failed(err)
+        with self._lock:
+            self._counts["errors"] += len(ops)
+            for op in ops:
+                if op.kind == "write":
+                    self._writing.discard(op.ref.block_hash)
+        self._reads_done(sum(op.kind == "read" for op in ops))
+        for op in ops:
+            self.jobs.finish(op.job, False)
+
+    async def _delete(self, keys: list[str]) -> None:
+        try:
+            await self.link.client.unlink(*keys)
+        except ANY_ERROR as err:  # a leftover is found bad again by the next reader
+            logger.debug("remote tier: deleting %d keys failed: %s", len(keys), describe(err))
