@@ -197,3 +197,16 @@ def test_async_streams_carry_every_sample():
     outs = asyncio.run(run())
     assert len(outs) == 5 and outs[-1].finished
     assert [len(c.token_ids) for c in outs[2].outputs] == [3, 3, 3]
+
+
+def test_the_runners_block_copies_are_exact_beyond_one_staging_buffer():
+    with LLM(model="tiny-llama", block_size=4, num_gpu_blocks=96) as llm:
+        kv = llm.runner.kv_cache
+        kv.copy_(torch.randn(kv.shape))
+        before = kv.clone()
+        copies = [(i % 30, 40 + i) for i in range(40)]  # 40 copies: three staging buffers' worth
+        llm.runner.copy_blocks(copies)
+    expected = before.clone()
+    for src, dst in copies:
+        expected[:, :, dst] = before[:, :, src]
+    assert torch.equal(kv, expected)
