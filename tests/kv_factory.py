@@ -6,9 +6,11 @@ every sequence reads back exactly its own tokens, whatever the tiers did."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tieredkv.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 
 from tieredkv.cache.admission import CPUPolicy
 from tieredkv.cache.manager import KVCacheManager
@@ -69,22 +71,34 @@ def next_token(seq: Sequence) -> int:
     return (seq.num_tokens * 7 + len(seq.request_id)) % 97
 
 
-def run_step(sched: Scheduler, sim: SimKV) -> SchedulerOutput:
-    """One engine step: schedule, check the KV every scheduled sequence reads, write the KV of
-    its new tokens, sample `next_token`, update."""
+def run_step(sched: Scheduler, sim: SimKV, sample: Callable[[Sequence], int] = next_token) -> SchedulerOutput:
+    """One engine step: schedule, run the copy-on-write block copies, check the KV every
+    scheduled sequence reads, write the KV of its new tokens, `sample` their tokens, update."""
     sim.kv.retire()
     out = sched.schedule()
     if not out.scheduled:
         time.sleep(0.001)  # waiting for NVMe reads: let the I/O threads run
     sim.kv.before_forward()
+    copy_blocks(sim, sim.kv.take_block_copies())
     for item in out.scheduled:
         check_kv(sim, item.seq)
         table = sim.kv.block_table(item.seq)
         start = item.seq.num_computed_tokens
         for pos in range(start, start + item.num_new_tokens):
             sim.gpu[:, :, table[pos // BS], pos % BS] = float(item.seq.token_ids[pos])
-    sched.update(out, [next_token(seq) for seq in out.sampling])
+    sched.update(out, [sample(seq) for seq in out.sampling])
     return out
+
+
+def copy_blocks(sim: SimKV, copies: list[tuple[int, int]]) -> None:
+    """The model runner's copy-on-write copies, with the block-copy kernels' torch twins."""
+    if not copies:
+        return
+    src, dst = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*copies, strict=True))
+    layers, _, bs, heads, dim = BLOCK_SHAPE
+    staging = torch.empty((len(copies), layers, 2, bs, heads, dim))
+    gather_blocks_ref(sim.gpu, src, staging)
+    scatter_blocks_ref(staging, sim.gpu, dst)
 
 
 def check_kv(sim: SimKV, seq: Sequence) -> None:

@@ -30,3 +30,22 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
         pad_token_id=0,
     )
     return out[0, len(prompt):].tolist()
+
+
+def hf_beams(model: torch.nn.Module, prompt: list[int], width: int, max_new_tokens: int,
+             length_penalty: float = 1.0) -> list[tuple[list[int], float]]:
+    """transformers' beam search: every finished candidate, best first, as (generated tokens up
+    to and with EOS, score)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        num_beams=width, num_return_sequences=width, length_penalty=length_penalty, early_stopping=False,
+        output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+    )
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    beams = []
+    for tokens, score in zip(out.sequences[:, len(prompt):].tolist(), out.sequences_scores.tolist(), strict=True):
+        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        beams.append((tokens[:end], score))
+    return beams

@@ -52,3 +52,10 @@ def test_replay_when_everything_fits_is_all_hits_under_every_policy():
 def test_replay_with_no_capacity_hits_nothing():
     trace = multi_turn_trace(users=2, turns=3, first_blocks=2, blocks_per_turn=1)
     assert all(replay(trace, 0, p).hit_blocks == 0 for p in ("lru", "tinylfu", "belady"))
+
+
+def test_belady_holds_the_most_requested_blocks_block_by_block():
+    trace = multi_turn_trace(users=9, turns=6, first_blocks=12, blocks_per_turn=3)
+    for capacity in (20, 60, 120):
+        rates = {p: replay(trace, capacity, p).resident_rate for p in ("lru", "tinylfu", "belady")}
+        assert rates["belady"] >= max(rates["lru"], rates["tinylfu"])

@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from tieredkv.policy import CostModel, ObservedRate, TierPolicy, choose_preemption, split_nvme_prefix
+from tieredkv.policy import (
+    CostModel,
+    ObservedRate,
+    TierPolicy,
+    choose_preemption,
+    promote_cpu_hits,
+    split_nvme_prefix,
+)
 
 COSTS = CostModel(d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9, prefill_s_per_token=1e-4, prefill_s_per_token_sq=1e-8)
 
@@ -88,3 +95,10 @@ def test_nvme_plans_use_the_observed_rate_over_the_calibrated_one():
     assert policy.nvme_blocks_to_compute(10, 0) == 5
     assert policy.nvme_blocks_to_compute(10, 0, disk_bytes_per_s=1e15) == 0
     assert policy.nvme_blocks_to_compute(10, 0, disk_bytes_per_s=1 / 40e-3) == 10
+
+
+def test_cpu_hits_are_copied_in_unless_the_pcie_queue_makes_recompute_faster():
+    cost = CostModel(1e15, h2d_bytes_per_s=1e6, prefill_s_per_token=1e-3)  # 1 MB/s; 4 ms a block of 4 tokens
+    assert promote_cpu_hits(10, 1000, 0, 4, cost)  # 10 ms of copies against 40 ms of prefill
+    assert not promote_cpu_hits(10, 1000, 0, 4, cost, h2d_queue_bytes=40_000)  # 40 ms queued ahead
+    assert promote_cpu_hits(10, 1000, 0, 4, None)

@@ -54,7 +54,8 @@ def test_auto_swaps_when_copies_are_cheap_and_swaps_back_into_exact_blocks():
     assert sim.kv.stats()["bytes_d2h"] == 2 * BLOCK_BYTES  # its two blocks of computed KV
     steps = run_until_done(sched, sim)
     resumed = next(i for i, out in enumerate(steps) if b in [s.seq for s in out.scheduled])
-    assert sim.kv.stats()["bytes_h2d"] == 2 * BLOCK_BYTES
+    # its first block was still cached on the GPU: taken back as it is, only the second is copied
+    assert sim.kv.stats()["bytes_h2d"] == BLOCK_BYTES
     assert sched.num_preemptions == {"recompute": 0, "swap": 1} and sched.num_swap_fallbacks == 0
     assert resumed == 6  # a finished at step 4 of these; the swap-in landed beside step 5
     assert sim.kv.stats()["gpu_blocks_used"] == 0 and sim.kv.stats()["cpu_blocks_used"] == 0
@@ -64,7 +65,9 @@ def test_swap_in_takes_the_free_queue_front_first():
     sim, sched, a, b = two_decoders("swap")
     while "b" not in queues(sched)[1]:
         run_step(sched, sim)
-    assert sim.kv.block_table(b) == [3, 2, 4]  # a's last blocks, released last block first
+    # its first block, still cached, is taken back; the others come from the free queue front:
+    # a's partial last block, then the least recently used cached block
+    assert sim.kv.block_table(b) == [2, 3, 4]
 
 
 def test_auto_recomputes_when_copies_are_slow():
@@ -203,8 +206,15 @@ class SlowReads(SyncBackend):
 
 def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more(tmp_path):
     docs = [[d * 1000 + j for j in range(33)] for d in range(6)]  # 8 full blocks each
-    first = make_kv(10, num_cpu_blocks=4, nvme_path=str(tmp_path), cpu_policy="lru")
+    first = make_kv(10, num_cpu_blocks=64, nvme_path=str(tmp_path), cpu_policy="lru")
     run_prompts(make_scheduler(first, "recompute"), first, docs)
+    first.kv.reset_prefix_cache()  # demote every GPU block
+    store = first.kv.offload.nvme.store
+    for _ in range(200):  # spill-ahead writes them all, a few at a time
+        first.kv.retire()
+        if store.stats()["writes"] == 6 * 8:
+            break
+        time.sleep(0.005)
     first.kv.close()
     # calibrated: the disk reads a block in 1 ms, as fast as the GPU computes 1 token; it takes 30 ms
     calibrated = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 1e-3)
@@ -217,3 +227,16 @@ def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more
         loads.append(sched.nvme_prefix_blocks["load"] - before["load"])
     assert loads[0] > 0 and loads[-1] == 0  # the first plan believed the calibration; later ones the disk
     assert sched.disk_rate.bytes_per_s < calibrated.disk_read_bytes_per_s
+
+
+def test_cpu_hits_are_recomputed_when_copying_them_in_is_slower():
+    prompt = list(range(1, 18))  # four full blocks, then one token
+    slow_pcie = CostModel(1e15, h2d_bytes_per_s=1.0, prefill_s_per_token=1e-3)
+    for cost, copied in ((None, True), (slow_pcie, False)):
+        sim = make_kv(6, num_cpu_blocks=8, cpu_policy="lru")
+        sched = make_scheduler(sim, "recompute", cost)
+        run_prompts(sched, sim, [prompt, [50 + i for i in range(21)]])  # the second evicts (demotes) the first
+        hits = sim.kv.stats()["cpu_hit_blocks"]
+        run_prompts(sched, sim, [prompt])
+        assert (sim.kv.stats()["cpu_hit_blocks"] > hits) == copied
+        assert (sched.cpu_hits_recomputed > 0) == (not copied)

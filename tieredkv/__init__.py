@@ -6,9 +6,14 @@
 """
 
 from tieredkv.async_engine import AsyncLLM
+from tieredkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tieredkv.config import EngineConfig
 from tieredkv.engine import LLM, LLMEngine
-from tieredkv.outputs import RequestMetrics, RequestOutput
+from tieredkv.logprobs import Logprob
+from tieredkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tieredkv.sampling import SamplingParams
 
-__all__ = ["AsyncLLM", "LLM", "EngineConfig", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "AsyncLLM", "LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput",
+    "EngineConfig", "LLMEngine", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams",
+]

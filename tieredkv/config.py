@@ -332,7 +332,8 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
-EXPERIMENT_SECTIONS = ("name", "workload", "variants", "sweep", "slo")  # YAML sections the engine does not read
+EXPERIMENT_SECTIONS = ("name", "workload", "variants", "sweep", "slo",  # YAML sections the engine does not read
+                       "restart_after_s", "restart_store")
 
 SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 

@@ -5,6 +5,7 @@ Operations:
   never run).
 - `LLMEngine.step()`: schedule, run one packed forward pass, sample, retire finished requests.
 - `LLM.generate(prompts, params)`: run a batch to completion with a progress bar.
+- `LLM.beam_search(prompts, params)`: beam search of each prompt, its candidates best first.
 """
 
 from __future__ import annotations
@@ -15,23 +16,26 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
+from tieredkv.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from tieredkv.cache.hashing import model_fingerprint
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.calibrate import DiskProbe, calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml, resolve_paths
+from tieredkv.decode import Decoder
 from tieredkv.memory import check_fits
 from tieredkv.model.runner import ModelRunner
-from tieredkv.outputs import RequestMetrics, RequestOutput
+from tieredkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tieredkv.parallel_sampling import SampleGroup
 from tieredkv.policy import CostModel, TierPolicy
 from tieredkv.prompts import Prompt, prompt_list, token_ids
-from tieredkv.sampling import Sampler, SamplingParams
+from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
 from tieredkv.text import IncrementalDetokenizer, Message, chat_prompt
@@ -69,8 +73,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, policy)
         if self.runner.device.type == "cuda" and not config.model.enforce_eager:
             self.runner.capture_graphs(min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH))
-        self.sampler = Sampler()
-        self.seqs: dict[str, Seq] = {}
+        self.decoder = Decoder(self.scheduler, self._decode_token if self.tokenizer is not None else None)
+        self.seqs: dict[str, Seq] = {}  # unfinished requests, by id: their first sequence
         self._ids = itertools.count()
         self._counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0}
         self._closed = False
@@ -169,17 +173,53 @@ class LLMEngine:
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Seq:
         """Validate a request (ValueError if it can never run) without queueing it. Reads no
         state that `step()` changes, so it may run beside a step. RuntimeError once closed."""
-        self._check_open()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
+        name = "best_of" if params.best_of is not None else "n"
+        token_ids, request_id = self._new_request(prompt, request_id, params.max_tokens, name, params.num_samples)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
+        generators = [self._generator(params, i) for i in range(params.num_samples)]
+        seq = Seq(request_id, token_ids, params, self.runner.eos_token_ids, generators[0], detokenizer)
+        if params.num_samples > 1:
+            SampleGroup(seq, generators)
+        return seq
+
+    def make_beam_sequence(self, prompt: Prompt, params: BeamSearchParams, request_id: str | None = None) -> Seq:
+        """Validate a beam-search request (ValueError if it can never run) without queueing it;
+        its result is `seq.group.result(...)` once it has finished."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
+        token_ids, request_id = self._new_request(prompt, request_id, params.max_tokens, "beam_width",
+                                                  params.beam_width)
+        # beams never stop by themselves: the beam search ends them
+        beam_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True)
+        seq = Seq(request_id, token_ids, beam_params, self.runner.eos_token_ids)
+        decode = self._decode_text if self.tokenizer is not None else None
+        BeamGroup(seq, params, self.runner.eos_token_ids, decode)
+        return seq
+
+    def _new_request(self, prompt: Prompt, request_id: str | None, max_tokens: int, width_name: str,
+                     width: int) -> tuple[list[int], str]:
+        """A request's token ids and id, checked: it fits the model and the GPU tier, its
+        `width` sequences (samples, beams) fit `max_num_seqs`, and its id is free."""
+        self._check_open()
         token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        self._check_fits(len(token_ids), params.max_tokens)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
-        return Seq(request_id, token_ids, params, self.runner.eos_token_ids, self._generator(params), detokenizer)
+        self._check_fits(len(token_ids), max_tokens)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if width > max_num_seqs:
+            raise ValueError(f"{width_name}: {width} sequences per request exceed max_num_seqs ({max_num_seqs}); "
+                             f"raise max_num_seqs or lower {width_name}")
+        return token_ids, request_id
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _decode_text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -216,19 +256,25 @@ class LLMEngine:
                 f"tier has {self.kv.num_blocks}; raise num_gpu_blocks or shorten the request"
             )
 
-    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+    def _generator(self, params: SamplingParams, sample: int = 0) -> torch.Generator | None:
+        """The generator of a request's sample (seeded with `seed + sample`)."""
         if params.greedy:
             return None
-        seed = params.seed if params.seed is not None else self.config.model.seed * 1_000_003 + next(self._ids)
+        if params.seed is not None:
+            seed = (params.seed + sample) % 2**64
+        else:
+            seed = self.config.model.seed * 1_000_003 + next(self._ids)
         return torch.Generator(device=self.runner.device).manual_seed(seed)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free everything it holds; its last output (`finish_reason` "abort"),
         or None if no such request is unfinished."""
         seq = self.seqs.pop(request_id, None)
-        if seq is None or seq.is_finished:
+        if seq is None or _finished(seq):
             return None
-        self.scheduler.abort(seq)
+        for s in seq.group.seqs if seq.group is not None else [seq]:
+            if not s.is_finished:
+                self.scheduler.abort(s)
         return self._output(seq)
 
     def reset_prefix_cache(self) -> int:
@@ -241,7 +287,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and forward pass; outputs of the requests that got a token."""
+        """One scheduler step and forward pass; outputs of the requests that got a token (a
+        beam search: of those that ended)."""
         self.kv.retire()
         batch = self.scheduler.schedule()
         if not batch.scheduled:
@@ -250,16 +297,15 @@ class LLMEngine:
             return []
         tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
         self.kv.before_forward()
+        self.runner.copy_blocks(self.kv.take_block_copies())  # copy-on-write, before the writes
         logits = self.runner.execute(batch.scheduled, tables)
-        sampling = batch.sampling
-        tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling],
-                                     [s.banned_token_ids for s in sampling])
-        self._count(batch)  # before `update` advances the sequences
-        finished = self.scheduler.update(batch, tokens)
-        for seq in finished:
-            del self.seqs[seq.request_id]
-        self._counters["requests_finished"] += len(finished)
-        return [self._output(seq) for seq in sampling]
+        self._count(batch)  # before `advance` moves the sequences on
+        self.scheduler.advance(batch)
+        outputs = [self._output(seq) for seq in self.decoder.process(batch.sampling, logits)]
+        for out in outputs:
+            if out.finished and self.seqs.pop(out.request_id, None) is not None:
+                self._counters["requests_finished"] += 1
+        return outputs
 
     def _count(self, batch: SchedulerOutput) -> None:
         for item in batch.scheduled:
@@ -268,19 +314,24 @@ class LLMEngine:
         self._counters["steps"] += 1
 
     def _output(self, seq: Seq) -> RequestOutput:
-        text = seq.detokenizer.sent_text if seq.detokenizer is not None else None
+        """The output of the request `seq` started (its samples or beams: `outputs`)."""
+        group = seq.group
+        outputs = group.completions() if group is not None else [seq.completion()]
+        first = outputs[0] if outputs else CompletionOutput(0, [], None, seq.finish_reason)
+        samples = group.seqs if group is not None else [seq]
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            text=text,
-            error=seq.error,
-            text_delta=seq.text_delta,
+            token_ids=first.token_ids,
+            finished=_finished(seq),
+            finish_reason=first.finish_reason,
+            text=first.text,
+            error=next((s.error for s in samples if s.error is not None), seq.error),
+            text_delta=seq.text_delta if group is None else None,
             metrics=RequestMetrics(
                 seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_prompt_tokens, seq.num_cached_tokens
             ),
+            outputs=outputs,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -293,6 +344,7 @@ class LLMEngine:
             "nvme_prefix_blocks": dict(self.scheduler.nvme_prefix_blocks),
             "nvme_skipped_tokens": self.scheduler.nvme_skipped_tokens,
             "nvme_load_waits": self.scheduler.nvme_load_waits,
+            "cpu_hits_recomputed": self.scheduler.cpu_hits_recomputed,
             **({"disk_read_bytes_per_s": self.scheduler.disk_rate.bytes_per_s} if self.scheduler.disk_rate else {}),
             **self._counters,
             "requests_waiting": len(self.scheduler.waiting),
@@ -319,6 +371,11 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _finished(seq: Seq) -> bool:
+    """Whether the request `seq` started has finished (all its samples, or its beam search)."""
+    return seq.group.finished if seq.group is not None else seq.is_finished
 
 
 class LLM(LLMEngine):
@@ -358,34 +415,58 @@ class LLM(LLMEngine):
         nowhere to hand their outputs. Step them to completion (or `abort()` them) first."""
         prompts = prompt_list(prompts)
         with self._generate_lock:
-            self._check_open()
-            if self.seqs:
-                names = ", ".join(list(self.seqs)[:5])
-                raise RuntimeError(
-                    f"generate: {len(self.seqs)} request(s) queued with add_request() are unfinished ({names}); "
-                    "step() them to completion or abort() them before calling generate()"
+            self._check_idle("generate")
+            params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params)} for {len(prompts)} prompts; give one or one per prompt"
                 )
-            return self._generate(prompts, sampling_params, use_tqdm)
+            return self._run_batch(len(prompts), lambda i: self.add_request(prompts[i], params[i]), use_tqdm)
 
-    def _generate(
-        self, prompts: list[Any], sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool
-    ) -> list[RequestOutput]:
-        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(
-                f"sampling_params: got {len(params)} for {len(prompts)} prompts; give one or one per prompt"
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """Beam search of every prompt (its beams share their blocks, copied on write); for each
+        prompt its finished candidates, best first. A prompt that can never run gets an output
+        with `error` set and no candidates. Same calling rules as `generate`."""
+        prompts = prompt_list(prompts)
+        groups: dict[str, BeamGroup] = {}
+
+        def add(i: int) -> str:
+            seq = self.make_beam_sequence(prompts[i], params)
+            self.enqueue(seq)
+            groups[seq.request_id] = seq.group
+            return seq.request_id
+
+        with self._generate_lock:
+            self._check_idle("beam_search")
+            outs = self._run_batch(len(prompts), add, use_tqdm)
+        return [groups[o.request_id].result(o.prompt_token_ids, o.error) if o.request_id in groups
+                else BeamSearchOutput(o.request_id, [], [], o.error) for o in outs]
+
+    def _check_idle(self, name: str) -> None:
+        self._check_open()
+        if self.seqs:
+            names = ", ".join(list(self.seqs)[:5])
+            raise RuntimeError(
+                f"{name}: {len(self.seqs)} request(s) queued with add_request() are unfinished ({names}); "
+                f"step() them to completion or abort() them before calling {name}()"
             )
+
+    def _run_batch(self, num_prompts: int, add: Callable[[int], str], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue prompt i with `add(i)` (its request id; ValueError: rejected) and run them all to
+        completion; their finished outputs in order."""
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for i in range(num_prompts):
             try:
-                order.append(self.add_request(prompt, p))
+                order.append(add(i))
             except ValueError as err:
                 logger.warning("request rejected: %s", err)
                 order.append(rid := f"rejected-{next(self._ids)}")
                 results[rid] = RequestOutput(rid, [], [], True, "error", error=str(err))
         try:
-            self._run_to_completion(results, len(prompts), use_tqdm)
+            self._run_to_completion(results, num_prompts, use_tqdm)
         except BaseException:  # a failed step (or Ctrl-C) must not leave this batch holding blocks
             for rid in order:
                 self.abort(rid)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tieredkv.logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -22,10 +24,28 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One sample (or beam) of a request: its generated tokens so far, their text (with a
+    tokenizer), why it ended, the sum of its tokens' logprobs and, with
+    `SamplingParams(logprobs=k)`, each token's logprobs (the sampled token and the top k).
+    `cumulative_logprob` is None when nothing asked for logprobs."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None = None
+    finish_reason: str | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """A request's generated tokens so far. `text` is their text so far (with a tokenizer) and
     `text_delta` what this output added to it. `error` is set (and `finish_reason == "error"`)
-    when the request was rejected or failed while running; the other requests are unaffected."""
+    when the request was rejected or failed while running; the other requests are unaffected.
+
+    `outputs` holds one `CompletionOutput` per sample (`SamplingParams(n=...)`);
+    `token_ids`, `text` and `finish_reason` are those of `outputs[0]`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -36,3 +56,9 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None
     text_delta: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.outputs:  # one sample: its output is the request's
+            only = CompletionOutput(0, self.token_ids, self.text, self.finish_reason)
+            object.__setattr__(self, "outputs", [only])

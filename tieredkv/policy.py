@@ -5,6 +5,9 @@ Preemption: what to do with a sequence that must leave the GPU.
 - `swap`: copy its KV to the CPU tier and back (needs CPU room).
 - `auto`: whichever the cost model says is cheaper, per sequence.
 
+CPU-tier hits: copied in, unless the PCIe queue makes recomputing them faster
+(`promote_cpu_hits`).
+
 Slow-tier hits: prefix blocks found on NVMe are loaded, recomputed, or both at once
 (`split_nvme_prefix`), against the disk bandwidth the engine observes (`ObservedRate`).
 """
@@ -98,6 +101,19 @@ def split_nvme_prefix(
     return min(range(num_blocks + 1), key=finish_s)
 
 
+def promote_cpu_hits(
+    num_blocks: int, block_bytes: int, first_token: int, block_size: int, cost: CostModel | None,
+    h2d_queue_bytes: int = 0,
+) -> bool:
+    """Whether to copy `num_blocks` prefix blocks found in the CPU tier (from token
+    `first_token` on) to the GPU, behind the `h2d_queue_bytes` already queued over PCIe,
+    rather than recompute them. Without a cost model, copy."""
+    if cost is None:
+        return True
+    copy_s = (h2d_queue_bytes + num_blocks * block_bytes) / cost.h2d_bytes_per_s
+    return copy_s <= cost.recompute_s(first_token + num_blocks * block_size) - cost.recompute_s(first_token)
+
+
 class ObservedRate:
     """A bandwidth as the engine gets it: bytes moved over the seconds something was in flight,
     recent seconds weighing most (what came `half_life_s` of busy time ago counts half). It
@@ -135,6 +151,11 @@ class TierPolicy:
 
     def preemption(self, num_tokens: int, num_blocks: int, cpu_free_blocks: int) -> PreemptionKind:
         return choose_preemption(self.mode, num_tokens, num_blocks, self.block_bytes, cpu_free_blocks, self.cost)
+
+    def promote(self, num_blocks: int, first_token: int, h2d_queue_blocks: int = 0) -> bool:
+        return promote_cpu_hits(
+            num_blocks, self.block_bytes, first_token, self.block_size, self.cost, h2d_queue_blocks * self.block_bytes
+        )
 
     def nvme_blocks_to_compute(
         self, num_blocks: int, first_token: int, disk_queue_blocks: int = 0, gpu_queue_tokens: int = 0,

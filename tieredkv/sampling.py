@@ -46,6 +46,9 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -66,6 +69,7 @@ class SamplingParams:
         self._set("ignore_eos", bool(self.ignore_eos))
 
         self._check_text_fields()
+        self._check_fork_fields()
 
     def _set(self, name: str, value: object) -> None:
         """Store the normalized value of a field (plain ints and floats, not numpy scalars)."""
@@ -84,6 +88,18 @@ class SamplingParams:
             )
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens: expected true or false, got {self.skip_special_tokens!r}")
+
+    def _check_fork_fields(self) -> None:
+        self._set("n", _integer("n", self.n, ">= 1 (samples per request)", 1))
+        if self.best_of is not None:
+            self._set("best_of", _integer("best_of", self.best_of, f">= n ({self.n}), or None", self.n))
+        if self.logprobs is not None:
+            self._set("logprobs", _integer("logprobs", self.logprobs, ">= 0 (top tokens per position), or None", 0))
+
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn: `best_of`, else `n`."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def greedy(self) -> bool:

@@ -12,7 +12,15 @@ blocks (as much as the policy says), so the reads overlap other work and the com
 the earlier part; how far a sequence may compute is the KV manager's answer (`computable`).
 
 After the forward pass, `update(batch, sampled_tokens)` advances the scheduled sequences,
-commits their new full blocks, appends the sampled tokens and retires finished sequences.
+commits their new full blocks, appends the sampled tokens and retires finished sequences (in
+two halves, `advance(batch)` and `append(seqs, tokens)`, when sequences fork in between).
+
+Forks (parallel samples, beams): `fork(parent, n)` puts n copies of a sequence, sharing its
+blocks, next to it in its queue; from then on they are ordinary sequences. A beam whose next
+token waits for its siblings is `held` (`hold(seq)`): it is not swapped in or admitted while
+held, and when nothing else can run for want of blocks or sequence slots, the newest held
+running sequence is preempted, so that a beam's siblings are never locked out by beams that
+only wait.
 
 A sequence whose KV is copied in from the CPU tier this step (swap-in, promoted prefix, loaded
 NVMe blocks) joins the running queue but computes from the next step on: the copy overlaps
@@ -27,9 +35,11 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost
+from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, PrefixMatch
 from tieredkv.config import SchedulerConfig
+from tieredkv.logprobs import TokenLogprobs
 from tieredkv.policy import ObservedRate, TierPolicy
+from tieredkv.sampling import FailedSample
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
 
 PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of their turn
@@ -70,6 +80,7 @@ class Scheduler:
         measured = config.cost_model is None and cost is not None and cost.disk_read_bytes_per_s is not None
         self.disk_rate = ObservedRate(cost.disk_read_bytes_per_s) if measured else None
         self.nvme_skipped_tokens = 0  # prefill tokens jumped over: their KV came from NVMe
+        self.cpu_hits_recomputed = 0  # CPU prefix blocks recomputed: copying them in was slower
         self.nvme_load_waits = 0  # steps a sequence had nothing to compute before its loads landed
 
     def add(self, seq: Sequence) -> None:
@@ -83,9 +94,11 @@ class Scheduler:
         self._prefetch()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
-            budget = self._resume_swapped(out, budget)
-            if not self.swapped:
-                self._admit_waiting(out, budget)
+            budget, blocked = self._resume_swapped(out, budget)
+            if not any(not s.held for s in self.swapped):
+                blocked = self._admit_waiting(out, budget)
+            if blocked and not out.scheduled:
+                self._preempt_held(out)
         out.sampling = [s.seq for s in out.scheduled if s.samples]
         return out
 
@@ -93,16 +106,43 @@ class Scheduler:
         """Book a finished forward pass: the scheduled tokens are computed (their full blocks
         join the prefix cache), each sampling sequence gets its token; returns the sequences
         that finished (their blocks are freed)."""
+        self.advance(batch)
+        return self.append(batch.sampling, sampled_tokens)
+
+    def advance(self, batch: SchedulerOutput) -> None:
+        """The scheduled tokens are computed: their full blocks join the prefix cache."""
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit(item.seq)
+
+    def append(self, seqs: list[Sequence], tokens: list[int | FailedSample],
+               logprobs: list[TokenLogprobs | None] | None = None) -> list[Sequence]:
+        """Give each sequence its next token (and its logprobs); returns the sequences that
+        finished (their blocks are freed)."""
         finished = []
-        for seq, token in zip(batch.sampling, sampled_tokens, strict=True):
-            seq.append_token(token)
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            seq.held = False
+            seq.append_token(token, logprobs[i] if logprobs is not None else None)
             if seq.is_finished:
                 self._retire(seq)
                 finished.append(seq)
         return finished
+
+    def fork(self, parent: Sequence, count: int) -> list[Sequence]:
+        """`count` copies of `parent`, sharing its blocks, placed right after it in its queue."""
+        children = [parent.fork() for _ in range(count)]
+        for child in children:
+            self.kv.fork(parent, child)
+        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
+                 SequenceStatus.SWAPPED: self.swapped}[parent.status]
+        at = queue.index(parent) + 1
+        for child in reversed(children):
+            queue.insert(at, child)
+        return children
+
+    def hold(self, seq: Sequence) -> None:
+        """`seq` computed all its tokens and its next one waits for its group (a beam)."""
+        seq.held = True
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -133,20 +173,25 @@ class Scheduler:
                 seq.num_cached_tokens += chunk.num_skipped_tokens
         return chunk.num_new_tokens
 
-    def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
+    def _resume_swapped(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Swap sequences back in, oldest first (held ones wait); the budget left, and whether
+        one could not come back for want of blocks or sequence slots."""
+        for seq in [s for s in self.swapped if not s.held]:
+            if budget <= 0:
+                return budget, False
+            if len(self.running) >= self.config.max_num_seqs:
+                return budget, True
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             got = self.kv.swap_in(seq, n)
             if got is None:
-                break
-            self.swapped.popleft()
+                return budget, True
+            self.swapped.remove(seq)
             if isinstance(got, KVLost):  # its KV did not come back: recompute it
                 self.num_swap_fallbacks += 1
                 self._requeue(seq)
                 continue
             budget -= self._run(seq, n, got, out)
-        return budget
+        return budget, False
 
     def _prefetch(self) -> None:
         if not self.waiting:
@@ -178,6 +223,16 @@ class Scheduler:
             self.nvme_prefix_blocks["compute"] += plan.num_compute
             self.nvme_prefix_blocks["load"] += plan.num_load
 
+    def _worth_copying(self, prefix: PrefixMatch) -> PrefixMatch:
+        """The prefix without its CPU hits (and what follows them) when the PCIe queue makes
+        recomputing them faster than copying them in."""
+        if not prefix.cpu_blocks:
+            return prefix
+        first = len(prefix.gpu_blocks) * self.kv.block_size
+        if self.policy.promote(len(prefix.cpu_blocks), first, self.kv.h2d_queue_blocks()):
+            return prefix
+        return PrefixMatch(prefix.gpu_blocks)
+
     def _disk_bytes_per_s(self) -> float | None:
         """The observed disk read bandwidth (None: the calibrated one applies)."""
         counters = self.kv.disk_read_counters()
@@ -186,27 +241,36 @@ class Scheduler:
         self.disk_rate.update(*counters)
         return self.disk_rate.bytes_per_s
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> bool:
+        """Admit waiting sequences in order (held ones wait); whether one could not be admitted
+        for want of blocks or sequence slots."""
         if not self.waiting:
-            return
+            return False
         backlog = self._prefill_backlog()  # for sequences beyond the prefetch depth
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                return
+            if seq.held:
+                continue
+            if budget <= 0:
+                return False
+            if len(self.running) + seq.width > self.config.max_num_seqs:
+                return True
             self._plan_loads(seq, backlog)
-            prefix = self.kv.match_prefix(seq)
+            found = self.kv.match_prefix(seq)
+            prefix = self._worth_copying(found)
             n = self.kv.computable(seq, budget, prefix).num_new_tokens
             if n == 0:  # nothing to compute before its NVMe blocks arrive
                 self.nvme_load_waits += 1
                 continue
             got = self.kv.allocate(seq, n, prefix)
             if got is None:
-                return
+                return True
             self.waiting.remove(seq)
+            self.cpu_hits_recomputed += len(found.cpu_blocks) - len(prefix.cpu_blocks)
             seq.num_computed_tokens = got.num_cached_tokens
             if not seq.recomputing:  # a client's prompt hit, not its own blocks found again
                 seq.num_cached_tokens = got.num_cached_tokens
             budget -= self._run(seq, n, got, out)
+        return False
 
     def _run(self, seq: Sequence, n: int, got: Allocation, out: SchedulerOutput) -> int:
         """Move `seq` to the running queue and schedule its `n` tokens, unless its KV is still
@@ -230,6 +294,15 @@ class Scheduler:
             self.kv.free(seq)
             self._requeue(seq)
         self.num_preemptions[kind] += 1
+
+    def _preempt_held(self, out: SchedulerOutput) -> None:
+        """Nothing could run: make room by preempting the newest held running sequence, if any
+        (its next token waits for siblings that wait for blocks or slots)."""
+        held = [s for s in self.running if s.held]
+        if held:
+            self.running.remove(held[-1])
+            self._preempt(held[-1])
+            out.preempted.append(held[-1])
 
     def _requeue(self, seq: Sequence) -> None:
         """Back to the front of the waiting queue, to be prefilled again."""

@@ -1,18 +1,32 @@
-"""A request as the engine tracks it: tokens, progress, state and timings."""
+"""A request as the engine tracks it: tokens, progress, state and timings.
+
+A request is one `Sequence`, or several once it forks (parallel samples, beams): the forked
+sequences are ordinary sequences to the scheduler, tied together by their `SequenceGroup`.
+"""
 
 from __future__ import annotations
 
+import copy
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from tieredkv.logprobs import TokenLogprobs
+from tieredkv.outputs import CompletionOutput
 from tieredkv.sampling import FailedSample, SamplingParams
 
 if TYPE_CHECKING:
     from tieredkv.text import IncrementalDetokenizer
+
+_seq_ids = itertools.count()
+
+
+def _next_seq_id() -> str:
+    return f"s{next(_seq_ids)}"
 
 
 class SequenceStatus(enum.Enum):
@@ -24,8 +38,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One request. `token_ids` holds the prompt followed by the generated tokens;
-    `num_computed_tokens` of them have KV in the cache."""
+    """One request, or one sample or beam of a forked request (`group`). `token_ids` holds the
+    prompt followed by the generated tokens; `num_computed_tokens` of them have KV in the cache.
+    `seq_id` names the sequence in the KV cache manager (unique in the process); `request_id`
+    is its request's."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -45,9 +61,17 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
+    seq_id: str = field(default_factory=_next_seq_id)
+    group: SequenceGroup | None = None  # the request's sequences, once it may fork
+    index: int = 0  # which sample of its request
+    held: bool = False  # all computed, its next token waits for its group (a beam)
+    logprobs: list[TokenLogprobs] | None = None  # per output token, with `params.logprobs`
+    cumulative_logprob: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -69,10 +93,28 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int | FailedSample) -> None:
-        """Add a sampled token and finish the request if it hit a stop condition (a stop token,
-        EOS, the length, a stop string in its text); a sample that failed finishes it with
-        "error"."""
+    @property
+    def width(self) -> int:
+        """How many sequences this one is about to become (its request's samples or beams
+        before the first fork; 1 otherwise)."""
+        return self.group.width_of(self) if self.group is not None else 1
+
+    def fork(self) -> Sequence:
+        """A copy of this sequence under a new `seq_id`, sharing no mutable state (its KV
+        blocks are shared through the cache manager, its generator is set by its group)."""
+        child = copy.copy(self)
+        child.seq_id = _next_seq_id()
+        child.generator = None
+        child.token_ids = list(self.token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.detokenizer = None if self.detokenizer is None else self.detokenizer.fork()
+        return child
+
+    def append_token(self, token_id: int | FailedSample, logprobs: TokenLogprobs | None = None) -> None:
+        """Add a sampled token (with its logprobs, when the request asked for them) and finish
+        the request if it hit a stop condition (a stop token, EOS, the length, a stop string in
+        its text); a sample that failed finishes it with "error"."""
         if isinstance(token_id, FailedSample):
             self.error = token_id.message
             self.text_delta = None
@@ -81,6 +123,10 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.token_ids.append(token_id)
+        if logprobs is not None:
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs[token_id].logprob
         p = self.params
         if token_id in p.stop_token_ids or token_id in self.eos_token_ids and not p.ignore_eos:
             self.finish("stop")
@@ -111,6 +157,35 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.monotonic()
+
+
+    def completion(self) -> CompletionOutput:
+        """This sequence's output so far."""
+        text = self.detokenizer.sent_text if self.detokenizer is not None else None
+        return CompletionOutput(self.index, self.output_token_ids, text, self.finish_reason,
+                                self.cumulative_logprob, self.logprobs)
+
+
+class SequenceGroup:
+    """The sequences a request forked into (`seqs[0]` is the one it started as). Subclasses
+    say how many sequences it becomes, when it is finished, and what it returns."""
+
+    def __init__(self, first: Sequence) -> None:
+        self.request_id = first.request_id
+        self.first = first  # the sequence the engine knows the request by
+        self.seqs: list[Sequence] = [first]
+        first.group = self
+
+    def width_of(self, seq: Sequence) -> int:
+        """How many sequences `seq` is about to become."""
+        return 1
+
+    @property
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def completions(self) -> list[CompletionOutput]:
+        raise NotImplementedError
 
 
 class ScheduledSeq(NamedTuple):

@@ -20,6 +20,7 @@ context (" Paris", not "Paris", for SentencePiece tokenizers); prompt + text is 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,6 +79,12 @@ class IncrementalDetokenizer:
         self._num_tokens = 0
         self._sent = 0
         self.text = ""  # the output text so far, cut at a stop string
+
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy (for a forked sample): the same text so far, its own future."""
+        clone = copy.copy(self)
+        clone._ids = list(self._ids)
+        return clone
 
     def _context(self, tail: list[int]) -> list[int]:
         """The longest prompt tail that decodes to whole characters."""

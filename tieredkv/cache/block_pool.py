@@ -8,16 +8,19 @@ Operations (all O(1) per block):
   free queue (cached ones stay findable until they are evicted).
 - `cache(block, ...)` / `lookup(hash, ...)` / `cached_block(hash)`: the prefix-cache hash map.
 - `refresh(block)`: an unowned cached block was used again: move it to the back.
-- `free_blocks()`: the free queue, front (next to evict) first; `next_victim()`: its front;
+- `free_blocks()`: the free queues, the next to be taken first; `next_victim()`: that one;
+  `cold_blocks()`: the cached ones, least recently used first;
   `drop_unowned()`: forget
   every cached block nobody owns.
 
-The free queue is in LRU order: the front is evicted first. Never-hashed blocks go to the
-front (nothing to lose), cached blocks to the back.
+Empty blocks (never hashed, or forgotten) are taken first, the most recently freed first;
+then cached blocks nobody owns, in LRU order (the front is evicted first; released ones join
+the back, or the front with `evict_first`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,49 +44,56 @@ EvictCallback = Callable[[Block], None]
 
 
 class BlockPool:
-    """Free queue, ref counts and hash map of `num_blocks` blocks.
+    """Free queues, ref counts and hash map of `num_blocks` blocks.
 
-    `on_evict` is called with a cached block just before its hash is dropped, while its KV is
-    still intact: the CPU tier uses it to demote the block.
+    Free blocks wait in two queues: empty ones (never hashed, or forgotten), taken first, and
+    cached ones in LRU order. `on_evict` is called with a cached block just before its hash is
+    dropped, while its KV is still intact: the CPU tier uses it to demote the block.
     """
 
     def __init__(self, num_blocks: int, on_evict: EvictCallback | None = None) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._empty: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free_queue: OrderedDict[int, Block] = OrderedDict()  # cached, nobody owns them
         self._cached: dict[int, Block] = {}
         self.on_evict = on_evict
         self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        """Blocks that can be allocated now (free or cached with no owner)."""
-        return len(self._free_queue)
+        """Blocks that can be allocated now (empty, or cached with no owner)."""
+        return len(self._empty) + len(self._free_queue)
 
     @property
     def num_cached(self) -> int:
         return len(self._cached)
 
     def free_blocks(self) -> Iterator[Block]:
-        """Blocks nobody owns, the next to be evicted first."""
+        """Blocks nobody owns, the next to be taken first: the empty ones, then the cached
+        ones from the least recently used on."""
+        return itertools.chain(self._empty.values(), self._free_queue.values())
+
+    def cold_blocks(self) -> Iterator[Block]:
+        """Cached blocks nobody owns, the least recently used first."""
         return iter(self._free_queue.values())
 
     def is_free(self, block: Block) -> bool:
-        return block.block_id in self._free_queue
+        return block.block_id in self._empty or block.block_id in self._free_queue
 
     def next_victim(self) -> Block | None:
         """The block `allocate(1)` would take (a cached one is evicted), if any."""
-        return next(iter(self._free_queue.values()), None)
+        return next(self.free_blocks(), None)
 
     def cached_block(self, block_hash: int) -> Block | None:
         """The block cached under `block_hash`, if any (unverified: see `lookup`)."""
         return self._cached.get(block_hash)
 
     def allocate(self, n: int) -> list[Block] | None:
-        if n > len(self._free_queue):
+        if n > self.num_free:
             return None
         taken = []
         for _ in range(n):
-            _, block = self._free_queue.popitem(last=False)
+            _, block = (self._empty or self._free_queue).popitem(last=False)
             self._evict(block)
             block.ref_count = 1
             taken.append(block)
@@ -92,8 +102,12 @@ class BlockPool:
     def touch(self, block: Block) -> None:
         """Add an owner to a block found in the prefix cache."""
         if block.ref_count == 0:
-            del self._free_queue[block.block_id]
+            self._free(block).pop(block.block_id)
         block.ref_count += 1
+
+    def _free(self, block: Block) -> OrderedDict[int, Block]:
+        """The free queue a block with no owner is in."""
+        return self._free_queue if block.block_id in self._free_queue else self._empty
 
     def release(self, blocks: Iterable[Block], evict_first: bool = False) -> None:
         """Drop one reference from each block, in the given order (the first reaches the
@@ -103,9 +117,10 @@ class BlockPool:
             assert block.ref_count > 0, f"block {block.block_id} released more often than owned"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free_queue[block.block_id] = block
+                queue = self._empty if block.block_hash is None else self._free_queue
+                queue[block.block_id] = block
                 if evict_first or block.block_hash is None:
-                    self._free_queue.move_to_end(block.block_id, last=False)
+                    queue.move_to_end(block.block_id, last=False)
 
     def lookup(self, block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> Block | None:
         """The cached block with exactly this content, if any."""
@@ -138,6 +153,9 @@ class BlockPool:
         if block.block_hash is not None and self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
         block.reset_hash()
+        if self._free_queue.pop(block.block_id, None) is not None:  # free: it is empty now
+            self._empty[block.block_id] = block
+            self._empty.move_to_end(block.block_id, last=False)
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:

@@ -8,15 +8,20 @@ Operations:
 - `plan_loads(seq, split) -> NVMePlan | None`: once per stay in the waiting queue, start
   reading the later part of the sequence's NVMe prefix blocks into the CPU tier (`split`, the
   policy, says how many of the earlier ones to compute instead).
-- `nvme_reads_in_flight()` / `disk_read_counters()`: the disk's queue and its observed speed.
+- `nvme_reads_in_flight()` / `disk_read_counters()`: the disk's queue and its observed speed;
+  `h2d_queue_blocks()`: the PCIe queue of copies in.
 - `computable(seq, budget, prefix) -> Chunk`: the one question about those loads: how many
   tokens the sequence may compute now (0: wait for its loads), and how many prefix tokens that
   have landed it jumps over.
 - `allocate(seq, num_new_tokens, prefix) -> Allocation | None`: blocks for the next tokens
-  (`None`, with nothing changed, when the GPU pool is short); CPU hits are promoted.
+  (`None`, with nothing changed, when the GPU pool is short); CPU hits are promoted. A block
+  the new tokens write into that the sequence shares (a fork) is copied first.
+- `fork(parent, child)`: the child shares all of the parent's blocks, in every tier.
+- `take_block_copies()`: the copy-on-write block copies to run before the next forward pass.
 - `commit(seq)`: make newly computed full blocks findable by later requests.
 - `swap_out(seq) -> bool` / `swap_in(seq, num_new_tokens) -> Allocation | KVLost | None`:
-  move a preempted sequence's KV to the CPU tier and back.
+  move a preempted sequence's KV to the CPU tier and back. Full blocks are found by content on
+  the way out and back, so a block that forked siblings share is moved once and stays shared.
 - `free(seq)`: give the sequence's blocks back (cached ones stay findable).
 - `block_table(seq)`: the block ids the model runner reads and writes.
 - `retire()` / `before_forward()`: finish transfers; order the next forward pass after them.
@@ -24,6 +29,13 @@ Operations:
 A sequence whose KV is still being copied in by a job submitted this step (`landing` in the
 results) computes from the next step on, so that this step's forward pass does not wait for
 the copy: it overlaps it.
+
+Copy-on-write: forked sequences share blocks by reference count. Only a shared block that is
+not full can be written (full blocks are never rewritten); the first sibling to write into it
+gets a copy, and the last one writes in place:
+
+    parent [b0 b1 b2*]      fork       a [b0 b1 b2*]  b [b0 b1 b2*]   (b2: 5 of 16 slots, ref 2)
+    a computes token 5:  a [b0 b1 b7]  b [b0 b1 b2]   (b7 = copy of b2, then slot 5 written)
 """
 
 from __future__ import annotations
@@ -111,14 +123,16 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}
         self._swapped: dict[str, list[Block]] = {}
-        # request -> first token of its prefix blocks being read from NVMe (None: nothing to
+        # sequence -> first token of its prefix blocks being read from NVMe (None: nothing to
         # read); a request is here once its loads were planned, until it jumps over them
         self._load_from: dict[str, int | None] = {}
         # H2D copies submitted this step and the GPU blocks they fill
         self._landing_jobs: set[int] = set()
         self._landing_blocks: set[int] = set()
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) this step
         self.prefix_hit_tokens = 0
         self.gpu_hit_blocks = 0
+        self.cow_copies = 0
 
     @property
     def num_blocks(self) -> int:
@@ -129,7 +143,7 @@ class KVCacheManager:
 
     def block_table(self, seq: Sequence) -> list[int]:
         """Block ids of the sequence, in token order (do not modify)."""
-        return self._block_ids.get(seq.request_id, [])
+        return self._block_ids.get(seq.seq_id, [])
 
     def cpu_free_blocks(self) -> int:
         return self.offload.num_free if self.offload else 0
@@ -155,9 +169,13 @@ class KVCacheManager:
     def _full_blocks(self, seq: Sequence, start: int = 0) -> Iterator[BlockRef]:
         """The sequence's full blocks from block `start` on that a prefix hit may cover: at
         least one token must be computed to get logits, so a full hit stops one block short."""
+        return self._block_refs(seq, start, (seq.num_tokens - 1) // self.block_size)
+
+    def _block_refs(self, seq: Sequence, start: int, stop: int) -> Iterator[BlockRef]:
+        """Content keys of the sequence's full blocks `start` to `stop - 1`."""
         bs = self.block_size
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, bs, self.root_hash)
-        for i in range(start, (seq.num_tokens - 1) // bs):
+        for i in range(start, stop):
             parent = hashes[i - 1] if i else self.root_hash
             yield BlockRef(hashes[i], parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
 
@@ -166,22 +184,26 @@ class KVCacheManager:
     def plan_loads(self, seq: Sequence, split: SplitPolicy) -> NVMePlan | None:
         """Start reading the later part of the sequence's NVMe prefix blocks, once until it is
         freed; what was planned (None: planned before, or nothing on NVMe)."""
-        if seq.request_id in self._load_from:
+        if seq.seq_id in self._load_from:
             return None
-        self._load_from[seq.request_id] = None
+        self._load_from[seq.seq_id] = None
         prefix = self.match_prefix(seq)
         if not prefix.nvme_refs:
             return None
         first = prefix.num_tokens(self.block_size)
         compute = split(len(prefix.nvme_refs), first)
         to_load = list(prefix.nvme_refs[compute:])
-        if to_load and self.offload.start_loads(seq.request_id, to_load):
-            self._load_from[seq.request_id] = first + compute * self.block_size
+        if to_load and self.offload.start_loads(seq.seq_id, to_load):
+            self._load_from[seq.seq_id] = first + compute * self.block_size
         return NVMePlan(compute, len(prefix.nvme_refs) - compute)
 
     def nvme_reads_in_flight(self) -> int:
         """NVMe block reads submitted and not finished: the disk's queue."""
         return self.offload.reads_in_flight if self.offload is not None else 0
+
+    def h2d_queue_blocks(self) -> int:
+        """Blocks queued for copying CPU → GPU and not finished: the PCIe queue."""
+        return self.offload.h2d_queue_blocks if self.offload is not None else 0
 
     def disk_read_counters(self) -> tuple[int, float] | None:
         """(bytes read from NVMe, seconds with reads in flight), cumulative; None without NVMe."""
@@ -196,16 +218,16 @@ class KVCacheManager:
         over them once they have landed."""
         start = seq.num_computed_tokens if prefix is None else prefix.num_tokens(self.block_size)
         n = min(len(seq.token_ids) - start, budget)
-        load_from = self._load_from.get(seq.request_id)
+        load_from = self._load_from.get(seq.seq_id)
         if load_from is None:
             return Chunk(n)
         if start < load_from:
             return Chunk(min(n, load_from - start))
-        if self.offload.loading(seq.request_id):
+        if self.offload.loading(seq.seq_id):
             return Chunk(0)
         if prefix is not None:  # landed before admission: `allocate` promotes them as CPU hits
             return Chunk(n)
-        del self._load_from[seq.request_id]
+        del self._load_from[seq.seq_id]
         skipped, landing = self._skip_loaded(seq)
         if landing:
             return Chunk(0, skipped)
@@ -222,21 +244,21 @@ class KVCacheManager:
         else:
             found = _run_of(list(self._full_blocks(seq, start)), self.offload.lookup)
         skipped = self._copy_loaded(seq, start, found) if found else 0
-        self.offload.release_loads(seq.request_id)
+        self.offload.release_loads(seq.seq_id)
         return skipped * bs, skipped > 0
 
     def _copy_loaded(self, seq: Sequence, start: int, cpu_blocks: list[Block]) -> int:
-        table = self._tables[seq.request_id]
+        table = self._tables[seq.seq_id]
         need = start + len(cpu_blocks) - len(table)
         if need > self.pool.num_free:
             return 0
         for block in cpu_blocks:
             self.offload.pool.touch(block)
-        self._extend(seq.request_id, self.pool.allocate(max(need, 0)) or [])
+        self._extend(seq.seq_id, self.pool.allocate(max(need, 0)) or [])
         if not self._promote(cpu_blocks, table[start : start + len(cpu_blocks)]):
             return 0
         self._count_hit(seq, len(cpu_blocks) * self.block_size)
-        self._num_committed[seq.request_id] = start + len(cpu_blocks)
+        self._num_committed[seq.seq_id] = start + len(cpu_blocks)
         return len(cpu_blocks)
 
     def _count_hit(self, seq: Sequence, num_tokens: int, num_gpu_blocks: int = 0) -> None:
@@ -251,16 +273,52 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> Allocation | None:
         """Blocks for `num_new_tokens` more tokens. A new sequence passes its `prefix`: the
         result says how many of its tokens the cache already holds."""
-        table = self._tables.get(seq.request_id)
+        table = self._tables.get(seq.seq_id)
         if table is None:
             return self._allocate_new(seq, num_new_tokens, prefix or PrefixMatch())
-        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
-        if need > 0:
-            fresh = self.pool.allocate(need)
-            if fresh is None:
-                return None
-            self._extend(seq.request_id, fresh)
+        end = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        shared = [i for i in range(seq.num_computed_tokens // self.block_size, min(end, len(table)))
+                  if table[i].ref_count > 1]
+        fresh = self.pool.allocate(max(end - len(table), 0) + len(shared))
+        if fresh is None:
+            return None
+        for i in shared:
+            self._copy_on_write(seq.seq_id, i, fresh.pop())
+        self._extend(seq.seq_id, fresh)
         return EXTENDED
+
+    def _copy_on_write(self, seq_id: str, index: int, copy: Block) -> None:
+        """Give the sequence `copy` in place of its shared block `index`; the copy is made
+        before the next forward pass writes into it."""
+        table = self._tables[seq_id]
+        shared, table[index] = table[index], copy
+        self._block_ids[seq_id][index] = copy.block_id
+        self.pool.release([shared])  # its other owners keep it
+        self._copies.append((shared.block_id, copy.block_id))
+        self.cow_copies += 1
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) GPU block copies that the next forward pass must find done:
+        run them on the compute stream after `before_forward()`, before the forward pass."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child`, a copy of `parent`, shares every block `parent` holds (GPU blocks, or the CPU
+        blocks of a swapped-out parent); a later write into a shared block copies it first. NVMe
+        loads in flight are not shared: a child that needs them plans its own."""
+        table = self._tables.get(parent.seq_id)
+        if table is not None:
+            for block in table:
+                self.pool.touch(block)
+            self._tables[child.seq_id] = list(table)
+            self._block_ids[child.seq_id] = list(self._block_ids[parent.seq_id])
+            self._num_committed[child.seq_id] = self._num_committed[parent.seq_id]
+        swapped = self._swapped.get(parent.seq_id)
+        if swapped is not None:
+            for block in swapped:
+                self.offload.pool.touch(block)
+            self._swapped[child.seq_id] = list(swapped)
 
     def _allocate_new(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> Allocation | None:
         reused, promoted = prefix.gpu_blocks, list(prefix.cpu_blocks)
@@ -272,20 +330,20 @@ class KVCacheManager:
         for block in promoted:  # hold them: demotions below could otherwise evict them
             self.offload.pool.touch(block)
         if self.offload is not None:
-            self.offload.release_loads(seq.request_id)
+            self.offload.release_loads(seq.seq_id)
         for block in reused:
             self.pool.touch(block)
         # reused blocks may be another request's promotion, still landing
         landing = any(b.block_id in self._landing_blocks for b in reused)
         fresh = self.pool.allocate(need)
         assert fresh is not None, "free count checked above"
-        self._tables[seq.request_id], self._block_ids[seq.request_id] = [], []
-        self._extend(seq.request_id, [*reused, *fresh])
+        self._tables[seq.seq_id], self._block_ids[seq.seq_id] = [], []
+        self._extend(seq.seq_id, [*reused, *fresh])
         if self.offload is not None:
             self.offload.requested(self._hit_candidates(seq), len(reused))
         num_promoted = self._promote(promoted, fresh)
         num_hit_blocks = len(reused) + num_promoted
-        self._num_committed[seq.request_id] = num_hit_blocks
+        self._num_committed[seq.seq_id] = num_hit_blocks
         self._count_hit(seq, num_hit_blocks * self.block_size, len(reused))
         return Allocation(num_hit_blocks * self.block_size, landing or num_promoted > 0)
 
@@ -308,74 +366,112 @@ class KVCacheManager:
         self._landing_jobs.add(job_id)
         self._landing_blocks.update(b.block_id for b in gpu_blocks)
 
-    def _extend(self, request_id: str, blocks: list[Block]) -> None:
-        self._tables[request_id].extend(blocks)
-        self._block_ids[request_id].extend(b.block_id for b in blocks)
+    def _extend(self, seq_id: str, blocks: list[Block]) -> None:
+        self._tables[seq_id].extend(blocks)
+        self._block_ids[seq_id].extend(b.block_id for b in blocks)
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's newly computed full blocks in the prefix cache."""
         full = seq.num_computed_tokens // self.block_size
-        done = self._num_committed[seq.request_id]
+        done = self._num_committed[seq.seq_id]
         if full <= done:
             return
-        table = self._tables[seq.request_id]
+        table = self._tables[seq.seq_id]
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash)
         for i in range(done, full):
             parent = hashes[i - 1] if i else self.root_hash
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             self.pool.cache(table[i], hashes[i], parent, tokens)
-        self._num_committed[seq.request_id] = full
+        self._num_committed[seq.seq_id] = full
 
     def swap_out(self, seq: Sequence) -> bool:
         """Copy the blocks holding the sequence's computed KV (the partial last one too) to the
-        CPU tier and free all of its GPU blocks. False (nothing changed) when there is nothing
-        to keep, no CPU room, or the copy fails."""
+        CPU tier and free all of its GPU blocks. A full block the CPU tier holds already (a
+        sibling's, a demoted prefix) is shared instead of copied, and the full blocks copied are
+        made findable there. False (nothing changed) when there is nothing to keep, no CPU room,
+        or the copy fails."""
         keep = self.blocks_needed(seq.num_computed_tokens)
         if self.offload is None or keep == 0:
             return False
-        cpu_blocks = self.offload.copy_out(self._tables[seq.request_id][:keep])
-        if cpu_blocks is None:
+        refs = list(self._block_refs(seq, 0, seq.num_computed_tokens // self.block_size))
+        found = [self.offload.lookup(*ref) for ref in refs] + [None] * (keep - len(refs))
+        shared = [block for block in found if block is not None]
+        for block in shared:  # held first: the copy below may evict unowned CPU blocks
+            self.offload.pool.touch(block)
+        to_copy = [i for i, block in enumerate(found) if block is None]
+        copied = self.offload.copy_out([self.block_table(seq)[i] for i in to_copy]) if to_copy else []
+        if copied is None:
+            self.offload.pool.release(shared)
             return False
+        for i, block in zip(to_copy, copied, strict=True):
+            found[i] = block
+            if i < len(refs):
+                self.offload.pool.cache(block, *refs[i])
+        self.offload.shared_swap_blocks += len(shared)
         self._release_gpu(seq)
-        self._swapped[seq.request_id] = cpu_blocks
+        self._swapped[seq.seq_id] = found
         return True
 
     def swap_in(self, seq: Sequence, num_new_tokens: int) -> Allocation | KVLost | None:
         """GPU blocks for a swapped sequence plus `num_new_tokens`, its KV copied back; None
         (nothing changed) when the GPU pool is short; KVLost when the copy cannot start (the
-        sequence holds nothing any more and must be recomputed)."""
-        cpu_blocks = self._swapped[seq.request_id]
-        fresh = self.pool.allocate(self.blocks_needed(seq.num_computed_tokens + num_new_tokens))
-        if fresh is None:
+        sequence holds nothing any more and must be recomputed). A full block found on the GPU
+        (still cached, or a sibling's swapped in before) is shared instead of copied back; the
+        full blocks copied are made findable at once (they are landing)."""
+        cpu_blocks = self._swapped[seq.seq_id]
+        refs = list(self._block_refs(seq, 0, seq.num_computed_tokens // self.block_size))
+        num_blocks = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        assert num_blocks >= len(cpu_blocks), "swap_out keeps only the blocks of computed tokens"
+        table: list[Block | None] = [self.pool.lookup(*ref) for ref in refs]
+        table += [None] * (num_blocks - len(table))
+        need = table.count(None)
+        idle = sum(1 for block in table if block is not None and block.ref_count == 0)
+        if need + idle > self.pool.num_free:
             return None
-        assert len(fresh) >= len(cpu_blocks), "swap_out keeps only the blocks of computed tokens"
-        del self._swapped[seq.request_id]
-        self._tables[seq.request_id], self._block_ids[seq.request_id] = [], []
-        self._extend(seq.request_id, fresh)
-        self._num_committed[seq.request_id] = 0
-        targets = fresh[: len(cpu_blocks)]
-        try:
-            self._land(self.offload.copy_in(cpu_blocks, [b.block_id for b in targets]), targets)
-        except TransferError as err:
-            self.free(seq)
-            return KVLost(str(err))
+        for block in table:  # taken before allocating: allocation evicts unowned blocks
+            if block is not None:
+                self.pool.touch(block)
+        fresh = iter(self.pool.allocate(need) or [])
+        to_copy = [i for i, block in enumerate(table[: len(cpu_blocks)]) if block is None]
+        table = [block if block is not None else next(fresh) for block in table]
+        del self._swapped[seq.seq_id]
+        self._tables[seq.seq_id], self._block_ids[seq.seq_id] = [], []
+        self._extend(seq.seq_id, table)
+        self._num_committed[seq.seq_id] = len(refs)
+        copied = set(to_copy)
+        self.offload.pool.release(block for i, block in enumerate(cpu_blocks) if i not in copied)
+        return self._copy_back(seq, refs, [cpu_blocks[i] for i in to_copy], [table[i] for i in to_copy])
+
+    def _copy_back(self, seq: Sequence, refs: list[BlockRef], cpu_blocks: list[Block],
+                   gpu_blocks: list[Block]) -> Allocation | KVLost:
+        """Copy a swapped sequence's CPU blocks into its new GPU blocks and cache the full ones."""
+        if cpu_blocks:
+            try:
+                self._land(self.offload.copy_in(cpu_blocks, [b.block_id for b in gpu_blocks]), gpu_blocks)
+            except TransferError as err:
+                self.free(seq)
+                return KVLost(str(err))
+        keys = {block.block_id: ref for block, ref in zip(self._tables[seq.seq_id], refs, strict=False)}
+        for block in gpu_blocks:
+            if block.block_id in keys:
+                self.pool.cache(block, *keys[block.block_id])
         return SWAPPED_IN
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks in every tier and forget its NVMe load plan."""
         self._release_gpu(seq)
-        self._load_from.pop(seq.request_id, None)
-        swapped = self._swapped.pop(seq.request_id, None)
+        self._load_from.pop(seq.seq_id, None)
+        swapped = self._swapped.pop(seq.seq_id, None)
         if swapped:
             self.offload.pool.release(swapped)
         if self.offload is not None:
-            self.offload.release_loads(seq.request_id)
+            self.offload.release_loads(seq.seq_id)
 
     def _release_gpu(self, seq: Sequence) -> None:
         # last block first, so that it is evicted first
-        self.pool.release(reversed(self._tables.pop(seq.request_id, [])))
-        self._block_ids.pop(seq.request_id, None)
-        self._num_committed.pop(seq.request_id, None)
+        self.pool.release(reversed(self._tables.pop(seq.seq_id, [])))
+        self._block_ids.pop(seq.seq_id, None)
+        self._num_committed.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody owns, on the GPU and in the CPU tier (the NVMe store
@@ -408,6 +504,7 @@ class KVCacheManager:
             "gpu_evictions": self.pool.num_evictions,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "gpu_hit_blocks": self.gpu_hit_blocks,
+            "cow_block_copies": self.cow_copies,
         }
         if self.offload:
             stats.update(self.offload.stats())

@@ -9,8 +9,7 @@ Operations:
 - `lookup(hash, parent, tokens)`: a demoted prefix block in the CPU tier.
 - `copy_in(cpu_blocks, gpu_ids) -> job id`: promote or swap in (one H2D job); the CPU blocks
   stay reserved until the job has finished.
-- `copy_out(gpu_blocks) -> cpu blocks | None`: swap out (one D2H job); full blocks the CPU
-  tier caches already are shared, not copied.
+- `copy_out(gpu_ids) -> cpu blocks | None`: swap out (one D2H job).
 - `retire()`: release what finished transfers held; book finished NVMe reads; write to NVMe.
 - `start_loads(request_id, refs)` / `loading(request_id)` / `release_loads(request_id)`: read
   a request's prefix blocks from NVMe into held CPU blocks before it is admitted.
@@ -51,6 +50,7 @@ class CPUOffload:
         self._demotions: list[tuple[int, Block]] = []
         self._staging: dict[int, BlockRef] = {}  # staging CPU block id -> the block it receives
         self._held: dict[int, list[Block]] = {}
+        self._copies_in: dict[int, int] = {}  # H2D job -> its blocks
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
         self._reads: dict[int, tuple[str, Block, BlockRef]] = {}  # NVMe job -> what it fills
         self._reads_left: dict[str, int] = {}  # request -> its reads in flight
@@ -59,7 +59,7 @@ class CPUOffload:
         self.demoted_blocks = 0
         self.rejected_blocks = 0  # demotions the admission policy turned down
         self.on_disk_blocks = 0  # demotions skipped: the disk holds the block
-        self.shared_swap_blocks = 0  # swapped-out blocks that were cached in the tier already
+        self.shared_swap_blocks = 0  # swapped-out blocks that were cached in the tier already (not copied)
         self.nvme_loaded_blocks = 0
         self.nvme_failed_loads = 0
 
@@ -139,38 +139,31 @@ class CPUOffload:
             self.pool.release(cpu_blocks)
             raise
         self._held[job_id] = list(cpu_blocks)
+        self._copies_in[job_id] = len(cpu_blocks)
         return job_id
 
-    def copy_out(self, gpu_blocks: list[Block]) -> list[Block] | None:
-        """D2H copy of `gpu_blocks` into CPU blocks (owned by the caller), or None when the CPU
-        tier has no room or the copy cannot start. Full blocks the tier caches already are
-        shared (a reference, no copy); the blocks copied join its prefix cache."""
-        shared = [self.pool.cached_block(b.block_hash) if b.block_hash is not None else None for b in gpu_blocks]
-        copied = [b for b, known in zip(gpu_blocks, shared, strict=True) if known is None]
-        fresh = self.pool.allocate(len(copied)) if len(copied) <= self.pool.num_free else None
-        if fresh is None:
+    @property
+    def h2d_queue_blocks(self) -> int:
+        """Blocks of the copies in (promotions, swap-ins) not retired yet: the PCIe queue."""
+        return sum(self._copies_in.values())
+
+    def copy_out(self, gpu_ids: list[int]) -> list[Block] | None:
+        """D2H copy of `gpu_ids` into fresh CPU blocks (owned by the caller), or None when the
+        CPU tier has no room or the copy cannot start."""
+        cpu_blocks = self.pool.allocate(len(gpu_ids))
+        if cpu_blocks is None:
             return None
-        for known in shared:
-            if known is not None:
-                self.pool.touch(known)
         self.flush()
-        job = TransferJob("d2h", tuple(b.block_id for b in copied), tuple(b.block_id for b in fresh))
         try:
-            if copied:
-                self.transfers.submit(job)
+            self.transfers.submit(TransferJob("d2h", tuple(gpu_ids), tuple(b.block_id for b in cpu_blocks)))
         except TransferError:
-            self.pool.release(fresh)
-            self.pool.release(known for known in shared if known is not None)
+            self.pool.release(cpu_blocks)
             return None
-        for gpu_block, cpu_block in zip(copied, fresh, strict=True):
-            if gpu_block.block_hash is not None:
-                self.pool.cache(cpu_block, gpu_block.block_hash, gpu_block.parent_hash, gpu_block.token_ids)
-        self.shared_swap_blocks += len(gpu_blocks) - len(copied)
-        taken = iter(fresh)
-        return [known if known is not None else next(taken) for known in shared]
+        return cpu_blocks
 
     def retire(self) -> None:
         for job_id in self.transfers.poll():
+            self._copies_in.pop(job_id, None)
             self._release_held(job_id)
         if self.nvme is not None:
             for job, ok in self.nvme.poll():

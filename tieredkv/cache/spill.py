@@ -40,7 +40,7 @@ class NVMeSpill:
         self.cpu_pool = cpu_pool
         self.cpu_data = cpu_data
         self.admission = admission
-        self.window = max(8, len(cpu_pool.blocks) // 4)  # LRU-front blocks kept on disk
+        self.window = max(8, len(cpu_pool.blocks) // 4)  # the coldest cached blocks, kept on disk
         self._staging = cpu_pool.allocate(min(256, len(cpu_pool.blocks) // STAGING_FRACTION)) or []
         self._staged: list[tuple[Block, BlockRef]] = []  # landed in staging, waiting to be written
         self._writes: dict[int, tuple[Block, int, bool]] = {}  # write job -> (CPU block, hash, staged)
@@ -78,10 +78,10 @@ class NVMeSpill:
         while self._staged and len(self._writes) < limit:
             block, ref = self._staged.pop(0)
             self._write(block, ref, staged=True)
-        for block in list(itertools.islice(self.cpu_pool.free_blocks(), self.window)):
+        for block in list(itertools.islice(self.cpu_pool.cold_blocks(), self.window)):
             if len(self._writes) >= limit:
                 return
-            if block.block_hash is None or self._on_disk.get(block.block_id) == block.block_hash:
+            if self._on_disk.get(block.block_id) == block.block_hash:
                 continue
             if self.store.contains(block.block_hash):  # e.g. loaded from disk: left where it is
                 self._on_disk[block.block_id] = block.block_hash

@@ -9,9 +9,10 @@ A trace records what was asked of the CPU tier while the engine ran:
 under `lru`, `tinylfu` (the admission rule the engine uses, `cache/admission.py`) or `belady`
 (on each offer to a full tier, drop whichever of the resident blocks and the offered one is
 requested again furthest in the future: Belady's MIN with bypass, the best any policy can do
-for blocks taken one by one). A request's hits are counted as in the engine: its leading
-resident blocks, up to the first miss. Swapped-out sequences are not in the trace: replay
-gives the whole capacity to prefixes.
+for blocks taken one by one). A request's hits are counted as in the engine, its leading
+resident blocks up to the first miss, and also block by block (`resident_rate`: the measure
+under which Belady's is optimal; a prefix-run count may favour another policy). Swapped-out
+sequences are not in the trace: replay gives the whole capacity to prefixes.
 """
 
 from __future__ import annotations
@@ -43,11 +44,16 @@ class BlockTrace:
 
 class ReplayResult(NamedTuple):
     requested_blocks: int
-    hit_blocks: int
+    hit_blocks: int  # leading resident blocks of each request, as the engine counts hits
+    resident_blocks: int  # requested blocks resident, each counted alone (Belady's is the most)
 
     @property
     def hit_rate(self) -> float:
         return self.hit_blocks / self.requested_blocks if self.requested_blocks else 0.0
+
+    @property
+    def resident_rate(self) -> float:
+        return self.resident_blocks / self.requested_blocks if self.requested_blocks else 0.0
 
 
 def replay(trace: BlockTrace, capacity: int, policy: ReplayPolicy) -> ReplayResult:
@@ -55,11 +61,12 @@ def replay(trace: BlockTrace, capacity: int, policy: ReplayPolicy) -> ReplayResu
         return _replay_belady(trace.events, capacity)
     admission = FrequencyAdmission(capacity) if policy == "tinylfu" else AdmitAll()
     resident: OrderedDict[int, None] = OrderedDict()
-    requested = hits = 0
+    requested = hits = alone = 0
     for event in trace.events:
         if isinstance(event, tuple):
             admission.record(event)
             requested += len(event)
+            alone += sum(block_hash in resident for block_hash in event)
             run = _leading_run(event, resident)
             for block_hash in event[:run]:
                 resident.move_to_end(block_hash)
@@ -71,7 +78,7 @@ def replay(trace: BlockTrace, capacity: int, policy: ReplayPolicy) -> ReplayResu
         elif capacity and admission.admits(event, next(iter(resident))):
             resident.popitem(last=False)
             resident[event] = None
-    return ReplayResult(requested, hits)
+    return ReplayResult(requested, hits, alone)
 
 
 def _replay_belady(events: list[int | tuple[int, ...]], capacity: int) -> ReplayResult:
@@ -89,7 +96,7 @@ def _replay_belady(events: list[int | tuple[int, ...]], capacity: int) -> Replay
 
     resident: dict[int, int] = {}  # hash -> its next use
     furthest: list[tuple[int, int]] = []  # (-next use, hash), stale entries skipped
-    requested = hits = 0
+    requested = hits = alone = 0
 
     def keep(block_hash: int, t: int) -> None:
         resident[block_hash] = when = next_use(block_hash, t)
@@ -99,6 +106,7 @@ def _replay_belady(events: list[int | tuple[int, ...]], capacity: int) -> Replay
         if isinstance(event, tuple):
             requested += len(event)
             hits += _leading_run(event, resident)
+            alone += sum(block_hash in resident for block_hash in event)
             for block_hash in event:  # requested now: each resident one's next use moves on
                 if block_hash in resident:
                     keep(block_hash, t)
@@ -112,7 +120,7 @@ def _replay_belady(events: list[int | tuple[int, ...]], capacity: int) -> Replay
             if next_use(event, t) < -furthest[0][0]:
                 del resident[heapq.heappop(furthest)[1]]
                 keep(event, t)
-    return ReplayResult(requested, hits)
+    return ReplayResult(requested, hits, alone)
 
 
 def _leading_run(block_hashes: tuple[int, ...], resident: dict[int, object]) -> int:
@@ -121,3 +129,14 @@ def _leading_run(block_hashes: tuple[int, ...], resident: dict[int, object]) -> 
     while run < len(block_hashes) and block_hashes[run] in resident:
         run += 1
     return run
+
+
+def replay_all(trace: BlockTrace, capacity: int) -> dict[str, object]:
+    """The trace's hit rate at `capacity` blocks under every replay policy."""
+    results = {policy: replay(trace, capacity, policy) for policy in REPLAY_POLICIES}
+    return {
+        "capacity_blocks": capacity,
+        "requested_blocks": results["lru"].requested_blocks,
+        "hit_rate": {policy: result.hit_rate for policy, result in results.items()},
+        "resident_rate": {policy: result.resident_rate for policy, result in results.items()},
+    }

@@ -12,6 +12,8 @@ over the base one, e.g.
     variants:
       - {name: recompute-only, cache: {cpu_cache_bytes: 0}, scheduler: {preemption: recompute}}
       - {name: gpu+cpu, cache: {nvme_path: null, nvme_bytes: 0}}
+A run with `restart_after_s` closes its engine that far into the workload and opens a new one
+on the same config while the clients go on (`restart.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tieredkv.async_engine import AsyncLLM
+from tieredkv.cache.trace import BlockTrace, replay_all
 from tieredkv.config import EngineConfig
 from tieredkv.experiment.metrics import (
     RequestRecord,
@@ -40,6 +43,7 @@ from tieredkv.experiment.metrics import (
 )
 from tieredkv.experiment.plots import write_comparison_plots, write_plots, write_sweep_plot
 from tieredkv.experiment.prometheus import PrometheusExporter
+from tieredkv.experiment.restart import EngineSlot, restart_figures
 from tieredkv.experiment.results import (
     comparison_document,
     describe_engine,
@@ -82,10 +86,11 @@ class Options:
 
 
 class _Client:
-    """Sends a workload's requests through AsyncLLM and records what it sees."""
+    """Sends a workload's requests through AsyncLLM (the slot's engine, which a restart
+    replaces) and records what it sees."""
 
-    def __init__(self, llm: AsyncLLM, bar: tqdm, name: str, options: Options) -> None:
-        self.llm, self.bar, self.name, self.options = llm, bar, name, options
+    def __init__(self, slot: EngineSlot, bar: tqdm, name: str, options: Options) -> None:
+        self.slot, self.bar, self.name, self.options = slot, bar, name, options
         self.records: list[RequestRecord] = []
         self.output_tokens = 0
 
@@ -93,8 +98,9 @@ class _Client:
         record = RequestRecord(tag, time.monotonic(), returning)
         self.records.append(record)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        llm = await self.slot.acquire()
         try:
-            async for out in self.llm.generate_stream(prompt, params):
+            async for out in llm.generate_stream(prompt, params):
                 record.token_times.append(time.monotonic())
                 self.output_tokens += 1
                 record.output_token_ids = out.token_ids
@@ -105,6 +111,8 @@ class _Client:
             record.finished = True
         except ValueError as err:
             record.error, record.finished = str(err), True
+        finally:
+            self.slot.release()
         self.bar.update(1)
         exporter = self.options.exporter
         if exporter is not None:
@@ -188,18 +196,24 @@ async def _run_all(experiment: Experiment, options: Options) -> Outcome:
 
 async def _run(run: Run, experiment: Experiment, options: Options,
                interrupt: _Interrupt) -> tuple[Summary, dict[str, Any]]:
-    llm = AsyncLLM(config=EngineConfig.from_dict(run.engine_doc))
-    engine = describe_engine(llm.engine)
+    config = EngineConfig.from_dict(run.engine_doc)
+    slot = EngineSlot(AsyncLLM(config=config))
+    engine = describe_engine(slot.llm.engine)
+    offload = slot.llm.engine.kv.offload  # its block trace is replayed offline after the run
+    trace = None if offload is None else BlockTrace()
+    if offload is not None:
+        offload.trace = trace
     logger.info("%s", startup_summary(run.name, engine))
-    vocab = llm.engine.runner.model.config.vocab_size
+    vocab = slot.llm.engine.runner.model.config.vocab_size
     timeline: list[dict[str, Any]] = []
     stop = asyncio.Event()
     exporter = options.exporter
     publish = None if exporter is None else lambda stats: exporter.update(run.name, stats)
     with tqdm(total=run.workload.num_requests, desc=run.name, unit="req", disable=not options.use_tqdm) as bar:
-        client = _Client(llm, bar, run.name, options)
+        client = _Client(slot, bar, run.name, options)
         start = time.monotonic()
-        sampler = asyncio.create_task(_timeline(llm, start, timeline, stop, publish, _progress(bar, client, start)))
+        sampler = asyncio.create_task(_timeline(slot, start, timeline, stop, publish, _progress(bar, client, start)))
+        restart = None if run.restart is None else asyncio.create_task(slot.restart_at(run.restart, config, start))
         interrupt.task = asyncio.create_task(run.workload.run(client, vocab))
         if interrupt.fired:  # a signal came while the engine was being built
             interrupt.task.cancel()
@@ -210,20 +224,38 @@ async def _run(run: Run, experiment: Experiment, options: Options,
                 raise
         finally:
             interrupt.task = None
+            await _stop_restart(restart, slot)
         elapsed = time.monotonic() - start
         stop.set()
         await sampler
-    stats = llm.stats()
+    stats = slot.stats()
     if publish is not None:
         publish(stats)
-    await llm.close()
+    await slot.close()
     _remove_scratch_store(run)
-    summary = summarize(run.name, client.records, elapsed, stats, partial=interrupt.fired)
+    restart_doc = None if run.restart is None else restart_figures(run.restart, slot.record, client.records, start)
+    if restart_doc is not None and not restart_doc["happened"]:
+        logger.warning("%s: the workload ended before restart_after_s (%g s): no restart", run.name,
+                       run.restart.after_s)
+    summary = summarize(run.name, client.records, elapsed, stats, partial=interrupt.fired, restart=restart_doc)
     result = result_document(run.name, engine, describe_workload(run.workload), summary, client.records, start,
                              timeline, point=dict([run.point]) if run.point else None,
                              slo=_slo(experiment.slo, client.records, summary),
                              keep_prompt_ids=options.keep_prompt_ids)
+    if trace is not None:
+        result["cpu_tier_replay"] = replay_all(trace, offload.tier.num_blocks)
+        logger.info("%s: CPU tier hit rate replayed on its block trace: %s", run.name, ", ".join(
+            f"{policy} {rate:.1%}" for policy, rate in result["cpu_tier_replay"]["hit_rate"].items()))
     return summary, result
+
+
+async def _stop_restart(restart: asyncio.Task | None, slot: EngineSlot) -> None:
+    """Cancel a restart that has not begun; let one under way finish (it closes or opens an engine)."""
+    if restart is None:
+        return
+    restart.cancel()
+    await asyncio.gather(restart, return_exceptions=True)
+    await slot.settle()
 
 
 def _slo(slo: Slo | None, records: list[RequestRecord], summary: Summary) -> dict[str, Any] | None:
@@ -283,15 +315,16 @@ def _progress(bar: tqdm, client: _Client, start: float) -> Callable[[dict[str, A
     return show
 
 
-async def _timeline(llm: AsyncLLM, start: float, samples: list[dict[str, Any]], stop: asyncio.Event,
+async def _timeline(slot: EngineSlot, start: float, samples: list[dict[str, Any]], stop: asyncio.Event,
                     publish: Callable[[dict[str, Any]], None] | None,
                     progress: Callable[[dict[str, Any]], None]) -> None:
     while not stop.is_set():
-        stats = llm.stats()
+        stats = slot.stats()
         if publish is not None:
             publish(stats)
         progress(stats)
-        samples.append({"t": time.monotonic() - start, **{k: stats.get(k, 0) for k in TIMELINE_KEYS}})
+        if slot.serving:  # no samples while no engine is open (a restart): a gap in the plots
+            samples.append({"t": time.monotonic() - start, **{k: stats.get(k, 0) for k in TIMELINE_KEYS}})
         try:
             await asyncio.wait_for(stop.wait(), TIMELINE_PERIOD_S)
         except TimeoutError:

@@ -71,7 +71,8 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[rank]
 
 
-def _percentiles(values: list[float]) -> dict[str, float | None]:
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50 / p90 / p99 of `values` (None for none)."""
     return {f"p{q}": percentile(values, q) for q in PERCENTILES}
 
 
@@ -101,6 +102,7 @@ class Summary:
     e2el_s: dict[str, float | None] = field(default_factory=dict)
     cached_tokens: int = 0
     partial: bool = False
+    restart: dict[str, Any] | None = None  # a warm restart's figures (experiment/restart.py)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -117,18 +119,19 @@ class Summary:
 
 
 def summarize(name: str, records: list[RequestRecord], elapsed_s: float, stats: dict[str, Any],
-              partial: bool = False) -> Summary:
-    """The figures of a run from what its clients recorded and the engine's `stats`."""
+              partial: bool = False, restart: dict[str, Any] | None = None) -> Summary:
+    """The figures of a run from what its clients recorded and the engine's `stats` (after a
+    restart: the new engine's; `restart` holds the restart's own figures)."""
     ok = [r for r in records if r.error is None]
     return Summary(
         name=name, requests=len(records), errors=len(records) - len(ok),
         prompt_tokens=sum(r.prompt_tokens for r in ok),
         output_tokens=sum(len(r.token_times) for r in records), elapsed_s=elapsed_s,
-        ttft_s=_percentiles(latencies(records, "ttft")),
-        ttft_returning_s=_percentiles(latencies([r for r in records if r.returning], "ttft")),
-        itl_s=_percentiles(latencies(records, "itl")), stats=stats,
-        tpot_s=_percentiles(latencies(records, "tpot")), e2el_s=_percentiles(latencies(records, "e2el")),
-        cached_tokens=sum(r.cached_tokens for r in ok), partial=partial,
+        ttft_s=percentiles(latencies(records, "ttft")),
+        ttft_returning_s=percentiles(latencies([r for r in records if r.returning], "ttft")),
+        itl_s=percentiles(latencies(records, "itl")), stats=stats,
+        tpot_s=percentiles(latencies(records, "tpot")), e2el_s=percentiles(latencies(records, "e2el")),
+        cached_tokens=sum(r.cached_tokens for r in ok), partial=partial, restart=restart,
     )
 
 
@@ -246,9 +249,28 @@ def format_summary(s: Summary) -> str:
         ("steps waiting on NVMe loads", str(s.stats.get("nvme_load_waits", 0))),
         ("disk read observed", f"{s.stats['disk_read_bytes_per_s'] / 1e9:.2f} GB/s"
          if "disk_read_bytes_per_s" in s.stats else "n/a"),
+        *_restart_rows(s),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"== {s.name} =="] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def _restart_rows(s: Summary) -> list[tuple[str, str]]:
+    r = s.restart
+    if r is None:
+        return []
+    if not r["happened"]:
+        return [("restart", f"none: the workload ended before {r['after_s']:g} s")]
+    p50 = {k: r[f"returning_ttft_{k}_s"]["p50"] for k in ("before", "after", "after_all")}
+    return [
+        ("restart", f"at {r['began_s']:.1f} s, store {r['store']}: engine down {r['downtime_s']:.2f} s, "
+                    f"{r['drained_requests']} requests drained, {r['waited_requests']} waited"),
+        ("  returning TTFT p50 before", f"{_ms({'p50': p50['before']})} ({r['returning_before']} requests)"),
+        ("  first return after", f"{_ms({'p50': p50['after']})} ({r['returning_after']} conversations)"),
+        ("  every return after", f"{_ms({'p50': p50['after_all']})} ({r['returning_after_all']} requests)"),
+        ("  new engine: NVMe restored / loaded", f"{s.stats.get('nvme_restored', 0)} / "
+                                                 f"{s.stats.get('nvme_loaded_blocks', 0)} blocks"),
+    ]
 
 
 def _scaled(get: Callable[[Summary], float | None], scale: float) -> Callable[[Summary], float | None]:
@@ -269,13 +291,28 @@ COMPARED: list[tuple[str, Callable[[Summary], float | None]]] = [
 ]
 
 
+def _after_restart(s: Summary) -> float | None:
+    happened = s.restart is not None and s.restart["happened"]
+    return s.restart["returning_ttft_after_s"]["p50"] * 1e3 if happened and s.restart["returning_after"] else None
+
+
+# the first return of each conversation after a warm restart, TTFT p50 (with a variant that restarts)
+RESTART_COMPARED = ("restart return p50 ms", _after_restart)
+
+
+def compared(summaries: list[Summary]) -> list[tuple[str, Callable[[Summary], float | None]]]:
+    """The figures compared side by side: COMPARED, and the restart's where a variant restarts."""
+    restarts = any(s.restart is not None for s in summaries)
+    return [*COMPARED, RESTART_COMPARED] if restarts else COMPARED
+
+
 def comparison_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
     """Per variant, each compared figure and its ratio to the first variant's (None: n/a)."""
     first = summaries[0]
     rows = []
     for s in summaries:
         cells = {}
-        for name, get in COMPARED:
+        for name, get in compared(summaries):
             value, base = get(s), get(first)
             cells[name] = {"value": value, "ratio": value / base if value is not None and base else None}
         rows.append({"name": s.name, "figures": cells})
@@ -285,7 +322,7 @@ def comparison_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
 def format_comparison(summaries: list[Summary]) -> str:
     """Side by side, with each figure's ratio to the first variant's."""
     width = max(len(s.name) for s in summaries) + 2
-    lines = [f"{'variant':<{width}}" + "".join(f"{name:>22}" for name, _ in COMPARED)]
+    lines = [f"{'variant':<{width}}" + "".join(f"{name:>22}" for name, _ in compared(summaries))]
     for row in comparison_rows(summaries):
         cells = []
         for cell in row["figures"].values():

@@ -3,8 +3,9 @@
 Operations:
 - `load_experiment(path, out_dir, compare, sweep) -> Experiment`: the YAML file's engine config,
   `variants:` (each a partial config over the base one), `workload:`, load points (`sweep:` or
-  `--sweep rate=0.5,1,2`) and `slo:`; its `runs`, one per variant and load point. Every error
-  names the key (or the trace line) and the fix.
+  `--sweep rate=0.5,1,2`), `slo:` and a warm restart (`restart_after_s`, `restart_store`, in
+  the base or a variant); its `runs`, one per variant and load point. Every error names the key
+  (or the trace line) and the fix.
 - `preflight(experiment)`: what would otherwise fail after the workload ran: the results
   folder must be writable (it is emptied: it holds only the last run's files), a store must
   not be locked by another process.
@@ -24,14 +25,33 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml, resolve_paths, unknown_key
+from tieredkv.config import (
+    EXPERIMENT_SECTIONS,
+    EngineConfig,
+    check_choice,
+    read_yaml,
+    resolve_paths,
+    unknown_key,
+)
 from tieredkv.experiment.metrics import Slo
 from tieredkv.experiment.workloads import WORKLOADS, Workload, make_workload
 
 RESULTS_MARK = ".tieredkv-results"  # a results folder `tieredkv run` made (and may empty)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+RestartStore = Literal["keep", "empty"]
+RESTART_KEYS = ("restart_after_s", "restart_store")  # run keys a variant may set beside engine keys
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Close the engine `after_s` seconds into the workload and open a new one on the same config
+    while the clients go on. `store`: "keep" (the new engine finds the NVMe store's blocks) or
+    "empty" (the store file is removed first)."""
+
+    after_s: float
+    store: RestartStore = "keep"
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,7 @@ class Run:
     point: tuple[str, float] | None
     engine_doc: dict[str, Any]
     workload: Workload
+    restart: Restart | None = None
 
 
 @dataclass(frozen=True)
@@ -105,12 +126,14 @@ def load_experiment(path: str, out_dir: str = "results", compare: bool = False,
                                       *([f"{points[0]}={value:g}"] if value is not None else []))
             run_name = "/".join([name, *([variant] if variant else []),
                                  *([f"{points[0]}={value:g}"] if value is not None else [])])
-            engine_doc = resolve_paths(_merge(_base(doc), override), base_dir, run_folder)
+            engine_doc = resolve_paths(_merge(_base(doc), _engine_keys(override)), base_dir, run_folder)
             EngineConfig.from_dict(engine_doc)
+            restart = parse_restart({**_run_keys(doc), **_run_keys(override)}, engine_doc,
+                                    *[variant_key(listed, variant)] if variant else [])
             workload = make_workload({**section, points[0]: value} if value is not None else section)
             workload.num_requests  # noqa: B018 -- reads and checks a trace now, not after a run
             point = (points[0], value) if value is not None else None
-            runs.append(Run(run_name, run_folder, variant, point, engine_doc, workload))
+            runs.append(Run(run_name, run_folder, variant, point, engine_doc, workload, restart))
     return Experiment(path, name, folder, runs, slo, points, len(listed) > 1 or listed[0][0] is not None)
 
 
@@ -155,7 +178,47 @@ def _variants(doc: dict[str, Any], compare: bool) -> list[tuple[str | None, dict
 def variants(doc: dict[str, Any], compare: bool) -> list[tuple[str, dict[str, Any]]]:
     """(name, engine config document) of each engine the file describes (paths unresolved)."""
     name = str(doc.get("name", "experiment"))
-    return [(f"{name}/{v}" if v else name, _merge(_base(doc), override)) for v, override in _variants(doc, compare)]
+    return [(f"{name}/{v}" if v else name, _merge(_base(doc), _engine_keys(override)))
+            for v, override in _variants(doc, compare)]
+
+
+def variant_key(listed: list[tuple[str | None, dict[str, Any]]], variant: str) -> str:
+    """`variants[i]`, the YAML key of the variant named `variant`."""
+    return f"variants[{[name for name, _ in listed].index(variant)}]"
+
+
+def _run_keys(doc: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in doc.items() if k in RESTART_KEYS}
+
+
+def _engine_keys(override: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in override.items() if k not in RESTART_KEYS}
+
+
+# ---------------------------------------------------------------------------- warm restart
+
+
+def parse_restart(keys: dict[str, Any], engine_doc: dict[str, Any], where: str = "") -> Restart | None:
+    """The run's restart from `restart_after_s` / `restart_store` (a variant's over the base's);
+    None without `restart_after_s`, or with it null (a variant turning off the base's restart).
+    `where`: the variant's key, for errors."""
+    prefix = f"{where}." if where else ""
+    after = keys.get("restart_after_s")
+    store = keys.get("restart_store")
+    if "restart_after_s" not in keys and store is not None:
+        raise ValueError(f"{prefix}restart_store: set restart_after_s too (seconds into the workload)")
+    if after is None:
+        return None
+    if isinstance(after, bool) or not isinstance(after, (int, float)) or not after > 0 or after == float("inf"):
+        raise ValueError(f"{prefix}restart_after_s: expected seconds > 0 into the workload, or null for no "
+                         f"restart, got {after!r}")
+    if store is None:
+        return Restart(float(after))
+    check_choice(f"{prefix}restart_store", store, get_args(RestartStore))
+    if not (engine_doc.get("cache") or {}).get("nvme_path"):
+        raise ValueError(f"{prefix}restart_store: the run has no NVMe store to keep or empty; set cache.nvme_path "
+                         "(and nvme_bytes), or drop restart_store")
+    return Restart(float(after), store)
 
 
 # ---------------------------------------------------------------------------- load points

@@ -45,19 +45,23 @@ class ForwardContext:
 class AttentionOps(NamedTuple):
     store_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    gather_blocks: Callable[..., None]  # whole blocks cache -> staging (copy-on-write)
+    scatter_blocks: Callable[..., None]  # and staging -> cache
 
 
 def attention_ops(device: torch.device | str) -> AttentionOps:
     """Triton kernels on CUDA, plain-torch references elsewhere."""
     if torch.device(device).type == "cuda":
+        from tieredkv.kernels.block_copy import gather_blocks, scatter_blocks
         from tieredkv.kernels.kv_store import store_kv
         from tieredkv.kernels.paged_attention import paged_attention
 
-        return AttentionOps(store_kv, paged_attention)
+        return AttentionOps(store_kv, paged_attention, gather_blocks, scatter_blocks)
+    from tieredkv.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
     from tieredkv.kernels.kv_store import store_kv_ref
     from tieredkv.kernels.paged_attention import paged_attention_ref
 
-    return AttentionOps(store_kv_ref, paged_attention_ref)
+    return AttentionOps(store_kv_ref, paged_attention_ref, gather_blocks_ref, scatter_blocks_ref)
 
 
 _state: dict[str, ForwardContext | AttentionOps | None] = {"ctx": None, "ops": None}

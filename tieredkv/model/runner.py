@@ -6,6 +6,7 @@ Operations:
 - `allocate_kv_cache(num_blocks, block_size)`: the one KV tensor of the GPU tier.
 - `execute(scheduled, block_tables)`: one packed forward pass; logits of the last token of
   every sequence that samples this step.
+- `copy_blocks(copies)`: copy whole KV blocks within the cache (copy-on-write of forks).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tieredkv.sequence import ScheduledSeq
 from tieredkv.sequence import Sequence as Seq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+COPY_STAGING_BLOCKS = 16  # blocks one gather + scatter of `copy_blocks` moves
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class ModelRunner:
         self.weights_id = f"preset:{config.model}:seed={config.seed}" if is_preset else weights_id(config.model)
         self.ops = attention.attention_ops(self.device)
         self.kv_cache: torch.Tensor | None = None
+        self._copy_staging: torch.Tensor | None = None
         self.block_size = 0
         self.graphs: StepGraphs | None = None
 
@@ -111,8 +114,27 @@ class ModelRunner:
         s = self.kv_spec
         shape = (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=s.dtype, device=self.device)
+        staging_shape = (min(COPY_STAGING_BLOCKS, num_blocks), s.num_layers, 2, block_size, s.num_kv_heads, s.head_dim)
+        self._copy_staging = torch.empty(staging_shape, dtype=s.dtype, device=self.device)
         self.block_size = block_size
         return self.kv_cache
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy block `src` into block `dst` (all layers, K and V, bit-exact) for each
+        `(src, dst)`, on the current stream: the forward passes queued after it see the copies.
+        The block-copy kernels (their torch references off CUDA) gather the sources into a
+        staging buffer and scatter it into the destinations."""
+        assert self.kv_cache is not None and self._copy_staging is not None, "allocate_kv_cache() first"
+        gather, scatter = self.ops.gather_blocks, self.ops.scatter_blocks
+        step = self._copy_staging.shape[0]
+        for start in range(0, len(copies), step):
+            chunk = copies[start : start + step]
+            src = torch.tensor([s for s, _ in chunk], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([d for _, d in chunk], dtype=torch.int64, device=self.device)
+            staging = self._copy_staging[: len(chunk)]
+            gather(self.kv_cache, src, staging)
+            scatter(staging, self.kv_cache, dst)
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[list[int]]) -> torch.Tensor:
