@@ -26,9 +26,13 @@ def generate(llm: LLM) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
 
 
-def settled_stats(llm: LLM) -> dict:
-    """Stats once the writes in flight have finished."""
+def settled_stats(llm: LLM, idle_steps: int = 8) -> dict:
+    """Stats once the engine, idle, spilled what it had to (spill-ahead runs at each step)
+    and the writes in flight have finished."""
+    for _ in range(idle_steps):
+        llm.step()
     wait_until(lambda: llm.stats()["remote_in_flight"] == 0, what="writes done")
+    llm.step()  # books the finished writes
     return llm.stats()
 
 
