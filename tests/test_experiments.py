@@ -197,7 +197,8 @@ def test_transformers_peer_serves_the_same_workload(tmp_path):
     [ours] = run_experiment(config, str(tmp_path / "out"), use_tqdm=False).summaries
     theirs, mine = json.loads(out.read_text()), json.loads((tmp_path / "out" / "exp" / "result.json").read_text())
     assert theirs["name"] == "exp/transformers" and theirs["summary"]["errors"] == 0
-    assert set(theirs) == set(mine) and set(theirs["summary"]) == set(mine["summary"])
+    # the same documents, but transformers has no CPU tier whose block trace could be replayed
+    assert set(theirs) == set(mine) - {"cpu_tier_replay"} and set(theirs["summary"]) == set(mine["summary"])
     assert set(theirs["requests"][0]) == set(mine["requests"][0])
     # the same requests (a later turn's prompt holds the earlier turns' outputs), each with max_tokens tokens
     assert {(r["tag"], r["prompt_tokens"], r["returning"]) for r in theirs["requests"]} == {
