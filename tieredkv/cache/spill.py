@@ -83,10 +83,12 @@ class NVMeSpill:
                 return
             if self._on_disk.get(block.block_id) == block.block_hash:
                 continue
+            if not self.worth_writing(block.block_hash):  # asked before the store (a lookup may cost a round trip)
+                continue
             if self.store.contains(block.block_hash):  # e.g. loaded from disk: left where it is
                 self._on_disk[block.block_id] = block.block_hash
                 self.skipped_blocks += 1
-            elif self.worth_writing(block.block_hash):
+            else:
                 self.cpu_pool.touch(block)  # held while written: never evicted, never waited for
                 self._write(block, BlockRef(block.block_hash, block.parent_hash, block.token_ids), staged=False)
 
