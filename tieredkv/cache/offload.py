@@ -273,5 +273,6 @@ class CPUOffload:
     def close(self) -> None:
         self.drain()
         if self.nvme is not None:
+            self.nvme.persist()
             self.nvme.close()
         self.tier.close()

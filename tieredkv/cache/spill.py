@@ -8,7 +8,8 @@ first computed (the admission policy's counts, `cache/admission.py`), each once:
   tier's free queue, where it was taken, once it is on disk (evicting it then loses nothing);
 - `stage() -> cpu block | None` / `write_staged(block, ref)`: a demotion the full CPU tier
   turned down but the disk should keep passes through one of a few staging blocks of the CPU
-  tier on its way down.
+  tier on its way down;
+- `persist()`: at shutdown, every cached CPU block, so that a restart finds them on disk.
 Writes never crowd out reads: few are in flight, fewer while reads are.
 
 What is read: `contains(hash)`, `start_read(...) -> job | None`, `poll() -> [(job, ok)]`.
@@ -17,6 +18,7 @@ What is read: `contains(hash)`, `start_read(...) -> job | None`, `poll() -> [(jo
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 import torch
 
@@ -75,22 +77,45 @@ class NVMeSpill:
 
     def spill_ahead(self, reads_in_flight: int) -> None:
         limit = WRITES_BESIDE_READS if reads_in_flight else MAX_WRITES_IN_FLIGHT
-        while self._staged and len(self._writes) < limit:
+        self._spill(itertools.islice(self.cpu_pool.cold_blocks(), self.window), limit, closing=False)
+
+    def persist(self) -> None:
+        """At shutdown, when writes no longer compete with reads: write every cached CPU block the
+        disk lacks, the coldest first (an LRU store keeps the hottest), so that a restart finds
+        them there; wait until all writes are done."""
+        self._spill(self.cpu_pool.cold_blocks(), MAX_WRITES_IN_FLIGHT, closing=True)
+        self._settle(list(self._writes))
+
+    def _spill(self, blocks: Iterable[Block], limit: int, closing: bool) -> None:
+        """Write the staged demotions, then those of `blocks` worth it (all of them when
+        `closing`), keeping at most `limit` writes in flight: beyond it, stop, or when `closing`
+        wait for the oldest write."""
+
+        def room() -> bool:
+            if len(self._writes) >= limit and closing:
+                self._settle(list(self._writes)[:1])
+            return len(self._writes) < limit
+
+        while self._staged and room():
             block, ref = self._staged.pop(0)
             self._write(block, ref, staged=True)
-        for block in list(itertools.islice(self.cpu_pool.cold_blocks(), self.window)):
-            if len(self._writes) >= limit:
-                return
+        for block in list(blocks):
             if self._on_disk.get(block.block_id) == block.block_hash:
                 continue
-            if not self.worth_writing(block.block_hash):  # asked before the store (a lookup may cost a round trip)
+            if not closing and not self.worth_writing(block.block_hash):  # asked before the store (a lookup may cost a round trip)
                 continue
+            if not room():
+                return
             if self.store.contains(block.block_hash):  # e.g. loaded from disk: left where it is
                 self._on_disk[block.block_id] = block.block_hash
                 self.skipped_blocks += 1
             else:
                 self.cpu_pool.touch(block)  # held while written: never evicted, never waited for
                 self._write(block, BlockRef(block.block_hash, block.parent_hash, block.token_ids), staged=False)
+
+    def _settle(self, jobs: list[int]) -> None:
+        for job, ok in self.store.wait(jobs).items():
+            self._wrote_job(job, ok)
 
     def _write(self, block: Block, ref: BlockRef, staged: bool) -> None:
         if staged and self.store.contains(ref.block_hash):
@@ -128,13 +153,15 @@ class NVMeSpill:
         """Finished reads; finished writes are booked here."""
         reads = []
         for job, ok in self.store.poll():
-            written = self._writes.pop(job, None)
-            if written is None:
+            if job in self._writes:
+                self._wrote_job(job, ok)
+            else:
                 reads.append((job, ok))
-                continue
-            self.spilled_blocks += ok
-            self._wrote(*written, ok)
         return reads
+
+    def _wrote_job(self, job: int, ok: bool) -> None:
+        self.spilled_blocks += ok
+        self._wrote(*self._writes.pop(job), ok)
 
     def read_counters(self) -> tuple[int, float]:
         """(bytes read, seconds with reads in flight), cumulative: the read bandwidth observed."""

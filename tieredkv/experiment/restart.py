@@ -129,8 +129,8 @@ class EngineSlot:
         await self._idle.wait()
         old, self.llm = self.llm, None
         assert old is not None, "one restart at a time"
+        await old.close()  # writes what is worth keeping to the store first
         self._last_stats = old.stats()
-        await old.close()
         del old
         _free_memory()  # the new engine sizes its tiers from the memory left
         closed = time.monotonic()
