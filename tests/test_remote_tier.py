@@ -46,8 +46,8 @@ def test_prefixes_come_back_from_the_remote_tier(redis_server, tmp_path, expecte
     nvme = {"nvme_bytes": "4MiB", "io_backend": "sync"} if with_nvme else {}
     with remote_llm(redis_server.url, **({"nvme_path": str(tmp_path / "a")} if nvme else {}), **nvme) as llm:
         assert generate(llm) == expected
-        stats = settled_stats(llm)
         report = dict(line.split("  ", 1) for line in startup_report(llm).splitlines())
+    stats = llm.stats()  # closed: every write done, those at shutdown too
     assert report["remote tier"].strip() == f"{redis_server.url}, connected, storing what the server keeps"
     assert (report["NVMe tier"].strip() == "none") != with_nvme and ("nvme_slots_total" in stats) == with_nvme
     assert stats["remote_stored_blocks"] > 0 and stats["remote_errors"] == 0

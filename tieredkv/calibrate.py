@@ -30,6 +30,7 @@ from tieredkv.user_cache import cache_dir
 logger = logging.getLogger(__name__)
 
 DEFAULT_DISK_READ_BYTES_PER_S = 2e9  # a mid-range NVMe drive: assumed where the disk cannot be measured
+MAX_PREFILL_PROBE = 8192  # tokens: prefill is timed at this step size and a quarter of it
 
 
 def cache_file() -> Path:
@@ -157,7 +158,12 @@ class DiskProbe(NamedTuple):
 def calibrate(
     key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int, disk: DiskProbe | None = None
 ) -> CostModel:
-    """The cost model for `key` (device + model [+ disk]), measured once and cached."""
+    """The cost model for `key` (device + model [+ disk]), measured once and cached. Prefill is
+    timed at `n` and `n/4` tokens, `n` the largest step (`max_tokens`, at most 8192): smaller
+    probes time the per-step launch overhead, not the per-token cost of serving's chunks."""
+    n2 = max(2, min(MAX_PREFILL_PROBE, max_tokens))
+    n1 = max(1, n2 // 4)
+    key = f"{key}/prefill:{n1}-{n2}"
     if disk is not None:
         key = f"{key}/disk:{os.path.abspath(disk.directory)}:{disk.read_bytes}x{disk.queue_depth}:{disk.backend}"
     path = cache_file()
@@ -171,8 +177,6 @@ def calibrate(
         except (TypeError, ValueError):
             logger.warning("ignoring a damaged cost model cached in %s", path)
     d2h, h2d = measure_bandwidth(device)
-    n2 = max(2, min(1024, max_tokens))
-    n1 = max(1, n2 // 4)
     t1 = _timed(lambda: prefill(n1), device, reps=2)
     t2 = _timed(lambda: prefill(n2), device, reps=2)
     a, b = fit_prefill(n1, t1, n2, t2)

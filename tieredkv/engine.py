@@ -128,7 +128,8 @@ class LLMEngine:
             return sched.cost_model
         device = self.runner.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        max_tokens = min(self.kv.num_blocks * self.kv.block_size, self.runner.max_model_len)
+        max_tokens = min(self.kv.num_blocks * self.kv.block_size, self.runner.max_model_len,
+                         sched.max_num_batched_tokens)  # the largest prefill step it will run
         key = f"{name}/{self.fingerprint:016x}"
         disk_dir = cache.nvme_path
         if disk_dir is not None and not os.path.isdir(disk_dir):  # the store's file itself

@@ -37,8 +37,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
-    except ImportError:
-        print("tieredkv: error: serve needs fastapi and uvicorn: pip install 'tieredkv[serve]'", file=sys.stderr)
+    except ImportError as err:
+        print(f"tieredkv: error: serve needs fastapi and uvicorn ({err}): pip install 'tieredkv[serve]'",
+              file=sys.stderr)
         return 2
     from tieredkv.serve.server import serve
 
