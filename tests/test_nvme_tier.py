@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import time
 
 import pytest
 
@@ -27,10 +28,9 @@ LOAD_WINS = {"d2h_bytes_per_s": 1e15, "h2d_bytes_per_s": 1e15, "prefill_s_per_to
 def tiered_llm(path, backend: str = "sync", cost_model: dict = LOAD_WINS, cpu_policy: str = "lru", **kw) -> LLM:
     """GPU and CPU tiers so small that most prefixes end up on NVMe. The LRU CPU tier writes
     every block it demotes; the default frequency policy only those asked for again."""
-    return LLM(model="tiny-llama", block_size=4, num_gpu_blocks=30,
-               cpu_cache_bytes=24 * BLOCK_BYTES, cpu_policy=cpu_policy,
-               nvme_path=str(path), nvme_bytes="4MiB", io_backend=backend, preemption="recompute",
-               scheduler={"cost_model": cost_model}, **kw)
+    return LLM(**{"model": "tiny-llama", "block_size": 4, "num_gpu_blocks": 30, "cpu_cache_bytes": 24 * BLOCK_BYTES,
+                  "cpu_policy": cpu_policy, "nvme_path": str(path), "nvme_bytes": "4MiB", "io_backend": backend,
+                  "preemption": "recompute", "scheduler": {"cost_model": cost_model}, **kw})
 
 
 def test_blocks_asked_for_again_are_written_and_served_after_restart(tmp_path, reference_outputs):
@@ -201,3 +201,48 @@ def test_queued_requests_load_prefixes_spilled_while_they_waited(tmp_path, refer
         stats = llm.stats()
     assert [o.token_ids for o in outs] == expected
     assert stats["nvme_loaded_blocks"] > 0 and stats["nvme_failed_loads"] == 0
+
+
+def test_a_request_waiting_on_its_loads_is_not_matched_again_each_step(tmp_path, reference_outputs, monkeypatch):
+    # a slow disk: the load-only request waits many steps for its reads; re-matching its whole
+    # prompt at each of them made the wait O(prompt) a step, and starved the I/O threads
+    from tieredkv.tiers.nvme import store as nvme
+
+    prompt = [(i * 37) % 509 + 3 for i in range(400)]
+    expected = reference_outputs("tiny-llama", [prompt], NEW_TOKENS)
+    with tiered_llm(tmp_path, num_gpu_blocks=120, cpu_cache_bytes=256 * BLOCK_BYTES) as llm:
+        for p in (prompt, prompt[::-1], prompt[::2] * 2):  # the last two push it down to the CPU tier
+            llm.generate([p], GREEDY, use_tqdm=False)
+    # (closing wrote the CPU tier to disk)
+    real_make_backend = nvme.make_backend
+
+    def slow_backend(*args, **kwargs):  # the completion thread takes 1 ms more for each completion
+        backend = real_make_backend(*args, **kwargs)
+        reap = backend.reap
+
+        def slow_reap(timeout):
+            done = reap(timeout)
+            time.sleep(0.001 * len(done))
+            return done
+
+        backend.reap = slow_reap
+        return backend
+
+    monkeypatch.setattr(nvme, "make_backend", slow_backend)
+    load_only = {**LOAD_WINS, "prefill_s_per_token": 1e3}
+    with tiered_llm(tmp_path, cost_model=load_only, num_gpu_blocks=120, cpu_cache_bytes=128 * BLOCK_BYTES) as llm:
+        matches = 0
+        match_prefix = llm.kv.match_prefix
+
+        def counted(seq):
+            nonlocal matches
+            matches += 1
+            return match_prefix(seq)
+
+        llm.kv.match_prefix = counted
+        outs = llm.generate([prompt], GREEDY, use_tqdm=False)
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    assert stats["nvme_loaded_blocks"] > 50
+    # planned, found waiting, matched once more when its blocks had landed; waiting all along
+    assert matches <= 4 < stats["nvme_load_waits"]

@@ -82,6 +82,9 @@ class Scheduler:
         self.nvme_skipped_tokens = 0  # prefill tokens jumped over: their KV came from NVMe
         self.cpu_hits_recomputed = 0  # CPU prefix blocks recomputed: copying them in was slower
         self.nvme_load_waits = 0  # steps a sequence had nothing to compute before its loads landed
+        # waiting sequences found with nothing to compute before their loads land: not matched
+        # again (O(prompt) each step, which starved the I/O threads of the GIL) until they have
+        self._awaiting_loads: set[str] = set()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -254,12 +257,18 @@ class Scheduler:
                 return False
             if len(self.running) + seq.width > self.config.max_num_seqs:
                 return True
+            if seq.seq_id in self._awaiting_loads:
+                if self.kv.loading(seq):
+                    self.nvme_load_waits += 1
+                    continue
+                self._awaiting_loads.discard(seq.seq_id)
             self._plan_loads(seq, backlog)
             found = self.kv.match_prefix(seq)
             prefix = self._worth_copying(found)
             n = self.kv.computable(seq, budget, prefix).num_new_tokens
             if n == 0:  # nothing to compute before its NVMe blocks arrive
                 self.nvme_load_waits += 1
+                self._awaiting_loads.add(seq.seq_id)
                 continue
             got = self.kv.allocate(seq, n, prefix)
             if got is None:
@@ -322,4 +331,5 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
                 break
+        self._awaiting_loads.discard(seq.seq_id)
         self.kv.free(seq)

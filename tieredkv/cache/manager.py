@@ -197,6 +197,10 @@ class KVCacheManager:
             self._load_from[seq.seq_id] = first + compute * self.block_size
         return NVMePlan(compute, len(prefix.nvme_refs) - compute)
 
+    def loading(self, seq: Sequence) -> bool:
+        """Whether NVMe reads for the sequence are in flight."""
+        return self.offload is not None and self.offload.loading(seq.seq_id)
+
     def nvme_reads_in_flight(self) -> int:
         """NVMe block reads submitted and not finished: the disk's queue."""
         return self.offload.reads_in_flight if self.offload is not None else 0
