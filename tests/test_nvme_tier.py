@@ -246,3 +246,26 @@ def test_a_request_waiting_on_its_loads_is_not_matched_again_each_step(tmp_path,
     assert stats["nvme_loaded_blocks"] > 50
     # planned, found waiting, matched once more when its blocks had landed; waiting all along
     assert matches <= 4 < stats["nvme_load_waits"]
+
+
+def test_blocks_read_back_from_disk_are_evicted_before_those_admission_kept(tmp_path, reference_outputs):
+    # a document read back for one request must not push out of the (frequency-admitted) CPU
+    # tier the blocks it chose to keep: they are on disk, cheap to read again
+    doc = [(i * 37) % 509 + 3 for i in range(400)]
+    chat = [(i * 11) % 499 + 7 for i in range(120)]
+    expected = reference_outputs("tiny-llama", [chat, doc], NEW_TOKENS)
+    with tiered_llm(tmp_path, num_gpu_blocks=120, cpu_cache_bytes=256 * BLOCK_BYTES) as llm:
+        for p in (doc, doc[::-1], doc[::2] * 2):  # the last two push it down to the CPU tier
+            llm.generate([p], GREEDY, use_tqdm=False)
+    load_only = {**LOAD_WINS, "prefill_s_per_token": 1e3}
+    with tiered_llm(tmp_path, cost_model=load_only, cpu_policy="tinylfu", num_gpu_blocks=120,
+                    cpu_cache_bytes=160 * BLOCK_BYTES) as llm:
+        outs = [llm.generate([chat], GREEDY, use_tqdm=False)[0] for _ in range(2)]  # asked for twice
+        outs += llm.generate([doc], GREEDY, use_tqdm=False)  # read back; pushes the chat down to the CPU tier
+        stats = llm.stats()
+        pool = llm.kv.offload.pool
+        read_back = {b.block_id for b in pool.cold_blocks() if b.evict_first}
+        order = [b.block_id in read_back for b in pool.cold_blocks()]
+    assert [o.token_ids for o in outs] == [expected[0], expected[0], expected[1]]
+    assert stats["nvme_loaded_blocks"] > 50 and stats["cpu_demoted_blocks"] > 0
+    assert len(read_back) > 50 and order == sorted(order, reverse=True)  # all of them first in line

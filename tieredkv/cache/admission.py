@@ -32,9 +32,13 @@ class Admission(Protocol):
     def admits(self, candidate: int, victim: int) -> bool:
         """Whether `candidate` should take the place of the cached block `victim`."""
 
+    selective: bool  # whether blocks read back from disk bypass it (False: they are kept as any block)
+
 
 class AdmitAll:
     """Plain LRU: every demoted block is kept, evicting the least recently used."""
+
+    selective = False
 
     def record(self, block_hashes: Iterable[int]) -> None:
         pass
@@ -46,6 +50,8 @@ class AdmitAll:
 class FrequencyAdmission:
     """Admit a block only if it was requested more often lately than its victim (module
     docstring)."""
+
+    selective = True
 
     def __init__(self, capacity_blocks: int) -> None:
         self.period = max(1, PERIOD_PER_BLOCK * capacity_blocks)

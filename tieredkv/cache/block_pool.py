@@ -35,6 +35,7 @@ class Block:
     block_hash: int | None = None
     parent_hash: int | None = None
     token_ids: tuple[int, ...] | None = None
+    evict_first: bool = False  # once unowned, evicted before the rest (its content is safe elsewhere)
 
     def reset_hash(self) -> None:
         self.block_hash = self.parent_hash = self.token_ids = None
@@ -96,6 +97,7 @@ class BlockPool:
             _, block = (self._empty or self._free_queue).popitem(last=False)
             self._evict(block)
             block.ref_count = 1
+            block.evict_first = False
             taken.append(block)
         return taken
 
@@ -119,7 +121,7 @@ class BlockPool:
             if block.ref_count == 0:
                 queue = self._empty if block.block_hash is None else self._free_queue
                 queue[block.block_id] = block
-                if evict_first or block.block_hash is None:
+                if evict_first or block.evict_first or block.block_hash is None:
                     queue.move_to_end(block.block_id, last=False)
 
     def lookup(self, block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> Block | None:

@@ -74,7 +74,7 @@ class CPUOffload:
             self.trace.offer(block_hash)
         known = self.pool.cached_block(block_hash)
         if known is not None:
-            if known.ref_count == 0:
+            if known.ref_count == 0 and not known.evict_first:
                 self.pool.refresh(known)
             return
         victim = self.pool.next_victim()
@@ -232,6 +232,9 @@ class CPUOffload:
             del self._reads_left[request_id]
         if ok:
             self.pool.cache(block, ref.block_hash, ref.parent_hash, ref.token_ids)
+            # read back for one request, it does not displace what admission chose to keep (it
+            # is on disk); it stays at the eviction end until admission keeps a demotion of it
+            block.evict_first = self.admission.selective
             self.nvme_loaded_blocks += 1
         else:
             self.nvme_failed_loads += 1
