@@ -102,7 +102,8 @@ class NVMeSpill:
         for block in list(blocks):
             if self._on_disk.get(block.block_id) == block.block_hash:
                 continue
-            if not closing and not self.worth_writing(block.block_hash):  # asked before the store (a lookup may cost a round trip)
+            # asked before the store (a lookup may cost a round trip)
+            if not closing and not self.worth_writing(block.block_hash):
                 continue
             if not room():
                 return
