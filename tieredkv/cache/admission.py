@@ -32,7 +32,7 @@ class Admission(Protocol):
     def admits(self, candidate: int, victim: int) -> bool:
         """Whether `candidate` should take the place of the cached block `victim`."""
 
-    selective: bool  # whether blocks read back from disk bypass it (False: they are kept as any block)
+    selective: bool  # True: a block read back from disk waits at the eviction end until admitted
 
 
 class AdmitAll:

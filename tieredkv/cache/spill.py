@@ -18,6 +18,8 @@ What is read: `contains(hash)`, `start_read(...) -> job | None`, `poll() -> [(jo
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -25,6 +27,8 @@ import torch
 from tieredkv.cache.admission import AdmitAll, FrequencyAdmission
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.tiers.backend import BlockRef, BlockStore
+
+logger = logging.getLogger(__name__)
 
 MAX_WRITES_IN_FLIGHT = 16  # keeps the disk busy at the store's queue depth
 WRITES_BESIDE_READS = 2  # while reads are in flight, writes only trickle: reads come first
@@ -83,8 +87,12 @@ class NVMeSpill:
         """At shutdown, when writes no longer compete with reads: write every cached CPU block the
         disk lacks, the coldest first (an LRU store keeps the hottest), so that a restart finds
         them there; wait until all writes are done."""
+        start, before = time.monotonic(), self.spilled_blocks
         self._spill(self.cpu_pool.cold_blocks(), MAX_WRITES_IN_FLIGHT, closing=True)
         self._settle(list(self._writes))
+        if self.spilled_blocks > before:
+            logger.info("closing: wrote %d cached CPU blocks to the store in %.1f s", self.spilled_blocks - before,
+                        time.monotonic() - start)
 
     def _spill(self, blocks: Iterable[Block], limit: int, closing: bool) -> None:
         """Write the staged demotions, then those of `blocks` worth it (all of them when
