@@ -15,14 +15,15 @@ Each swap is timed three ways:
   work (about 0.3-0.8 ms) is on the critical path: a lower bound that moves with host jitter.
 - "GPU activity": the same submit as the line above, traced by the profiler (CUPTI): from the
   start of the jobs' first copy or kernel on the GPU to the end of their last one.
-The three agree for one job. For a swap-out and a swap-in at once they time two executions:
-queued behind a sleep, all of both jobs' work waits in the GPU's hardware queues before any of
-it runs, and streams that share a hardware queue (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default,
-shared by every stream of the process) wait for each other in submission order, where separate
-queues would not. So the two-way case also prints, from the trace of each execution, how long
-each direction's copies ran, how much of the shorter one ran beside the other (the
-concurrency: 100% when the copy engines work both ways at once), and how late the second
-direction began: the evidence of whether the directions ran side by side or took turns.
+The three agree for one job. For a swap-out and a swap-in at once they time two different
+executions, and the two-way case prints, from the trace of each, how long each direction's
+copies ran, how much of the shorter one ran beside the other (the concurrency: 100% when the
+copy engines work both ways at once), and how late the second direction began. On the H200
+(2026-11-23, BENCHMARKS.md): submitted from the call, the directions ran side by side (93%, the
+second 3 ms after the first: 91-95% of the two-way peak); queued behind a sleep, they took
+turns (51%, the second 20 ms after the first: 53-70%), with 8 hardware connections and with 32
+alike, so sharing a hardware queue is not the cause. The GPU-time figure is a true clock of
+that queued execution, not a faulty one.
 `--max-connections N` sets CUDA_DEVICE_MAX_CONNECTIONS for the run (before CUDA starts), to
 compare. `--repeat N` runs the swap figures N times back to back, each against pinned peaks
 measured just before it, and ends with the two-way figure of each run by each method.
