@@ -7,6 +7,9 @@ Each `schedule()`:
 2. if nothing was preempted, swap sequences back in, oldest first;
 3. if none is left swapped out, admit waiting sequences in order, reusing cached prefixes,
    while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow.
+That is `scheduling_policy: fcfs`. With `ttft` (`tieredkv.scheduling`), step 1 takes the decodes
+only, and after step 2 the partly-prefilled and the waiting sequences share what is left of the
+budget in the policy's order (`_schedule_prefills`).
 Before all that, the first waiting sequences start reading the later part of their NVMe prefix
 blocks (as much as the policy says), so the reads overlap other work and the computation of
 the earlier part; how far a sequence may compute is the KV manager's answer (`computable`).
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost
 from tieredkv.config import SchedulerConfig
 from tieredkv.policy import ObservedRate, TierPolicy
+from tieredkv.scheduling import PrefillCandidate, prefill_order, share_budget
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
 
 PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of their turn
@@ -71,9 +75,15 @@ class Scheduler:
         self.disk_rate = ObservedRate(cost.disk_read_bytes_per_s) if measured else None
         self.nvme_skipped_tokens = 0  # prefill tokens jumped over: their KV came from NVMe
         self.nvme_load_waits = 0  # steps a sequence had nothing to compute before its loads landed
+        # aging (`ttft`): tokens scheduled so far, and that count when each request arrived
+        self.num_scheduled_tokens = 0
+        self._arrived_at: dict[str, int] = {}
+        # `ttft`: resident prefix tokens of waiting sequences as last matched, oldest match first
+        self._resident_tokens: dict[str, int] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._arrived_at[seq.request_id] = self.num_scheduled_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -81,11 +91,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._prefetch()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        ttft = self.config.scheduling_policy == "ttft"
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, decodes_only=ttft)
+        prefilling = [s for s in self.running if _prefilling(s)] if ttft else []  # before swap-ins rejoin
         if not out.preempted:
             budget = self._resume_swapped(out, budget)
-            if not self.swapped:
-                self._admit_waiting(out, budget)
+        if ttft:
+            self._schedule_prefills(out, budget, prefilling)
+        elif not out.preempted and not self.swapped:
+            self._admit_waiting(out, budget)
         out.sampling = [s.seq for s in out.scheduled if s.samples]
         return out
 
@@ -96,6 +110,7 @@ class Scheduler:
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit(item.seq)
+        self.num_scheduled_tokens += batch.num_tokens
         finished = []
         for seq, token in zip(batch.sampling, sampled_tokens, strict=True):
             seq.append_token(token)
@@ -104,10 +119,13 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, decodes_only: bool = False) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if decodes_only and _prefilling(seq):
+                i += 1
+                continue
             n = self._next_chunk(seq, budget)
             if n == 0:  # waiting for its NVMe blocks, or they are landing
                 self.nvme_load_waits += 1
@@ -193,20 +211,97 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            self._plan_loads(seq, backlog)
-            prefix = self.kv.match_prefix(seq)
-            n = self.kv.computable(seq, budget, prefix).num_new_tokens
-            if n == 0:  # nothing to compute before its NVMe blocks arrive
-                self.nvme_load_waits += 1
-                continue
-            got = self.kv.allocate(seq, n, prefix)
-            if got is None:
+            n = self._admit(out, seq, budget, backlog)
+            if n is None:
                 return
-            self.waiting.remove(seq)
-            seq.num_computed_tokens = got.num_cached_tokens
-            if not seq.recomputing:  # a client's prompt hit, not its own blocks found again
-                seq.num_cached_tokens = got.num_cached_tokens
-            budget -= self._run(seq, n, got, out)
+            budget -= n
+
+    def _admit(self, out: SchedulerOutput, seq: Sequence, budget: int, backlog: int) -> int | None:
+        """Admit a waiting sequence with up to `budget` tokens, reusing its cached prefix; the
+        tokens scheduled (0: it waits for its NVMe blocks), None if the GPU pool is short."""
+        self._plan_loads(seq, backlog)
+        prefix = self.kv.match_prefix(seq)
+        n = self.kv.computable(seq, budget, prefix).num_new_tokens
+        if n == 0:  # nothing to compute before its NVMe blocks arrive
+            self.nvme_load_waits += 1
+            return 0
+        got = self.kv.allocate(seq, n, prefix)
+        if got is None:
+            return None
+        self.waiting.remove(seq)
+        self._resident_tokens.pop(seq.request_id, None)
+        seq.num_computed_tokens = got.num_cached_tokens
+        if not seq.recomputing:  # a client's prompt hit, not its own blocks found again
+            seq.num_cached_tokens = got.num_cached_tokens
+        return self._run(seq, n, got, out)
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int, prefilling: list[Sequence]) -> None:
+        """`ttft`: the running sequences still prefilling and, unless a sequence was preempted or
+        is swapped out, the waiting ones share `budget` in the policy's order."""
+        admit = not out.preempted and not self.swapped
+        seqs = prefilling + (list(self.waiting) if admit else [])
+        if not seqs or budget <= 0:
+            return
+        if admit and self._resident_tokens:  # match one waiting sequence again each step, the
+            del self._resident_tokens[next(iter(self._resident_tokens))]  # longest unmatched
+        candidates = [PrefillCandidate(self._to_compute(s), self._waited(s)) for s in seqs]
+        order = prefill_order(candidates, self.config.prefill_aging)
+        wants = [candidates[i].remaining_tokens for i in order]
+        cap = self.config.max_prefill_chunk_tokens
+        shares = share_budget(wants, budget, cap)
+        backlog = self._prefill_backlog() if admit else 0
+        for k, i in enumerate(order):
+            if budget <= 0:
+                return
+            seq, n = seqs[i], 0
+            if i < len(prefilling):
+                if seq.status is SequenceStatus.RUNNING:  # not preempted for a sequence ahead
+                    lower = [seqs[j] for j in order[k + 1 :] if j < len(prefilling)]
+                    n = self._extend_prefill(out, seq, shares[k], lower)
+                    admit = admit and not out.preempted
+            elif admit and shares[k] and len(self.running) < self.config.max_num_seqs:
+                got = self._admit(out, seq, shares[k], backlog)
+                admit = got is not None
+                n = got or 0
+            budget -= n
+            if n != shares[k]:  # it took less than its share: the rest goes to those after it
+                shares[k + 1 :] = share_budget(wants[k + 1 :], budget, cap)
+
+    def _extend_prefill(self, out: SchedulerOutput, seq: Sequence, share: int, lower: list[Sequence]) -> int:
+        """Schedule up to `share` tokens of a running sequence's prefill; while blocks are short,
+        preempt the last of `lower` (running prefills ranked after it) that is still running.
+        The tokens scheduled (0: it waits)."""
+        if share == 0:
+            return 0
+        n = self._next_chunk(seq, share)
+        if n == 0:  # waiting for its NVMe blocks, or they are landing
+            self.nvme_load_waits += 1
+            return 0
+        while self.kv.allocate(seq, n) is None:
+            while lower and lower[-1].status is not SequenceStatus.RUNNING:
+                lower.pop()
+            if not lower:
+                return 0
+            victim = lower.pop()
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+        out.scheduled.append(ScheduledSeq(seq, n))
+        return n
+
+    def _to_compute(self, seq: Sequence) -> int:
+        """Tokens the sequence has left to compute; for a waiting one, less the prefix found
+        resident (GPU and CPU tiers) when it was last matched."""
+        if seq.status is not SequenceStatus.WAITING:
+            return seq.num_tokens - seq.num_computed_tokens
+        resident = self._resident_tokens.get(seq.request_id)
+        if resident is None:
+            resident = self._resident_tokens[seq.request_id] = self.kv.match_prefix(seq).num_tokens(self.kv.block_size)
+        return seq.num_tokens - resident
+
+    def _waited(self, seq: Sequence) -> int:
+        """Tokens scheduled (for anyone) since the sequence arrived."""
+        return self.num_scheduled_tokens - self._arrived_at.get(seq.request_id, self.num_scheduled_tokens)
 
     def _run(self, seq: Sequence, n: int, got: Allocation, out: SchedulerOutput) -> int:
         """Move `seq` to the running queue and schedule its `n` tokens, unless its KV is still
@@ -250,3 +345,10 @@ class Scheduler:
                 queue.remove(seq)
                 break
         self.kv.free(seq)
+        self._arrived_at.pop(seq.request_id, None)
+        self._resident_tokens.pop(seq.request_id, None)
+
+
+def _prefilling(seq: Sequence) -> bool:
+    """More than one token left to compute: a prefill (or a recompute), not a decode."""
+    return seq.num_tokens - seq.num_computed_tokens > 1
