@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,8 +56,9 @@ def make_kv(num_gpu_blocks: int, num_cpu_blocks: int = 0, nvme_path: str | None 
 
 
 def make_scheduler(sim: SimKV, preemption: Preemption = "recompute", cost: CostModel | None = None,
-                   max_num_seqs: int = 8, max_num_batched_tokens: int = 64) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                   max_num_seqs: int = 8, max_num_batched_tokens: int = 64, **scheduling: Any) -> Scheduler:
+    """A scheduler over `sim`; `scheduling`: more SchedulerConfig keys (`scheduling_policy`, ...)."""
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, **scheduling)
     return Scheduler(config, sim.kv, TierPolicy(preemption, BLOCK_BYTES, BS, cost))
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost
 from tieredkv.config import SchedulerConfig
 from tieredkv.policy import ObservedRate, TierPolicy
-from tieredkv.scheduling import PrefillCandidate, prefill_order, share_budget
+from tieredkv.scheduling import PrefillCandidate, chunk_cost, chunk_tokens, prefill_order, share_budget
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
 
 PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of their turn
@@ -235,37 +235,40 @@ class Scheduler:
             seq.num_cached_tokens = got.num_cached_tokens
         return self._run(seq, n, got, out)
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: int, prefilling: list[Sequence]) -> None:
+    def _schedule_prefills(self, out: SchedulerOutput, budget: float, prefilling: list[Sequence]) -> None:
         """`ttft`: the running sequences still prefilling and, unless a sequence was preempted or
-        is swapped out, the waiting ones share `budget` in the policy's order."""
+        is swapped out, the waiting ones share `budget` in the policy's order, each chunk
+        charged for its attention (`chunk_cost`) where the cost model says what that is."""
         admit = not out.preempted and not self.swapped
         seqs = prefilling + (list(self.waiting) if admit else [])
         if not seqs or budget <= 0:
             return
         if admit and self._resident_tokens:  # match one waiting sequence again each step, the
             del self._resident_tokens[next(iter(self._resident_tokens))]  # longest unmatched
-        candidates = [PrefillCandidate(self._to_compute(s), self._waited(s)) for s in seqs]
+        candidates = [PrefillCandidate(self._to_compute(s), self._waited(s), self._done(s)) for s in seqs]
         order = prefill_order(candidates, self.config.prefill_aging)
-        wants = [candidates[i].remaining_tokens for i in order]
+        pairs = self._attention_weight() if out.scheduled else 0.0  # decodes ride in this step
+        wants = [chunk_cost(candidates[i].computed_tokens, candidates[i].remaining_tokens, pairs) for i in order]
         cap = self.config.max_prefill_chunk_tokens
         shares = share_budget(wants, budget, cap)
         backlog = self._prefill_backlog() if admit else 0
         for k, i in enumerate(order):
             if budget <= 0:
                 return
-            seq, n = seqs[i], 0
+            seq, n, done = seqs[i], 0, candidates[i].computed_tokens
+            tokens = chunk_tokens(done, shares[k], pairs)
             if i < len(prefilling):
                 if seq.status is SequenceStatus.RUNNING:  # not preempted for a sequence ahead
                     lower = [seqs[j] for j in order[k + 1 :] if j < len(prefilling)]
-                    n = self._extend_prefill(out, seq, shares[k], lower)
+                    n = self._extend_prefill(out, seq, tokens, lower)
                     admit = admit and not out.preempted
-            elif admit and shares[k] and len(self.running) < self.config.max_num_seqs:
-                got = self._admit(out, seq, shares[k], backlog)
+            elif admit and tokens and len(self.running) < self.config.max_num_seqs:
+                got = self._admit(out, seq, tokens, backlog)
                 admit = got is not None
                 n = got or 0
-            budget -= n
-            if n != shares[k]:  # it took less than its share: the rest goes to those after it
-                shares[k + 1 :] = share_budget(wants[k + 1 :], budget, cap)
+            budget -= chunk_cost(done, n, pairs)
+            if n != tokens:  # it took less than its share: the rest goes to those after it
+                shares[k + 1 :] = share_budget(wants[k + 1 :], max(budget, 0), cap)
 
     def _extend_prefill(self, out: SchedulerOutput, seq: Sequence, share: int, lower: list[Sequence]) -> int:
         """Schedule up to `share` tokens of a running sequence's prefill; while blocks are short,
@@ -298,6 +301,19 @@ class Scheduler:
         if resident is None:
             resident = self._resident_tokens[seq.request_id] = self.kv.match_prefix(seq).num_tokens(self.kv.block_size)
         return seq.num_tokens - resident
+
+    def _done(self, seq: Sequence) -> int:
+        """Tokens before the sequence's next chunk: computed, or found resident when waiting."""
+        if seq.status is not SequenceStatus.WAITING:
+            return seq.num_computed_tokens
+        return seq.num_tokens - self._to_compute(seq)
+
+    def _attention_weight(self) -> float:
+        """b/a of the cost model's prefill time a*N + b*N^2 (0 without a cost model)."""
+        cost = self.policy.cost
+        if cost is None or cost.prefill_s_per_token <= 0:
+            return 0.0
+        return cost.prefill_s_per_token_sq / cost.prefill_s_per_token
 
     def _waited(self, seq: Sequence) -> int:
         """Tokens scheduled (for anyone) since the sequence arrived."""

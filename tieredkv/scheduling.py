@@ -24,6 +24,7 @@ close to arrival order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -35,6 +36,7 @@ class PrefillCandidate(NamedTuple):
 
     remaining_tokens: int  # tokens left to compute (resident KV counts as computed)
     waited_tokens: int  # tokens the engine scheduled since the request arrived
+    computed_tokens: int = 0  # tokens before its next chunk (computed or resident)
 
 
 def prefill_priority(remaining_tokens: int, waited_tokens: int, aging: float) -> float:
@@ -50,10 +52,10 @@ def prefill_order(candidates: Sequence[PrefillCandidate], aging: float) -> list[
     return sorted(range(len(candidates)), key=keys.__getitem__)
 
 
-def share_budget(wants: Sequence[int], budget: int, cap: int | None) -> list[int]:
-    """Tokens each request gets this step, `wants` in priority order: at most `cap` each (None:
-    no cap), in order, then what is left of `budget` in the same order, so that no token of the
-    budget is left while someone wants it.
+def share_budget(wants: Sequence[float], budget: float, cap: float | None) -> list[float]:
+    """What each request gets of `budget` this step, `wants` in priority order: at most `cap`
+    each (None: no cap), in order, then what is left in the same order, so that nothing is left
+    while someone wants it (tokens, or `chunk_cost`s).
 
         wants [5000, 300, 4000], budget 2048, cap 512  ->  first pass [512, 300, 512]
         724 left  ->  [1236, 300, 512]
@@ -71,3 +73,25 @@ def share_budget(wants: Sequence[int], budget: int, cap: int | None) -> list[int
         shares[i] += more
         left -= more
     return shares
+
+
+def chunk_cost(done: int, new: int, attention: float) -> float:
+    """What a chunk of `new` tokens after `done` takes of the budget, counted in tokens at the
+    start of a prompt. A prompt of N tokens costs a*N + b*N^2 (the cost model's
+    `prefill_s_per_token`, `prefill_s_per_token_sq`), so the chunk costs a*new + b*((done +
+    new)^2 - done^2): `new` tokens plus `attention` = b/a times the (query, key) pairs it adds.
+    With `attention` 0 a token is a token."""
+    return new + attention * ((done + new) ** 2 - done**2)
+
+
+def chunk_tokens(done: int, budget: float, attention: float) -> int:
+    """The most tokens after `done` whose `chunk_cost` fits in `budget`."""
+    if attention <= 0:
+        return max(0, math.floor(budget + 1e-9))
+    slope = 1 + 2 * attention * done  # cost = attention*n^2 + slope*n
+    n = math.floor((-slope + math.sqrt(slope * slope + 4 * attention * budget)) / (2 * attention))
+    while n > 0 and chunk_cost(done, n, attention) > budget + 1e-9:
+        n -= 1
+    while chunk_cost(done, n + 1, attention) <= budget + 1e-9:
+        n += 1
+    return max(n, 0)
