@@ -108,19 +108,20 @@ def test_short_prompts_behind_a_long_one_get_their_first_token_at_once(policy, f
     assert got["long"] + 2 == 7  # the long prompt loses no step for them: 400 tokens need 7 anyway
 
 
-def test_decodes_get_a_token_every_step_beside_long_prefills():
+@pytest.mark.parametrize("policy", ["ttft", "fcfs"])
+def test_decodes_get_a_token_every_step_beside_long_prefills(policy):
     """Decoding sequences beside a stream of long and short prompts (more than the budget):
-    with ttft, every sequence gets a token every step from its first token to its last."""
+    every sequence gets a token every step from its first token to its last."""
     sim = make_kv(512)
-    sched = make_scheduler(sim, max_num_seqs=16, max_num_batched_tokens=64, scheduling_policy="ttft")
+    sched = make_scheduler(sim, max_num_seqs=16, max_num_batched_tokens=64, scheduling_policy=policy)
     seqs = []
     for step in range(40):
+        arriving = [make_seq(f"short{step}", range(step * 20, step * 20 + 12), max_tokens=12)]
         if step % 4 == 0:
-            seqs.append(make_seq(f"long{step}", range(2000 + step * 300, 2300 + step * 300), max_tokens=12))
-        seqs.append(make_seq(f"short{step}", range(step * 20, step * 20 + 12), max_tokens=12))
-        sched.add(seqs[-2] if step % 4 == 0 else seqs[-1])
-        if step % 4 == 0:
-            sched.add(seqs[-1])
+            arriving.insert(0, make_seq(f"long{step}", range(2000 + step * 300, 2300 + step * 300), max_tokens=12))
+        for seq in arriving:
+            sched.add(seq)
+        seqs += arriving
         before = {s.request_id: s.num_output_tokens for s in seqs}
         out = run_step(sched, sim)
         assert not out.preempted
