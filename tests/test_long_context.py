@@ -70,12 +70,13 @@ def test_runs_end_to_end_with_the_same_tokens_under_both_schedulings(tmp_path):
     config = {"name": "lc", "model": "tiny-llama", "device": "cpu", "dtype": "float32",
               "cache": {"block_size": 4, "num_gpu_blocks": 256},
               "scheduler": {"max_num_batched_tokens": 32, "scheduling_policy": "ttft", "preemption": "recompute"},
-              "workload": SMALL,
+              "workload": {**SMALL, "requests": 6, "median_prompt_tokens": 32, "min_prompt_tokens": 12,
+                           "max_prompt_tokens": 150},
               "variants": [{"name": "fcfs", "scheduler": {"scheduling_policy": "fcfs"}}, {"name": "ttft"}]}
     path = tmp_path / "lc.yaml"
     path.write_text(yaml.safe_dump(config))
     summaries = run_experiment(str(path), str(tmp_path / "out"), compare=True, use_tqdm=False).summaries
-    assert [(s.requests, s.errors) for s in summaries] == [(10, 0), (10, 0)]
+    assert [(s.requests, s.errors) for s in summaries] == [(6, 0), (6, 0)]
     outputs = []
     for variant in ("fcfs", "ttft"):
         result = json.loads((tmp_path / "out" / "lc" / variant / "result.json").read_text())

@@ -115,10 +115,10 @@ def test_decodes_get_a_token_every_step_beside_long_prefills(policy):
     sim = make_kv(512)
     sched = make_scheduler(sim, max_num_seqs=16, max_num_batched_tokens=64, scheduling_policy=policy)
     seqs = []
-    for step in range(40):
-        arriving = [make_seq(f"short{step}", range(step * 20, step * 20 + 12), max_tokens=12)]
+    for step in range(30):
+        arriving = [make_seq(f"short{step}", range(step * 20, step * 20 + 12), max_tokens=10)]
         if step % 4 == 0:
-            arriving.insert(0, make_seq(f"long{step}", range(2000 + step * 300, 2300 + step * 300), max_tokens=12))
+            arriving.insert(0, make_seq(f"long{step}", range(2000 + step * 300, 2200 + step * 300), max_tokens=10))
         for seq in arriving:
             sched.add(seq)
         seqs += arriving
