@@ -10,9 +10,10 @@ Two clocks:
   to the order of the work; the engine run says whether the cost model holds.
 - without `--sim` (CUDA): `LLMEngine` with the config's model, wall clock, after a warm-up.
 
-    python benchmarks/bench_scheduling.py --sim                      # CPU, ~1-2 min
-    python benchmarks/bench_scheduling.py --sim --rates 0.6,0.8,1.0  # load points
-    python benchmarks/bench_scheduling.py                            # GPU (H200), the real engine
+    python benchmarks/bench_scheduling.py --sim                       # CPU, ~1 min
+    python benchmarks/bench_scheduling.py --sim --rates 1,1.5,2 --seeds 0,1,2 --requests 128
+    python benchmarks/bench_scheduling.py --sim --vary prefill_aging=0.05,0.2   # a knob too
+    python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -152,30 +154,84 @@ def _warm_up(engine) -> None:
 FIRST_ID = 4
 
 
-def workload_of(doc: dict, rate: float | None, requests: int | None) -> LongContextWorkload:
-    section = dict(doc.get("workload") or {})
-    section.update({k: v for k, v in (("rate", rate), ("requests", requests)) if v is not None})
+def workload_of(doc: dict, **keys: float | None) -> LongContextWorkload:
+    """The config's workload with `keys` (rate, requests, seed) replaced where given."""
+    section = {**(doc.get("workload") or {}), **{k: v for k, v in keys.items() if v is not None}}
     workload = make_workload(section)
     if not isinstance(workload, LongContextWorkload):
         raise SystemExit(f"the config's workload is {section.get('kind')!r}; this benchmark runs kind: long_context")
     return workload
 
 
+def engines_of(doc: dict, names: str | None, vary: str | None) -> list[tuple[str, dict]]:
+    """(name, engine config) of each variant to run: the config's (those in `names`), and with
+    `vary` ("prefill_aging=0.05,0.2"), the last one again with that scheduler key at each value."""
+    engines = [(name.split("/", 1)[-1], engine_doc) for name, engine_doc in variants(doc, compare=True)]
+    if names:
+        engines = [(n, d) for n, d in engines if n in names.split(",")]
+    if vary:
+        key, _, values = vary.partition("=")
+        base = engines[-1][1]
+        for value in values.split(","):
+            engines.append((f"{key}={value}", {**base, "scheduler": {**base.get("scheduler", {}), key: value}}))
+    return engines
+
+
 def row(summary: Summary, first: Summary | None) -> str:
     ms = {"ttft50": summary.ttft_s["p50"], "ttft90": summary.ttft_s["p90"], "ttft99": summary.ttft_s["p99"],
           "itl50": summary.itl_s["p50"], "itl99": summary.itl_s["p99"], "tpot90": summary.tpot_s["p90"]}
-    tokens_per_s = (summary.prompt_tokens + summary.output_tokens) / summary.elapsed_s
-    cells = [f"{summary.name:<24}"] + [f"{v * 1e3:9.0f}" for v in ms.values()]
-    cells += [f"{summary.elapsed_s:8.1f}", f"{tokens_per_s:9.0f}"]
+    cells = [f"{summary.name:<28}"] + [f"{v * 1e3:9.0f}" for v in ms.values()]
+    cells += [f"{summary.elapsed_s:8.1f}", f"{tokens_per_s(summary):9.0f}"]
     if first is not None:
-        cells.append(f"  ttft p90 {first.ttft_s['p90'] / summary.ttft_s['p90']:5.2f}x lower, "
-                     f"itl p99 {first.itl_s['p99'] / summary.itl_s['p99']:5.2f}x lower, "
-                     f"throughput {summary.elapsed_s and first.elapsed_s / summary.elapsed_s:5.2f}x")
+        cells.append("   " + "  ".join(f"{v:5.2f}x" for v in ratios(first, summary).values()))
     return " ".join(cells)
 
 
-HEADER = (f"{'variant':<24} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'ITL p50':>9} {'p99':>9} {'TPOT p90':>9}"
-          f" {'wall s':>8} {'tok/s':>9}   (ms; vs the first variant)")
+def tokens_per_s(summary: Summary) -> float:
+    return (summary.prompt_tokens + summary.output_tokens) / summary.elapsed_s
+
+
+def ratios(first: Summary, other: Summary) -> dict[str, float]:
+    """How many times lower `other`'s TTFT p50 / p90 and ITL p99 are, and its throughput over
+    `first`'s."""
+    return {"ttft_p50": first.ttft_s["p50"] / other.ttft_s["p50"],
+            "ttft_p90": first.ttft_s["p90"] / other.ttft_s["p90"],
+            "itl_p99": first.itl_s["p99"] / other.itl_s["p99"],
+            "throughput": tokens_per_s(other) / tokens_per_s(first)}
+
+
+HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'ITL p50':>9} {'p99':>9} {'TPOT p90':>9}"
+          f" {'wall s':>8} {'tok/s':>9}   vs the first: TTFT p50, p90 and ITL p99 x lower, throughput x")
+
+
+def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, **keys: float | None) -> list[Summary]:
+    """Every variant on one workload (one rate, one seed); prints a table, returns the summaries."""
+    workload = workload_of(doc, **keys)
+    requests = workload.plan(VOCAB)
+    tokens = sum(len(r[2]) for r in requests)
+    print(f"\n{workload.requests} requests, seed {workload.seed}, {tokens} prompt tokens (mean "
+          f"{tokens / len(requests):.0f}, max {max(len(r[2]) for r in requests)}), rate {workload.rate}/s, "
+          f"{workload.max_tokens} output tokens each; {'simulated H200 clock' if sim else 'engine, wall clock'}")
+    print(HEADER, flush=True)
+    summaries = []
+    for name, engine_doc in engines:
+        if sim:
+            records, elapsed = simulate(engine_doc, requests, workload.max_tokens, H200_LLAMA_8B)
+        else:
+            records, elapsed = serve(engine_doc, requests, workload.max_tokens)
+        assert all(r.finished for r in records), f"{name}: a request did not finish"
+        summaries.append(summarize(name, records, elapsed, {}))
+        print(row(summaries[-1], summaries[0] if len(summaries) > 1 else None), flush=True)
+    return summaries
+
+
+def print_means(rate: float | None, points: list[list[Summary]]) -> None:
+    """Each variant's ratios to the first, averaged over the seeds (geometric mean)."""
+    print(f"\nrate {rate}: ratios to {points[0][0].name}, geometric mean over {len(points)} seeds")
+    for i in range(1, len(points[0])):
+        each = [ratios(p[0], p[i]) for p in points]
+        means = {k: statistics.geometric_mean(r[k] for r in each) for k in each[0]}
+        print(f"  {points[0][i].name:<28} " + "  ".join(f"{k} {v:5.2f}x" for k, v in means.items()))
 
 
 def main() -> None:
@@ -184,33 +240,21 @@ def main() -> None:
     parser.add_argument("--sim", action="store_true", help="simulated clock on the CPU (no model)")
     parser.add_argument("--rates", help="arrival rates to run, e.g. 0.6,0.8 (default: the config's)")
     parser.add_argument("--requests", type=int, help="number of requests (default: the config's)")
+    parser.add_argument("--seeds", help="workload seeds, e.g. 0,1,2 (default: the config's)")
     parser.add_argument("--variants", help="comma-separated variant names to run (default: all)")
+    parser.add_argument("--vary", help="also run the last variant with a scheduler key at each value, "
+                                       "e.g. prefill_aging=0.05,0.2")
     parser.add_argument("--json", help="write every summary here")
     args = parser.parse_args()
     doc = read_yaml(args.config)
-    engines = [(name.split("/", 1)[-1], engine_doc) for name, engine_doc in variants(doc, compare=True)]
-    if args.variants:
-        engines = [(n, d) for n, d in engines if n in args.variants.split(",")]
-    rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
+    engines = engines_of(doc, args.variants, args.vary)
     results = []
-    for rate in rates:
-        workload = workload_of(doc, rate, args.requests)
-        requests = workload.plan(VOCAB)
-        tokens = sum(len(r[2]) for r in requests)
-        print(f"\n{workload.requests} requests, {tokens} prompt tokens (mean {tokens / len(requests):.0f}, "
-              f"max {max(len(r[2]) for r in requests)}), rate {workload.rate}/s, {workload.max_tokens} output tokens"
-              f" each; {'simulated H200 clock' if args.sim else 'engine, wall clock'}", flush=True)
-        print(HEADER)
-        first = None
-        for name, engine_doc in engines:
-            run = simulate if args.sim else serve
-            extra = (H200_LLAMA_8B,) if args.sim else ()
-            records, elapsed = run(engine_doc, requests, workload.max_tokens, *extra)
-            assert all(r.finished for r in records), f"{name}: a request did not finish"
-            summary = summarize(name, records, elapsed, {})
-            print(row(summary, first), flush=True)
-            first = first or summary
-            results.append({"rate": workload.rate, "variant": name, **dataclasses.asdict(summary)})
+    for rate in [float(r) for r in args.rates.split(",")] if args.rates else [None]:
+        points = [run_point(doc, engines, args.sim, rate=rate, requests=args.requests, seed=seed)
+                  for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])]
+        if len(points) > 1:
+            print_means(rate, points)
+        results += [{"rate": rate, **dataclasses.asdict(s)} for summaries in points for s in summaries]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

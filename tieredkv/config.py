@@ -209,9 +209,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     preemption: Preemption = "auto"
     cost_model: CostModel | None = None
-    scheduling_policy: SchedulingPolicy = "fcfs"
+    scheduling_policy: SchedulingPolicy = "ttft"
     max_prefill_chunk_tokens: int | None = None
-    prefill_aging: float = 0.5
+    prefill_aging: float = 0.1
 
     def __post_init__(self) -> None:
         _set(self, "max_num_seqs", as_int("max_num_seqs", self.max_num_seqs, 1))
