@@ -87,3 +87,32 @@ def test_runs_end_to_end_with_the_same_tokens_under_both_schedulings(tmp_path):
         assert all(len(tokens) == 4 for tokens in outputs[-1].values())
     assert outputs[0] == outputs[1]  # the order of the work changes no token
     assert isinstance(make_workload(SMALL), LongContextWorkload)
+
+
+def test_the_simulated_benchmark_serves_short_prompts_before_a_long_one(monkeypatch):
+    """benchmarks/bench_scheduling.py --sim on four requests: a 60k-token prompt, then three of
+    2k tokens 0.1 s later. fcfs makes them wait for the long prefill (~4 s on the simulated
+    H200); ttft serves them first, and the work takes as long."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from tieredkv.config import read_yaml
+    from tieredkv.experiment.spec import variants
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduling.py"
+    spec = importlib.util.spec_from_file_location("bench_scheduling", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    engines = dict(variants(read_yaml(str(bench.DEFAULT_CONFIG)), compare=True))
+    requests = [(0.0, "long", list(range(60_000)), False)]
+    requests += [(0.1, f"short{i}", [i] * 2048, False) for i in range(3)]
+    ttft, wall = {}, {}
+    for name in ("long_context_8b/fcfs", "long_context_8b/ttft"):
+        records, wall[name] = bench.simulate(engines[name], requests, 4, bench.H200_LLAMA_8B)
+        ttft[name] = {r.tag: r.ttft for r in records}
+    fcfs, new = ttft["long_context_8b/fcfs"], ttft["long_context_8b/ttft"]
+    assert min(fcfs[f"short{i}"] for i in range(3)) > 3.0 and max(new[f"short{i}"] for i in range(3)) < 0.5
+    assert new["long"] < fcfs["long"] + 0.5
+    assert wall["long_context_8b/ttft"] == pytest.approx(wall["long_context_8b/fcfs"], rel=0.02)
