@@ -92,11 +92,11 @@ class Scheduler:
         out = SchedulerOutput()
         self._prefetch()
         ttft = self.config.scheduling_policy == "ttft"
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, decodes_only=ttft)
-        prefilling = [s for s in self.running if _prefilling(s)] if ttft else []  # before swap-ins rejoin
+        prefilling: list[Sequence] | None = [] if ttft else None  # ttft: decodes first, prefills later
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
         if not out.preempted:
             budget = self._resume_swapped(out, budget)
-        if ttft:
+        if prefilling is not None:
             self._schedule_prefills(out, budget, prefilling)
         elif not out.preempted and not self.swapped:
             self._admit_waiting(out, budget)
@@ -119,11 +119,15 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, decodes_only: bool = False) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefilling: list[Sequence] | None = None) -> int:
+        """Schedule the running sequences, oldest first; with `prefilling`, only the decodes,
+        collecting the prefills there (those the loop reaches: with no budget left they would
+        get nothing)."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if decodes_only and _prefilling(seq):
+            if prefilling is not None and seq.num_tokens - seq.num_computed_tokens > 1:
+                prefilling.append(seq)
                 i += 1
                 continue
             n = self._next_chunk(seq, budget)
@@ -364,7 +368,3 @@ class Scheduler:
         self._arrived_at.pop(seq.request_id, None)
         self._resident_tokens.pop(seq.request_id, None)
 
-
-def _prefilling(seq: Sequence) -> bool:
-    """More than one token left to compute: a prefill (or a recompute), not a decode."""
-    return seq.num_tokens - seq.num_computed_tokens > 1
