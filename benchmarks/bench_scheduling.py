@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -137,6 +138,7 @@ def serve(engine_doc: dict, requests: list[Request], max_tokens: int) -> tuple[l
     elapsed = time.perf_counter() - start
     engine.close()
     del engine
+    gc.collect()  # the model, its CUDA graphs and KV cache, before the next variant's
     torch.cuda.empty_cache()
     return list(records.values()), elapsed
 
