@@ -196,3 +196,26 @@ def test_with_a_cost_model_a_step_beside_decodes_costs_what_its_budget_says():
         run_step(sched, sim)
     assert long.num_computed_tokens == 230  # deep, with no decode beside it: a token is a token
     assert [(s.seq.request_id, s.num_new_tokens) for s in run_step(sched, sim).scheduled] == [("long", 64)]
+
+
+def test_a_fork_of_a_waiting_request_keeps_its_arrival():
+    # one sequence slot: p (40 tokens) waits while r decodes; p forks (as a preempted sample may),
+    # p is aborted and q (4 tokens) arrives. The fork waited as long as p, 120 tokens of work at
+    # aging 1: it ranks ahead of q, which has fewer tokens left but waited half as long
+    sim = make_kv(64)
+    sched = make_scheduler(sim, max_num_seqs=1, scheduling_policy="ttft", prefill_aging=1.0)
+    r = make_seq("r", range(1, 9), max_tokens=120)
+    sched.add(r)
+    run_step(sched, sim)
+    p = make_seq("p", range(100, 140), max_tokens=2)
+    sched.add(p)
+    for _ in range(60):
+        run_step(sched, sim)
+    (child,) = sched.fork(p, 1)
+    sched.abort(p)
+    q = make_seq("q", range(200, 204), max_tokens=2)
+    sched.add(q)
+    started = []
+    while sched.has_unfinished():
+        started += [s.seq for s in run_step(sched, sim).scheduled if s.seq not in started]
+    assert started == [r, child, q]
