@@ -5,7 +5,9 @@ Figures (one line each: name, value, peak, ratio):
 - decode attention, Llama-3-8B shape, batch 64, context 8192, scattered blocks: K/V bytes read
   (a read-only stream can beat the copy figure, which mixes reads and writes: ratio > 100%);
 - gather / scatter of 256 scattered Llama-3-8B blocks (2 MiB each): bytes read + written;
-- prefill attention (4 x 4096 new tokens; 8192 cached + 2048 new): causal TFLOP/s.
+- prefill attention (4 x 4096 new tokens; 8192 cached + 2048 new): causal TFLOP/s;
+- long-context prefill attention at 16k, 32k and 64k tokens: the whole prompt new, and its last
+  2048-token chunk on the rest cached (what a chunked prefill step computes).
 
     python benchmarks/bench_kernels.py [--json results/kernels.json]
 """
@@ -26,6 +28,8 @@ from tieredkv.kernels import gather_blocks, paged_attention, scatter_blocks
 # Llama-3-8B attention / cache shape.
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 32, 8, 128, 16
 DTYPE = torch.bfloat16
+LONG_CONTEXTS = (16384, 32768, 65536)
+CHUNK = 2048
 
 
 @dataclass
@@ -156,6 +160,9 @@ def main() -> int:
     figures = [bench_decode(copy_peak), *bench_block_copy(copy_peak)]
     figures.append(bench_prefill(matmul_peak, [4096] * 4, [4096] * 4))
     figures.append(bench_prefill(matmul_peak, [2048], [8192 + 2048]))
+    for n in LONG_CONTEXTS:
+        figures.append(bench_prefill(matmul_peak, [n], [n]))
+        figures.append(bench_prefill(matmul_peak, [CHUNK], [n]))
     for figure in figures:
         print(figure.line())
     if opts.json:

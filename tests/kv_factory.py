@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tieredkv.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
@@ -57,8 +58,11 @@ def make_kv(num_gpu_blocks: int, num_cpu_blocks: int = 0, nvme_path: str | None 
 
 
 def make_scheduler(sim: SimKV, preemption: Preemption = "recompute", cost: CostModel | None = None,
-                   max_num_seqs: int = 8, max_num_batched_tokens: int = 64) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                   max_num_seqs: int = 8, max_num_batched_tokens: int = 64, **scheduling: Any) -> Scheduler:
+    """A scheduler over `sim`; `scheduling`: more SchedulerConfig keys. The scenarios' exact
+    orders assume arrival order (`fcfs`) unless a test names another `scheduling_policy`."""
+    scheduling = {"scheduling_policy": "fcfs", **scheduling}
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, **scheduling)
     return Scheduler(config, sim.kv, TierPolicy(preemption, BLOCK_BYTES, BS, cost))
 
 

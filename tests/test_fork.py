@@ -109,9 +109,10 @@ def test_a_recomputed_child_finds_the_blocks_it_shares_with_its_siblings():
     assert sim.kv.block_table(b)[:2] == sim.kv.block_table(a)[:2]
 
 
-def test_held_sequences_wait_and_the_newest_held_one_makes_room():
+@pytest.mark.parametrize("policy", ["fcfs", "ttft"])
+def test_held_sequences_wait_and_the_newest_held_one_makes_room(policy):
     sim = make_kv(12)
-    sched = make_scheduler(sim, max_num_seqs=2)
+    sched = make_scheduler(sim, max_num_seqs=2, scheduling_policy=policy)
     a, b, c = (make_seq(r, range(10 * i + 1, 10 * i + 5), max_tokens=4) for i, r in enumerate("abc"))
     for seq in (a, b, c):
         sched.add(seq)
@@ -172,13 +173,14 @@ def check_accounting(sched, sim) -> None:
             assert torch.all(got == seq.token_ids[pos]), f"{seq.seq_id}: swapped KV of token {pos}"
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "ttft"])
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops)
-def test_random_fork_append_free(preemption, ops):
+def test_random_fork_append_free(preemption, policy, ops):
     # 8 GPU blocks of 4 tokens: a few sequences and their forks fill them, so they preempt each other
     sim = make_kv(8, num_cpu_blocks=16)
-    sched = make_scheduler(sim, preemption, max_num_seqs=6, max_num_batched_tokens=16)
+    sched = make_scheduler(sim, preemption, max_num_seqs=6, max_num_batched_tokens=16, scheduling_policy=policy)
     added = 0
     for kind, arg in ops:
         seqs = [s for s in live(sched) if not s.is_finished]

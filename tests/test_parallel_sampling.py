@@ -78,11 +78,13 @@ def test_seeded_samples_do_not_change_under_preemption(seeded_baseline, preempti
 
 def tiered_llm(path) -> LLM:
     """GPU and CPU tiers too small for the prompts: they come back from the CPU tier or NVMe (a
-    disk so fast that loading always wins). The LRU CPU tier writes every block it demotes."""
+    disk so fast that loading always wins). The LRU CPU tier writes every block it demotes.
+    Arrival order (`fcfs`): under `ttft` the longest prompt, its prefix resident on the GPU,
+    runs first the second time, so its blocks are never evicted and never reach the disk."""
     load_wins = {**SWAP_WINS, "prefill_s_per_token": 1e-3, "disk_read_bytes_per_s": 1e15}
     return LLM(model="tiny-llama", block_size=16, num_gpu_blocks=14, cpu_cache_bytes=12 * 8192,
                cpu_policy="lru", nvme_path=str(path), nvme_bytes="4MiB", preemption="recompute",
-               scheduler={"cost_model": load_wins})
+               scheduler={"cost_model": load_wins, "scheduling_policy": "fcfs"})
 
 
 def test_seeded_samples_do_not_change_when_the_prompt_comes_from_the_cpu_or_nvme_tier(seeded_baseline, tmp_path):

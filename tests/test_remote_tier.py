@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.redis_server import RedisServer, wait_until
-from tests.remote_worker import BLOCK_BYTES, GREEDY, NEW_TOKENS, prompts, remote_llm
+from tests.remote_worker import BLOCK_BYTES, GREEDY, LOAD_WINS, NEW_TOKENS, prompts, remote_llm
 from tieredkv import LLM
 from tieredkv.config import EngineConfig
 from tieredkv.serve.server import startup_report
@@ -131,7 +131,10 @@ def test_a_lost_or_damaged_block_costs_a_recompute(redis_server, expected, fault
 
 
 def test_a_server_killed_mid_run_then_restarted_empty(redis_server, expected):
-    with remote_llm(redis_server.url) as llm:
+    # arrival order: under `ttft` the request whose blocks come back from the server may be
+    # admitted only once they have landed, and they count as CPU hits, not remote ones
+    fcfs = {"cost_model": LOAD_WINS, "scheduling_policy": "fcfs"}
+    with remote_llm(redis_server.url, scheduler=fcfs) as llm:
         assert generate(llm) == expected
         before = settled_stats(llm)
         redis_server.kill()

@@ -27,6 +27,7 @@ from typing import Any, Literal, get_args
 
 from tieredkv.cache.admission import CPUPolicy
 from tieredkv.policy import CostModel, Preemption
+from tieredkv.scheduling import SchedulingPolicy
 from tieredkv.tiers.nvme.io_backends import IOBackend
 
 Device = Literal["cpu", "cuda", "auto"]  # auto: CUDA when present
@@ -209,18 +210,30 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits and the preemption policy. `cost_model` pins the speeds the
-    `auto` policy uses; without it they are measured at start-up."""
+    """Continuous-batching limits, how a step's tokens are shared (`scheduling_policy`, see
+    `tieredkv.scheduling`) and the preemption policy. `cost_model` pins the speeds the `auto`
+    policy uses; without it they are measured at start-up. `max_prefill_chunk_tokens` (None: no
+    cap) and `prefill_aging` tune the `ttft` policy."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     preemption: Preemption = "auto"
     cost_model: CostModel | None = None
+    scheduling_policy: SchedulingPolicy = "ttft"
+    max_prefill_chunk_tokens: int | None = None
+    prefill_aging: float = 0.1
 
     def __post_init__(self) -> None:
         _set(self, "max_num_seqs", as_int("max_num_seqs", self.max_num_seqs, 1))
         _set(self, "max_num_batched_tokens", as_int("max_num_batched_tokens", self.max_num_batched_tokens, 1))
         check_choice("preemption", self.preemption, get_args(Preemption))
+        check_choice("scheduling_policy", self.scheduling_policy, get_args(SchedulingPolicy))
+        if self.max_prefill_chunk_tokens is not None:
+            _set(self, "max_prefill_chunk_tokens", as_int("max_prefill_chunk_tokens", self.max_prefill_chunk_tokens, 1))
+        _set(self, "prefill_aging", as_float("prefill_aging", self.prefill_aging, allow_minimum=True))
+        if self.scheduling_policy == "fcfs" and self.max_prefill_chunk_tokens is not None:
+            raise ValueError("max_prefill_chunk_tokens: caps prefill chunks of scheduling_policy 'ttft'; "
+                             "set scheduling_policy: ttft or drop the cap")
         if isinstance(self.cost_model, dict):
             _set(self, "cost_model", cost_model_from_dict(self.cost_model))
         elif self.cost_model is not None and not isinstance(self.cost_model, CostModel):

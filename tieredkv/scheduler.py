@@ -7,6 +7,9 @@ Each `schedule()`:
 2. if nothing was preempted, swap sequences back in, oldest first;
 3. if none is left swapped out, admit waiting sequences in order, reusing cached prefixes,
    while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow.
+That is `scheduling_policy: fcfs`. With `ttft` (`tieredkv.scheduling`), step 1 takes the decodes
+only, and after step 2 the partly-prefilled and the waiting sequences share what is left of the
+budget in the policy's order (`_schedule_prefills`).
 Before all that, the first waiting sequences start reading the later part of their NVMe prefix
 blocks (as much as the policy says), so the reads overlap other work and the computation of
 the earlier part; how far a sequence may compute is the KV manager's answer (`computable`).
@@ -40,6 +43,7 @@ from tieredkv.config import SchedulerConfig
 from tieredkv.logprobs import TokenLogprobs
 from tieredkv.policy import ObservedRate, TierPolicy
 from tieredkv.sampling import FailedSample
+from tieredkv.scheduling import PrefillCandidate, chunk_cost, chunk_tokens, prefill_order, share_budget
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
 
 PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of their turn
@@ -85,9 +89,15 @@ class Scheduler:
         # waiting sequences found with nothing to compute before their loads land: not matched
         # again (O(prompt) each step, which starved the I/O threads of the GIL) until they have
         self._awaiting_loads: set[str] = set()
+        # aging (`ttft`): tokens scheduled so far, and that count when each sequence arrived
+        self.num_scheduled_tokens = 0
+        self._arrived_at: dict[str, int] = {}
+        # `ttft`: resident prefix tokens of waiting sequences as last matched, oldest match first
+        self._resident_tokens: dict[str, int] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._arrived_at[seq.seq_id] = self.num_scheduled_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -95,13 +105,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._prefetch()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        ttft = self.config.scheduling_policy == "ttft"
+        prefilling: list[Sequence] | None = [] if ttft else None  # ttft: decodes first, prefills later
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
+        blocked = False
         if not out.preempted:
             budget, blocked = self._resume_swapped(out, budget)
-            if not any(not s.held for s in self.swapped):
-                blocked = self._admit_waiting(out, budget)
-            if blocked and not out.scheduled:
-                self._preempt_held(out)
+        if prefilling is not None:
+            blocked = self._schedule_prefills(out, budget, prefilling) or blocked
+        elif not out.preempted and not self._swapped_ready():
+            blocked = self._admit_waiting(out, budget)
+        if blocked and not out.scheduled and not out.preempted:
+            self._preempt_held(out)
         out.sampling = [s.seq for s in out.scheduled if s.samples]
         return out
 
@@ -117,6 +132,7 @@ class Scheduler:
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit(item.seq)
+        self.num_scheduled_tokens += batch.num_tokens
 
     def append(self, seqs: list[Sequence], tokens: list[int | FailedSample],
                logprobs: list[TokenLogprobs | None] | None = None) -> list[Sequence]:
@@ -134,8 +150,10 @@ class Scheduler:
     def fork(self, parent: Sequence, count: int) -> list[Sequence]:
         """`count` copies of `parent`, sharing its blocks, placed right after it in its queue."""
         children = [parent.fork() for _ in range(count)]
+        arrived = self._arrived_at.get(parent.seq_id, self.num_scheduled_tokens)
         for child in children:
             self.kv.fork(parent, child)
+            self._arrived_at[child.seq_id] = arrived  # a fork waited as long as its parent
         queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
                  SequenceStatus.SWAPPED: self.swapped}[parent.status]
         at = queue.index(parent) + 1
@@ -147,10 +165,17 @@ class Scheduler:
         """`seq` computed all its tokens and its next one waits for its group (a beam)."""
         seq.held = True
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefilling: list[Sequence] | None = None) -> int:
+        """Schedule the running sequences, oldest first; with `prefilling`, only the decodes,
+        collecting the prefills there (those the loop reaches: with no budget left they would
+        get nothing)."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if prefilling is not None and seq.num_tokens - seq.num_computed_tokens > 1:
+                prefilling.append(seq)
+                i += 1
+                continue
             n = self._next_chunk(seq, budget)
             if n == 0:  # waiting for its NVMe blocks, or they are landing
                 self.nvme_load_waits += 1
@@ -257,29 +282,161 @@ class Scheduler:
                 return False
             if len(self.running) + seq.width > self.config.max_num_seqs:
                 return True
-            if seq.seq_id in self._awaiting_loads:
-                if self.kv.loading(seq):
-                    self.nvme_load_waits += 1
-                    continue
-                self._awaiting_loads.discard(seq.seq_id)
-            self._plan_loads(seq, backlog)
-            found = self.kv.match_prefix(seq)
-            prefix = self._worth_copying(found)
-            n = self.kv.computable(seq, budget, prefix).num_new_tokens
-            if n == 0:  # nothing to compute before its NVMe blocks arrive
-                self.nvme_load_waits += 1
-                self._awaiting_loads.add(seq.seq_id)
+            if self._loads_pending(seq):
                 continue
-            got = self.kv.allocate(seq, n, prefix)
-            if got is None:
+            n = self._admit(out, seq, budget, backlog)
+            if n is None:
                 return True
-            self.waiting.remove(seq)
-            self.cpu_hits_recomputed += len(found.cpu_blocks) - len(prefix.cpu_blocks)
-            seq.num_computed_tokens = got.num_cached_tokens
-            if not seq.recomputing:  # a client's prompt hit, not its own blocks found again
-                seq.num_cached_tokens = got.num_cached_tokens
-            budget -= self._run(seq, n, got, out)
+            budget -= n
         return False
+
+    def _loads_pending(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence found with nothing to compute before its NVMe loads land
+        still waits for them (it is not matched again until they have)."""
+        if seq.seq_id not in self._awaiting_loads:
+            return False
+        if self.kv.loading(seq):
+            self.nvme_load_waits += 1
+            return True
+        self._awaiting_loads.discard(seq.seq_id)
+        return False
+
+    def _swapped_ready(self) -> bool:
+        """Whether a swapped-out sequence is left that is not held (waiting ones come after it)."""
+        return any(not s.held for s in self.swapped)
+
+    def _admit(self, out: SchedulerOutput, seq: Sequence, budget: int, backlog: int) -> int | None:
+        """Admit a waiting sequence with up to `budget` tokens, reusing its cached prefix (less
+        the CPU hits not worth copying in); the tokens scheduled (0: it waits for its NVMe
+        blocks, or its KV is landing), None if the GPU pool is short."""
+        self._plan_loads(seq, backlog)
+        found = self.kv.match_prefix(seq)
+        prefix = self._worth_copying(found)
+        n = self.kv.computable(seq, budget, prefix).num_new_tokens
+        if n == 0:  # nothing to compute before its NVMe blocks arrive
+            self.nvme_load_waits += 1
+            self._awaiting_loads.add(seq.seq_id)
+            return 0
+        got = self.kv.allocate(seq, n, prefix)
+        if got is None:
+            return None
+        self.waiting.remove(seq)
+        self._resident_tokens.pop(seq.seq_id, None)
+        self.cpu_hits_recomputed += len(found.cpu_blocks) - len(prefix.cpu_blocks)
+        seq.num_computed_tokens = got.num_cached_tokens
+        if not seq.recomputing:  # a client's prompt hit, not its own blocks found again
+            seq.num_cached_tokens = got.num_cached_tokens
+        return self._run(seq, n, got, out)
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: float, prefilling: list[Sequence]) -> bool:
+        """`ttft`: the running sequences still prefilling and, unless a sequence was preempted or
+        one not held is swapped out, the waiting ones (not held, not waiting for their NVMe
+        loads) share `budget` in the policy's order, each chunk charged for its attention
+        (`chunk_cost`) where the cost model says what that is. Whether a sequence could not
+        run for want of blocks or sequence slots."""
+        admit = not out.preempted and not self._swapped_ready()
+        waiting = self._prefill_candidates() if admit else []
+        seqs = prefilling + waiting
+        if not seqs or budget <= 0:
+            return False
+        candidates = [PrefillCandidate(self._to_compute(s), self._waited(s), self._done(s)) for s in seqs]
+        order = prefill_order(candidates, self.config.prefill_aging)
+        pairs = self._attention_weight() if out.scheduled else 0.0  # decodes ride in this step
+        wants = [chunk_cost(candidates[i].computed_tokens, candidates[i].remaining_tokens, pairs) for i in order]
+        cap = self.config.max_prefill_chunk_tokens
+        shares = share_budget(wants, budget, cap)
+        backlog = self._prefill_backlog() if admit else 0
+        blocked = False
+        for k, i in enumerate(order):
+            if budget <= 0:
+                break
+            seq, got, done = seqs[i], 0, candidates[i].computed_tokens
+            tokens = chunk_tokens(done, shares[k], pairs)
+            if i < len(prefilling):
+                if seq.status is SequenceStatus.RUNNING:  # not preempted for a sequence ahead
+                    lower = [seqs[j] for j in order[k + 1 :] if j < len(prefilling)]
+                    got = self._extend_prefill(out, seq, tokens, lower)
+                    admit = admit and not out.preempted
+            elif admit and tokens:
+                if len(self.running) + seq.width > self.config.max_num_seqs:
+                    got = None  # no slots: none after it is admitted either (it would starve)
+                else:
+                    got = self._admit(out, seq, tokens, backlog)
+                admit = got is not None
+            blocked = blocked or got is None
+            n = got or 0
+            budget -= chunk_cost(done, n, pairs)
+            if n != tokens:  # it took less than its share: the rest goes to those after it
+                shares[k + 1 :] = share_budget(wants[k + 1 :], max(budget, 0), cap)
+        return blocked
+
+    def _prefill_candidates(self) -> list[Sequence]:
+        """`ttft`: the waiting sequences that may be admitted (not held, not waiting for their
+        NVMe loads). One of them is matched again this step, the longest unmatched, unless its
+        loads just landed (admitting it matches it again anyway)."""
+        waiting, landed = [], set()
+        for seq in self.waiting:
+            if seq.held:
+                continue
+            awaited = seq.seq_id in self._awaiting_loads
+            if self._loads_pending(seq):
+                continue
+            waiting.append(seq)
+            if awaited:
+                landed.add(seq.seq_id)
+        stale = next((k for k in self._resident_tokens if k not in landed), None)
+        if waiting and stale is not None:
+            del self._resident_tokens[stale]
+        return waiting
+
+    def _extend_prefill(self, out: SchedulerOutput, seq: Sequence, share: int, lower: list[Sequence]) -> int | None:
+        """Schedule up to `share` tokens of a running sequence's prefill; while blocks are short,
+        preempt the last of `lower` (running prefills ranked after it) that is still running.
+        The tokens scheduled (0: it waits for its NVMe blocks), None if blocks stay short."""
+        if share == 0:
+            return 0
+        n = self._next_chunk(seq, share)
+        if n == 0:  # waiting for its NVMe blocks, or they are landing
+            self.nvme_load_waits += 1
+            return 0
+        while self.kv.allocate(seq, n) is None:
+            while lower and lower[-1].status is not SequenceStatus.RUNNING:
+                lower.pop()
+            if not lower:
+                return None
+            victim = lower.pop()
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+        out.scheduled.append(ScheduledSeq(seq, n))
+        return n
+
+    def _to_compute(self, seq: Sequence) -> int:
+        """Tokens the sequence has left to compute; for a waiting one, less the prefix found
+        resident (GPU and CPU tiers) when it was last matched."""
+        if seq.status is not SequenceStatus.WAITING:
+            return seq.num_tokens - seq.num_computed_tokens
+        resident = self._resident_tokens.get(seq.seq_id)
+        if resident is None:
+            resident = self._resident_tokens[seq.seq_id] = self.kv.match_prefix(seq).num_tokens(self.kv.block_size)
+        return seq.num_tokens - resident
+
+    def _done(self, seq: Sequence) -> int:
+        """Tokens before the sequence's next chunk: computed, or found resident when waiting."""
+        if seq.status is not SequenceStatus.WAITING:
+            return seq.num_computed_tokens
+        return seq.num_tokens - self._to_compute(seq)
+
+    def _attention_weight(self) -> float:
+        """b/a of the cost model's prefill time a*N + b*N^2 (0 without a cost model)."""
+        cost = self.policy.cost
+        if cost is None or cost.prefill_s_per_token <= 0:
+            return 0.0
+        return cost.prefill_s_per_token_sq / cost.prefill_s_per_token
+
+    def _waited(self, seq: Sequence) -> int:
+        """Tokens scheduled (for anyone) since the sequence arrived."""
+        return self.num_scheduled_tokens - self._arrived_at.get(seq.seq_id, self.num_scheduled_tokens)
 
     def _run(self, seq: Sequence, n: int, got: Allocation, out: SchedulerOutput) -> int:
         """Move `seq` to the running queue and schedule its `n` tokens, unless its KV is still
@@ -332,4 +489,6 @@ class Scheduler:
                 queue.remove(seq)
                 break
         self._awaiting_loads.discard(seq.seq_id)
+        self._arrived_at.pop(seq.seq_id, None)
+        self._resident_tokens.pop(seq.seq_id, None)
         self.kv.free(seq)

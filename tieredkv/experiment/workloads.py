@@ -9,6 +9,8 @@ requests through `client.request(prompt, max_tokens, tag)` at the times it choos
 - `long_doc_qa`: D documents of L tokens, Q questions each, interleaved so documents fall out
   of the GPU between their questions.
 - `preemption_storm`: many long generations that together exceed the GPU KV budget.
+- `long_context`: prompts of heavy-tailed lengths (lognormal, clipped, e.g. to 2k-128k tokens),
+  part of them starting with one of a few shared documents; Poisson arrivals.
 - `replay`: a JSONL trace: `{"time": s, "prompt": [ids] | "text": str, "max_tokens": n}` lines, or
   the Mooncake FAST'25 format (`traces.py`), with a time window, sampling and time scaling.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import math
 import os
 import random
 from collections.abc import Awaitable, Callable
@@ -279,6 +282,78 @@ class ReplayWorkload:
         await asyncio.gather(*(one(r) for r in self.requests))
 
 
+@dataclass(frozen=True)
+class LongContextWorkload:
+    """`requests` prompts whose lengths are lognormal (median `median_prompt_tokens`, shape
+    `sigma`: 1.0 puts the mean at 1.65x the median and 1% of prompts past 10x it), clipped to
+    [`min_prompt_tokens`, `max_prompt_tokens`]. A `shared_fraction` of them ask about one of
+    `documents` shared documents: such a prompt is the document's first tokens followed by a
+    `question_tokens` question, so two requests on one document share the shorter one's document
+    part. Poisson arrivals at `rate` per second (null: all at once); `max_tokens` answers."""
+
+    requests: int = 32
+    median_prompt_tokens: int = 8192
+    sigma: float = 1.0
+    min_prompt_tokens: int = 2048
+    max_prompt_tokens: int = 128000
+    documents: int = 4
+    shared_fraction: float = 0.5
+    question_tokens: int = 64
+    max_tokens: int = 64
+    rate: float | None = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if not self.min_prompt_tokens <= self.median_prompt_tokens <= self.max_prompt_tokens:
+            raise ValueError(
+                f"workload.median_prompt_tokens: {self.median_prompt_tokens} is outside [min_prompt_tokens "
+                f"{self.min_prompt_tokens}, max_prompt_tokens {self.max_prompt_tokens}]; widen the range or move it")
+        if self.question_tokens >= self.min_prompt_tokens:
+            raise ValueError(f"workload.question_tokens: {self.question_tokens} leaves no document in a prompt of "
+                             f"min_prompt_tokens {self.min_prompt_tokens}; make it smaller")
+        for key, low, high in (("sigma", 0.0, 4.0), ("shared_fraction", 0.0, 1.0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValueError(f"workload.{key}: expected a number in [{low:g}, {high:g}], got {value!r}")
+
+    @property
+    def num_requests(self) -> int:
+        return self.requests
+
+    def plan(self, vocab_size: int) -> list[tuple[float, str, list[int], bool]]:
+        """Every request as (arrival second, tag, prompt, returning: its document was sent
+        before), in arrival order."""
+        rng = random.Random(self.seed)
+        times = _arrival_times(rng, self.rate, self.requests)
+        lengths = [self._length(rng) for _ in range(self.requests)]
+        docs = [rng.randrange(self.documents) if rng.random() < self.shared_fraction else None for _ in lengths]
+        needed = {d: max(n for n, e in zip(lengths, docs, strict=True) if e == d) for d in set(docs) - {None}}
+        text = {d: random_tokens(random.Random(f"{self.seed}/doc{d}"), n, vocab_size) for d, n in needed.items()}
+        plan, seen = [], set()
+        for i, (t, n, d) in enumerate(zip(times, lengths, docs, strict=True)):
+            if d is None:
+                plan.append((t, f"req{i}", random_tokens(rng, n, vocab_size), False))
+                continue
+            question = random_tokens(rng, self.question_tokens, vocab_size)
+            plan.append((t, f"req{i}/doc{d}", text[d][: n - self.question_tokens] + question, d in seen))
+            seen.add(d)
+        return plan
+
+    def _length(self, rng: random.Random) -> int:
+        n = round(rng.lognormvariate(math.log(self.median_prompt_tokens), self.sigma))
+        return min(max(n, self.min_prompt_tokens), self.max_prompt_tokens)
+
+    async def run(self, client: Client, vocab_size: int) -> None:
+        at = _clock()
+
+        async def one(when: float, tag: str, prompt: list[int], returning: bool) -> None:
+            await at(when)
+            await client.request(prompt, self.max_tokens, tag, returning)
+
+        await asyncio.gather(*(one(*request) for request in self.plan(vocab_size)))
+
+
 def _read_trace(path: str, fmt: TraceFormat, block_tokens: int) -> list[TraceLine]:
     """`read_trace`, once per file version (every load point of a sweep replays the same file)."""
     try:
@@ -310,8 +385,9 @@ WORKLOADS: dict[str, type] = {
     "long_doc_qa": LongDocQAWorkload,
     "preemption_storm": PreemptionStormWorkload,
     "replay": ReplayWorkload,
+    "long_context": LongContextWorkload,
 }
-Workload = MultiTurnWorkload | LongDocQAWorkload | PreemptionStormWorkload | ReplayWorkload
+Workload = MultiTurnWorkload | LongDocQAWorkload | PreemptionStormWorkload | ReplayWorkload | LongContextWorkload
 
 
 def make_workload(section: dict[str, Any]) -> Workload:

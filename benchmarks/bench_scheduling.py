@@ -1,0 +1,265 @@
+"""TTFT-aware scheduling on the long-context workload: each variant of the config (by default
+`configs/long_context_8b.yaml`: fcfs, the old scheduling, against ttft) serves the same requests
+at the same arrival times; TTFT p50/p90/p99, ITL p50/p99, TPOT p90 and throughput, with ratios
+to the first variant.
+
+Two clocks:
+- `--sim` (CPU, no model): the real `Scheduler` and `KVCacheManager` (the config's GPU blocks,
+  no lower tiers), each step taking the time `StepCost` gives it, a cost model pinned from H200
+  measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`). It shows what the policy does
+  to the order of the work; the engine run says whether the cost model holds.
+- without `--sim` (CUDA): `LLMEngine` with the config's model, wall clock, after a warm-up.
+
+    python benchmarks/bench_scheduling.py --sim                       # CPU, ~1 min
+    python benchmarks/bench_scheduling.py --sim --rates 1,1.5,2 --seeds 0,1,2 --requests 128
+    python benchmarks/bench_scheduling.py --sim --vary prefill_aging=0.05,0.2   # a knob too
+    python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tieredkv.cache.manager import KVCacheManager
+from tieredkv.config import EngineConfig, read_yaml
+from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
+from tieredkv.experiment.spec import variants
+from tieredkv.experiment.workloads import LongContextWorkload, make_workload
+from tieredkv.policy import TierPolicy
+from tieredkv.sampling import SamplingParams
+from tieredkv.scheduler import Scheduler, SchedulerOutput
+from tieredkv.sequence import Sequence as Seq
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "configs" / "long_context_8b.yaml"
+VOCAB = 128256  # llama-3-8b
+TOKEN = 5  # what the simulated steps sample (no stop token)
+Request = tuple[float, str, list[int], bool]  # arrival s, tag, prompt, returning
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one step: `step_s` + `token_s` per token + attention: `pair_s` per (query,
+    key) pair of a prefill chunk (n new tokens after c computed: (c+n)^2 - c^2, as the whole
+    prompt's a*N + b*N^2 fit counts them), `kv_read_s` per token of context a decode reads."""
+
+    step_s: float
+    token_s: float
+    pair_s: float
+    kv_read_s: float
+
+    def seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """The step's time for chunks of (tokens computed before, new tokens)."""
+        t = self.step_s
+        for done, new in chunks:
+            t += self.token_s * new
+            t += self.kv_read_s * done if new == 1 else self.pair_s * ((done + new) ** 2 - done**2)
+        return t
+
+
+# llama-3-8b preset, bf16, one H200 (BENCHMARKS.md):
+# - token_s, pair_s: a*N + b*N^2 through the three recompute-only prefills of bench_nvme_ttft
+#   (16,384: 664.1 ms, 32,768: 1690.0 ms, 65,536: 4839.8 ms; the fit through the first and last
+#   gives the middle one within 0.1%): a = 29.4 us/token, b = 6.78e-10 s/pair;
+# - kv_read_s: decode attention of batch 64 x 2,048 context took 4.17 ms (bench_decode);
+# - step_s: that decode step took 10.75 ms = step_s + 64 a + 64 * 2,048 kv_read_s.
+H200_LLAMA_8B = StepCost(step_s=4.7e-3, token_s=2.94e-5, pair_s=6.78e-10, kv_read_s=3.18e-8)
+
+
+def simulate(engine_doc: dict, requests: list[Request], max_tokens: int, cost: StepCost) -> tuple[list, float]:
+    """Serve `requests` with the config's scheduler on a simulated clock; the clients' records
+    and the seconds until the last token."""
+    config = EngineConfig.from_dict(engine_doc)
+    if config.cache.num_gpu_blocks is None:
+        raise SystemExit("--sim needs cache.num_gpu_blocks in the config (the GPU tier the engine would have)")
+    kv = KVCacheManager(config.cache.num_gpu_blocks, config.cache.block_size, root_hash=1)
+    sched = Scheduler(config.scheduler, kv, TierPolicy("recompute", 0, cost=config.scheduler.cost_model))
+    records, now, i = {}, 0.0, 0
+    while i < len(requests) or sched.has_unfinished():
+        while i < len(requests) and requests[i][0] <= now:
+            arrival, tag, prompt, returning = requests[i]
+            sched.add(Seq(tag, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+            records[tag] = RequestRecord(tag, arrival, returning, prompt_tokens=len(prompt))
+            i += 1
+        if not sched.has_unfinished():
+            now = requests[i][0]
+            continue
+        out = sched.schedule()
+        assert out.scheduled, "the scheduler made no progress"
+        now += cost.seconds([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
+        _book(sched, out, records, now)
+    return list(records.values()), now
+
+
+def _book(sched: Scheduler, out: SchedulerOutput, records: dict[str, RequestRecord], now: float) -> None:
+    sched.update(out, [TOKEN] * len(out.sampling))
+    for seq in out.sampling:
+        records[seq.request_id].token_times.append(now)
+        records[seq.request_id].finished = seq.is_finished
+
+
+def serve(engine_doc: dict, requests: list[Request], max_tokens: int) -> tuple[list, float]:
+    """Serve `requests` with `LLMEngine` on the wall clock (after a warm-up); the clients'
+    records and the seconds until the last token."""
+    import torch
+
+    from tieredkv.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_dict(engine_doc))
+    _warm_up(engine)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    records, i = {}, 0
+    start = time.perf_counter()
+    while i < len(requests) or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while i < len(requests) and requests[i][0] <= now:
+            arrival, tag, prompt, returning = requests[i]
+            engine.add_request(prompt, params, request_id=tag)
+            records[tag] = RequestRecord(tag, arrival, returning, prompt_tokens=len(prompt))
+            i += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, requests[i][0] - now))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter() - start
+        for o in outputs:
+            record = records[o.request_id]
+            record.token_times += [now] * (len(o.token_ids) - len(record.token_times))
+            record.finished = o.finished
+    elapsed = time.perf_counter() - start
+    engine.close()
+    del engine
+    gc.collect()  # the model, its CUDA graphs and KV cache, before the next variant's
+    torch.cuda.empty_cache()
+    return list(records.values()), elapsed
+
+
+def _warm_up(engine) -> None:
+    """Compile and tune the kernels on prefills of several lengths and a few decodes."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for i, n in enumerate((512, 4096, 20000)):
+        engine.add_request([FIRST_ID + (i * 7 + j) % 1000 for j in range(n)], params, request_id=f"warmup{i}")
+    while engine.has_unfinished():
+        engine.step()
+    engine.reset_prefix_cache()
+
+
+FIRST_ID = 4
+
+
+def workload_of(doc: dict, **keys: float | None) -> LongContextWorkload:
+    """The config's workload with `keys` (rate, requests, seed) replaced where given."""
+    section = {**(doc.get("workload") or {}), **{k: v for k, v in keys.items() if v is not None}}
+    workload = make_workload(section)
+    if not isinstance(workload, LongContextWorkload):
+        raise SystemExit(f"the config's workload is {section.get('kind')!r}; this benchmark runs kind: long_context")
+    return workload
+
+
+def engines_of(doc: dict, names: str | None, vary: str | None) -> list[tuple[str, dict]]:
+    """(name, engine config) of each variant to run: the config's (those in `names`), and with
+    `vary` ("prefill_aging=0.05,0.2"), the last one again with that scheduler key at each value."""
+    engines = [(name.split("/", 1)[-1], engine_doc) for name, engine_doc in variants(doc, compare=True)]
+    if names:
+        engines = [(n, d) for n, d in engines if n in names.split(",")]
+    if vary:
+        key, _, values = vary.partition("=")
+        base = engines[-1][1]
+        for value in values.split(","):
+            engines.append((f"{key}={value}", {**base, "scheduler": {**base.get("scheduler", {}), key: value}}))
+    return engines
+
+
+def row(summary: Summary, first: Summary | None) -> str:
+    ms = {"ttft50": summary.ttft_s["p50"], "ttft90": summary.ttft_s["p90"], "ttft99": summary.ttft_s["p99"],
+          "itl50": summary.itl_s["p50"], "itl99": summary.itl_s["p99"], "tpot90": summary.tpot_s["p90"]}
+    cells = [f"{summary.name:<28}"] + [f"{v * 1e3:9.0f}" for v in ms.values()]
+    cells += [f"{summary.elapsed_s:8.1f}", f"{tokens_per_s(summary):9.0f}"]
+    if first is not None:
+        cells.append("   " + "  ".join(f"{v:5.2f}x" for v in ratios(first, summary).values()))
+    return " ".join(cells)
+
+
+def tokens_per_s(summary: Summary) -> float:
+    return (summary.prompt_tokens + summary.output_tokens) / summary.elapsed_s
+
+
+def ratios(first: Summary, other: Summary) -> dict[str, float]:
+    """How many times lower `other`'s TTFT p50 / p90 and ITL p99 are, and its throughput over
+    `first`'s."""
+    return {"ttft_p50": first.ttft_s["p50"] / other.ttft_s["p50"],
+            "ttft_p90": first.ttft_s["p90"] / other.ttft_s["p90"],
+            "itl_p99": first.itl_s["p99"] / other.itl_s["p99"],
+            "throughput": tokens_per_s(other) / tokens_per_s(first)}
+
+
+HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'ITL p50':>9} {'p99':>9} {'TPOT p90':>9}"
+          f" {'wall s':>8} {'tok/s':>9}   vs the first: TTFT p50, p90 and ITL p99 x lower, throughput x")
+
+
+def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, **keys: float | None) -> list[Summary]:
+    """Every variant on one workload (one rate, one seed); prints a table, returns the summaries."""
+    workload = workload_of(doc, **keys)
+    requests = workload.plan(VOCAB)
+    tokens = sum(len(r[2]) for r in requests)
+    print(f"\n{workload.requests} requests, seed {workload.seed}, {tokens} prompt tokens (mean "
+          f"{tokens / len(requests):.0f}, max {max(len(r[2]) for r in requests)}), rate {workload.rate}/s, "
+          f"{workload.max_tokens} output tokens each; {'simulated H200 clock' if sim else 'engine, wall clock'}")
+    print(HEADER, flush=True)
+    summaries = []
+    for name, engine_doc in engines:
+        if sim:
+            records, elapsed = simulate(engine_doc, requests, workload.max_tokens, H200_LLAMA_8B)
+        else:
+            records, elapsed = serve(engine_doc, requests, workload.max_tokens)
+        assert all(r.finished for r in records), f"{name}: a request did not finish"
+        summaries.append(summarize(name, records, elapsed, {}))
+        print(row(summaries[-1], summaries[0] if len(summaries) > 1 else None), flush=True)
+    return summaries
+
+
+def print_means(rate: float | None, points: list[list[Summary]]) -> None:
+    """Each variant's ratios to the first, averaged over the seeds (geometric mean)."""
+    print(f"\nrate {rate}: ratios to {points[0][0].name}, geometric mean over {len(points)} seeds")
+    for i in range(1, len(points[0])):
+        each = [ratios(p[0], p[i]) for p in points]
+        means = {k: statistics.geometric_mean(r[k] for r in each) for k in each[0]}
+        print(f"  {points[0][i].name:<28} " + "  ".join(f"{k} {v:5.2f}x" for k, v in means.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--sim", action="store_true", help="simulated clock on the CPU (no model)")
+    parser.add_argument("--rates", help="arrival rates to run, e.g. 0.6,0.8 (default: the config's)")
+    parser.add_argument("--requests", type=int, help="number of requests (default: the config's)")
+    parser.add_argument("--seeds", help="workload seeds, e.g. 0,1,2 (default: the config's)")
+    parser.add_argument("--variants", help="comma-separated variant names to run (default: all)")
+    parser.add_argument("--vary", help="also run the last variant with a scheduler key at each value, "
+                                       "e.g. prefill_aging=0.05,0.2")
+    parser.add_argument("--json", help="write every summary here")
+    args = parser.parse_args()
+    doc = read_yaml(args.config)
+    engines = engines_of(doc, args.variants, args.vary)
+    results = []
+    for rate in [float(r) for r in args.rates.split(",")] if args.rates else [None]:
+        points = [run_point(doc, engines, args.sim, rate=rate, requests=args.requests, seed=seed)
+                  for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])]
+        if len(points) > 1:
+            print_means(rate, points)
+        results += [{"rate": rate, **dataclasses.asdict(s)} for summaries in points for s in summaries]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

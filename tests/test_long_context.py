@@ -1,0 +1,118 @@
+"""The long-context workload: heavy-tailed prompt lengths, shared document prefixes, Poisson
+arrivals, its checked keys, and a run end to end with a tiny model under both schedulings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tieredkv.experiment.harness import run_experiment
+from tieredkv.experiment.results import validate
+from tieredkv.experiment.workloads import LongContextWorkload, make_workload
+
+SMALL = {"kind": "long_context", "requests": 10, "median_prompt_tokens": 48, "sigma": 1.0, "min_prompt_tokens": 20,
+         "max_prompt_tokens": 240, "documents": 2, "shared_fraction": 0.6, "question_tokens": 6, "max_tokens": 4,
+         "rate": 40.0, "seed": 3}
+
+
+def test_lengths_are_clipped_lognormal_and_the_same_seed_sends_the_same_requests():
+    workload = make_workload({**SMALL, "requests": 400})
+    plan = workload.plan(vocab_size=1000)
+    lengths = [len(prompt) for _, _, prompt, _ in plan]
+    assert min(lengths) == 20 and max(lengths) == 240  # both clips are reached
+    assert 40 <= sorted(lengths)[200] <= 56  # the median
+    assert sum(lengths) / len(lengths) > 60  # the tail pulls the mean above it
+    times = [t for t, *_ in plan]
+    assert times == sorted(times) and 400 / times[-1] == pytest.approx(40, rel=0.15)
+    assert workload.plan(vocab_size=1000) == plan
+    assert make_workload({**SMALL, "requests": 400, "seed": 4}).plan(vocab_size=1000) != plan
+    assert all(t == 0 for t, *_ in make_workload({**SMALL, "rate": None}).plan(vocab_size=1000))
+
+
+def test_requests_on_one_document_share_its_first_tokens():
+    plan = make_workload({**SMALL, "requests": 60}).plan(vocab_size=1000)
+    by_doc: dict[str, list[list[int]]] = {}
+    for _, tag, prompt, returning in plan:
+        doc = tag.partition("/")[2]
+        assert returning == bool(doc and doc in by_doc)  # a document sent before
+        by_doc.setdefault(doc, []).append(prompt)
+    assert set(by_doc) == {"", "doc0", "doc1"} and 14 < len(by_doc[""]) < 34  # 40% of 60
+    for doc in ("doc0", "doc1"):
+        prompts = by_doc[doc]
+        for a, b in zip(prompts, prompts[1:], strict=False):
+            shared = min(len(a), len(b)) - 6  # all but the question of the shorter one
+            assert a[:shared] == b[:shared] and a[shared:][:6] != b[shared:][:6]
+    firsts = [prompts[0][:14] for prompts in by_doc.values()]
+    assert len({tuple(f) for f in firsts}) == 3  # documents differ from each other and from the rest
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"median_prompt_tokens": 10}, "workload.median_prompt_tokens: 10 is outside"),
+        ({"min_prompt_tokens": 0}, "workload.min_prompt_tokens: expected an integer >= 1"),
+        ({"question_tokens": 20}, "workload.question_tokens: 20 leaves no document"),
+        ({"sigma": -1}, r"workload.sigma: expected a number in \[0, 4\]"),
+        ({"shared_fraction": 1.5}, r"workload.shared_fraction: expected a number in \[0, 1\]"),
+        ({"documents": 0}, "workload.documents: expected an integer >= 1"),
+        ({"rate": 0}, "workload.rate: expected requests per second > 0"),
+        ({"median_prompt_token": 5}, "did you mean 'workload.median_prompt_tokens'"),
+    ],
+)
+def test_bad_keys_name_themselves(keys, message):
+    with pytest.raises(ValueError, match=message):
+        make_workload({**SMALL, **keys})
+
+
+def test_runs_end_to_end_with_the_same_tokens_under_both_schedulings(tmp_path):
+    config = {"name": "lc", "model": "tiny-llama", "device": "cpu", "dtype": "float32",
+              "cache": {"block_size": 4, "num_gpu_blocks": 256},
+              "scheduler": {"max_num_batched_tokens": 32, "scheduling_policy": "ttft", "preemption": "recompute"},
+              "workload": {**SMALL, "requests": 6, "median_prompt_tokens": 32, "min_prompt_tokens": 12,
+                           "max_prompt_tokens": 150},
+              "variants": [{"name": "fcfs", "scheduler": {"scheduling_policy": "fcfs"}}, {"name": "ttft"}]}
+    path = tmp_path / "lc.yaml"
+    path.write_text(yaml.safe_dump(config))
+    summaries = run_experiment(str(path), str(tmp_path / "out"), compare=True, use_tqdm=False).summaries
+    assert [(s.requests, s.errors) for s in summaries] == [(6, 0), (6, 0)]
+    outputs = []
+    for variant in ("fcfs", "ttft"):
+        result = json.loads((tmp_path / "out" / "lc" / variant / "result.json").read_text())
+        validate(result)
+        assert result["workload"]["kind"] == "long_context"
+        assert result["engine"]["config"]["scheduler"]["scheduling_policy"] == variant
+        outputs.append({r["tag"]: r["output_token_ids"] for r in result["requests"]})
+        assert all(len(tokens) == 4 for tokens in outputs[-1].values())
+    assert outputs[0] == outputs[1]  # the order of the work changes no token
+    assert isinstance(make_workload(SMALL), LongContextWorkload)
+
+
+def test_the_simulated_benchmark_serves_short_prompts_before_a_long_one(monkeypatch):
+    """benchmarks/bench_scheduling.py --sim on four requests: a 60k-token prompt, then three of
+    2k tokens 0.1 s later. fcfs makes them wait for the long prefill (~4 s on the simulated
+    H200); ttft serves them first, and the work takes as long."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from tieredkv.config import read_yaml
+    from tieredkv.experiment.spec import variants
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduling.py"
+    spec = importlib.util.spec_from_file_location("bench_scheduling", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    engines = dict(variants(read_yaml(str(bench.DEFAULT_CONFIG)), compare=True))
+    requests = [(0.0, "long", list(range(60_000)), False)]
+    requests += [(0.1, f"short{i}", [i] * 2048, False) for i in range(3)]
+    ttft, wall = {}, {}
+    for name in ("long_context_8b/fcfs", "long_context_8b/ttft"):
+        records, wall[name] = bench.simulate(engines[name], requests, 4, bench.H200_LLAMA_8B)
+        ttft[name] = {r.tag: r.ttft for r in records}
+    fcfs, new = ttft["long_context_8b/fcfs"], ttft["long_context_8b/ttft"]
+    assert min(fcfs[f"short{i}"] for i in range(3)) > 3.0 and max(new[f"short{i}"] for i in range(3)) < 0.5
+    assert new["long"] < fcfs["long"] + 0.5
+    assert wall["long_context_8b/ttft"] == pytest.approx(wall["long_context_8b/fcfs"], rel=0.02)

@@ -1,0 +1,97 @@
+"""How one step's token budget (`max_num_batched_tokens`) is shared: a pure policy over plain
+numbers, testable with no model.
+
+Policies (`scheduler.scheduling_policy`):
+- `fcfs`: running sequences oldest first, each taking up to the whole budget, then swapped ones,
+  then waiting ones in arrival order. A long prompt holds everything behind it, decodes too.
+- `ttft`: decodes first (one token each, so inter-token latency is one step); then swapped
+  sequences; then every prefill, partly done or waiting, in `prefill_order`: fewest tokens left
+  to compute first (KV found resident in the GPU or CPU tier counts as computed), less an aging
+  credit, so a long prompt is never starved; the budget is shared by `share_budget`, at most
+  `max_prefill_chunk_tokens` each while others still want tokens.
+
+Operations:
+- `prefill_priority(remaining_tokens, waited_tokens, aging) -> float`: lower runs first.
+- `prefill_order(candidates, aging) -> list[int]`: the order of the prefill candidates.
+- `share_budget(wants, budget, cap) -> list[int]`: tokens for each, in that order.
+
+Aging counts work, not seconds: `waited_tokens` are the tokens the engine scheduled (for anyone)
+since the request arrived. A request with R tokens left ranks ahead of every request arriving
+later once `aging * waited_tokens >= R`, so it waits behind at most R / `aging` tokens of other
+work plus what arrived before it; with `aging` 0 it may starve, with a large one the order is
+close to arrival order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+SchedulingPolicy = Literal["fcfs", "ttft"]
+
+
+class PrefillCandidate(NamedTuple):
+    """A sequence that still has prompt tokens to compute, as the policy sees it."""
+
+    remaining_tokens: int  # tokens left to compute (resident KV counts as computed)
+    waited_tokens: int  # tokens the engine scheduled since the request arrived
+    computed_tokens: int = 0  # tokens before its next chunk (computed or resident)
+
+
+def prefill_priority(remaining_tokens: int, waited_tokens: int, aging: float) -> float:
+    """The rank of a prefill: tokens left to compute, less `aging` per token of work it waited
+    through (lower runs first)."""
+    return remaining_tokens - aging * waited_tokens
+
+
+def prefill_order(candidates: Sequence[PrefillCandidate], aging: float) -> list[int]:
+    """Indices of `candidates`, the one to run first first; ties keep the given order (give it
+    oldest first)."""
+    keys = [prefill_priority(c.remaining_tokens, c.waited_tokens, aging) for c in candidates]
+    return sorted(range(len(candidates)), key=keys.__getitem__)
+
+
+def share_budget(wants: Sequence[float], budget: float, cap: float | None) -> list[float]:
+    """What each request gets of `budget` this step, `wants` in priority order: at most `cap`
+    each (None: no cap), in order, then what is left in the same order, so that nothing is left
+    while someone wants it (tokens, or `chunk_cost`s).
+
+        wants [5000, 300, 4000], budget 2048, cap 512  ->  first pass [512, 300, 512]
+        724 left  ->  [1236, 300, 512]
+    """
+    assert budget >= 0 and all(w >= 0 for w in wants), "budget and wants are token counts"
+    first = [min(w, cap) if cap is not None else w for w in wants]
+    shares, left = [], budget
+    for w in first:
+        shares.append(min(w, left))
+        left -= shares[-1]
+    for i, w in enumerate(wants):
+        if left == 0:
+            break
+        more = min(w - shares[i], left)
+        shares[i] += more
+        left -= more
+    return shares
+
+
+def chunk_cost(done: int, new: int, attention: float) -> float:
+    """What a chunk of `new` tokens after `done` takes of the budget, counted in tokens at the
+    start of a prompt. A prompt of N tokens costs a*N + b*N^2 (the cost model's
+    `prefill_s_per_token`, `prefill_s_per_token_sq`), so the chunk costs a*new + b*((done +
+    new)^2 - done^2): `new` tokens plus `attention` = b/a times the (query, key) pairs it adds.
+    With `attention` 0 a token is a token."""
+    return new + attention * ((done + new) ** 2 - done**2)
+
+
+def chunk_tokens(done: int, budget: float, attention: float) -> int:
+    """The most tokens after `done` whose `chunk_cost` fits in `budget`."""
+    if attention <= 0:
+        return max(0, math.floor(budget + 1e-9))
+    slope = 1 + 2 * attention * done  # cost = attention*n^2 + slope*n
+    n = math.floor((-slope + math.sqrt(slope * slope + 4 * attention * budget)) / (2 * attention))
+    while n > 0 and chunk_cost(done, n, attention) > budget + 1e-9:
+        n -= 1
+    while chunk_cost(done, n + 1, attention) <= budget + 1e-9:
+        n += 1
+    return max(n, 0)
