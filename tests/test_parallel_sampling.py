@@ -213,3 +213,17 @@ def test_the_runners_block_copies_are_exact_beyond_one_staging_buffer():
     for src, dst in copies:
         expected[:, :, dst] = before[:, :, src]
     assert torch.equal(kv, expected)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "ttft"])
+def test_a_request_not_forked_yet_holds_its_samples_slots(policy):
+    # four n=4 requests under max_num_seqs=6: one at a time, since each becomes four sequences
+    params = SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    with LLM(model="tiny-llama", block_size=4, num_gpu_blocks=256, max_num_seqs=6, scheduling_policy=policy) as llm:
+        for prompt in PROMPTS:
+            llm.add_request(prompt, params)
+        most = 0
+        while llm.has_unfinished():
+            llm.step()
+            most = max(most, len(llm.scheduler.running))
+    assert most == 4

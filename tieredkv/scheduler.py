@@ -275,12 +275,13 @@ class Scheduler:
         if not self.waiting:
             return False
         backlog = self._prefill_backlog()  # for sequences beyond the prefetch depth
+        slots = self._slots_taken()
         for seq in list(self.waiting):
             if seq.held:
                 continue
             if budget <= 0:
                 return False
-            if len(self.running) + seq.width > self.config.max_num_seqs:
+            if slots + seq.width > self.config.max_num_seqs:
                 return True
             if self._loads_pending(seq):
                 continue
@@ -288,7 +289,12 @@ class Scheduler:
             if n is None:
                 return True
             budget -= n
+            slots += seq.width
         return False
+
+    def _slots_taken(self) -> int:
+        """Sequence slots the running sequences hold: a request not forked yet holds its width."""
+        return sum(seq.width for seq in self.running)
 
     def _loads_pending(self, seq: Sequence) -> bool:
         """Whether a waiting sequence found with nothing to compute before its NVMe loads land
@@ -346,6 +352,7 @@ class Scheduler:
         cap = self.config.max_prefill_chunk_tokens
         shares = share_budget(wants, budget, cap)
         backlog = self._prefill_backlog() if admit else 0
+        slots = self._slots_taken()  # an upper bound once a preemption frees some
         blocked = False
         for k, i in enumerate(order):
             if budget <= 0:
@@ -358,10 +365,11 @@ class Scheduler:
                     got = self._extend_prefill(out, seq, tokens, lower)
                     admit = admit and not out.preempted
             elif admit and tokens:
-                if len(self.running) + seq.width > self.config.max_num_seqs:
+                if slots + seq.width > self.config.max_num_seqs:
                     got = None  # no slots: none after it is admitted either (it would starve)
                 else:
                     got = self._admit(out, seq, tokens, backlog)
+                    slots += seq.width if got is not None else 0
                 admit = got is not None
             blocked = blocked or got is None
             n = got or 0
