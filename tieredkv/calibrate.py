@@ -117,9 +117,12 @@ def fit_prefill(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
 
 
 def calibrate(
-    key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int, disk_dir: str | None = None
+    key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int, disk_dir: str | None = None,
+    bandwidth: Callable[[], tuple[float, float]] | None = None,
 ) -> CostModel:
-    """The cost model for `key` (device + model [+ disk]), measured once and cached."""
+    """The cost model for `key` (device + model [+ disk]), measured once and cached.
+    `bandwidth` measures (D2H, H2D) bytes/s where `measure_bandwidth(device)` would not (the
+    ranks of a tensor-parallel engine; `device` is then where `prefill` returns when done)."""
     if disk_dir is not None:
         key = f"{key}/disk:{os.path.abspath(disk_dir)}"
     path = cache_file()
@@ -132,7 +135,7 @@ def calibrate(
             return CostModel(**cached[key])
         except (TypeError, ValueError):
             logger.warning("ignoring a damaged cost model cached in %s", path)
-    d2h, h2d = measure_bandwidth(device)
+    d2h, h2d = bandwidth() if bandwidth is not None else measure_bandwidth(device)
     n2 = max(2, min(1024, max_tokens))
     n1 = max(1, n2 // 4)
     t1 = _timed(lambda: prefill(n1), device, reps=2)

@@ -29,6 +29,7 @@ from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml, resolv
 from tieredkv.memory import check_fits
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import RequestMetrics, RequestOutput
+from tieredkv.parallel.workers import Workers
 from tieredkv.policy import CostModel, TierPolicy
 from tieredkv.prompts import Prompt, prompt_list, token_ids
 from tieredkv.sampling import Sampler, SamplingParams
@@ -36,29 +37,31 @@ from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
 from tieredkv.text import IncrementalDetokenizer, Message, chat_prompt
 from tieredkv.tiers.backend import BlockStore
-from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.opener import open_store
-from tieredkv.transfer.engine import make_transfer_engine
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_GPU_BLOCKS = 256
 MAX_GRAPH_BATCH = 256
 IO_WAIT_S = 0.0005  # a step with nothing to run sleeps this long (releases the GIL to the I/O threads)
 
 
 class LLMEngine:
-    """Scheduler + KV cache manager + model runner, stepped by the caller."""
+    """Scheduler + KV cache manager + model runner, stepped by the caller. With
+    `tensor_parallel_size` > 1 the model runner is `Workers`: one process per rank, each holding
+    its share of the model and of every KV tier; everything else stays here."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config = dataclasses.replace(config, model=config.model.resolved())  # no "auto" left
-        self.runner = ModelRunner(config.model)
+        parallel = config.parallel.tensor_parallel_size > 1
+        self.runner: ModelRunner | Workers = Workers(config) if parallel else ModelRunner(config.model)
         block_size = config.cache.block_size
-        num_blocks = self._num_gpu_blocks()
-        kv_cache = self.runner.allocate_kv_cache(num_blocks, block_size)
-        hf_config = self.runner.model.config.to_dict()
-        self.fingerprint = model_fingerprint(hf_config, self.runner.weights_id, config.model.dtype, block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload(kv_cache))
+        num_blocks = self.runner.num_gpu_blocks(config.cache)
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+        hf_config = self.runner.hf_config.to_dict()
+        self.fingerprint = model_fingerprint(
+            hf_config, self.runner.weights_id, config.model.dtype, block_size, self.runner.tp_layout
+        )
+        self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload())
         policy = TierPolicy(config.scheduler.preemption, self.block_bytes, block_size, self._cost_model())
         self.scheduler = Scheduler(config.scheduler, self.kv, policy)
         if self.runner.device.type == "cuda" and not config.model.enforce_eager:
@@ -77,7 +80,7 @@ class LLMEngine:
     def block_bytes(self) -> int:
         return self.runner.kv_spec.block_bytes(self.config.cache.block_size)
 
-    def _build_offload(self, kv_cache: torch.Tensor) -> CPUOffload | None:
+    def _build_offload(self) -> CPUOffload | None:
         cache = self.config.cache
         if cache.cpu_cache_bytes == 0:  # EngineConfig checked that nothing needs a CPU tier
             return None
@@ -88,13 +91,15 @@ class LLMEngine:
                 "raise it or set it to 0 to run without a CPU tier"
             )
         check_fits("cpu_cache_bytes", num_blocks, self.block_bytes, torch.device("cpu"))
-        tier = CPUTier(num_blocks, tuple(kv_cache[:, :, 0].shape), kv_cache.dtype, pin=kv_cache.is_cuda)
-        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_nvme())
+        tier, transfers = self.runner.cpu_tier(num_blocks)
+        return CPUOffload(tier, transfers, self._build_nvme())
 
     def _build_nvme(self) -> BlockStore | None:
         cache = self.config.cache
         if cache.nvme_path is None:
             return None
+        if isinstance(self.runner, Workers):  # one store file per rank
+            return self.runner.open_store(cache, self.fingerprint)
         return open_store(cache.nvme_path, cache.nvme_bytes, self.block_bytes, self.fingerprint,
                           cache.block_size, backend=cache.io_backend)
 
@@ -104,30 +109,15 @@ class LLMEngine:
         needed = self.kv.offload is not None and (sched.preemption == "auto" or cache.nvme_path is not None)
         if sched.cost_model is not None or not needed:
             return sched.cost_model
-        device = self.runner.device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         max_tokens = min(self.kv.num_blocks * self.kv.block_size, self.runner.max_model_len)
-        key = f"{name}/{self.fingerprint:016x}"
         disk_dir = cache.nvme_path
         if disk_dir is not None and not os.path.isdir(disk_dir):  # the store's file itself
             disk_dir = os.path.dirname(os.path.abspath(disk_dir))
-        return calibrate(key, device, self.runner.prefill_probe, max_tokens, disk_dir)
-
-    def _num_gpu_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_gpu_blocks is not None:
-            check_fits("num_gpu_blocks", cache.num_gpu_blocks, self.block_bytes, self.runner.device)
-            return cache.num_gpu_blocks
-        if self.runner.device.type != "cuda":
-            return DEFAULT_CPU_GPU_BLOCKS
-        free, total = torch.cuda.mem_get_info(self.runner.device)
-        budget = free - (1 - cache.gpu_memory_utilization) * total
-        num = int(budget // self.runner.kv_spec.block_bytes(cache.block_size))
-        if num < 1:
-            raise ValueError(
-                "gpu_memory_utilization: leaves no memory for the KV cache; raise it or set num_gpu_blocks"
-            )
-        return num
+        if isinstance(self.runner, Workers):  # the ranks measure; each call returns once they are done
+            return self.runner.calibrate(self.fingerprint, max_tokens, disk_dir)
+        device = self.runner.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        return calibrate(f"{name}/{self.fingerprint:016x}", device, self.runner.prefill_probe, max_tokens, disk_dir)
 
     # ------------------------------------------------------------------ requests
 
@@ -165,7 +155,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (a string needs a tokenizer; ids are checked against the vocabulary)."""
-        return token_ids(prompt, self.tokenizer, self.runner.model.config.vocab_size)
+        return token_ids(prompt, self.tokenizer, self.runner.hf_config.vocab_size)
 
     @property
     def max_request_tokens(self) -> int:
@@ -191,7 +181,9 @@ class LLMEngine:
         if params.greedy:
             return None
         seed = params.seed if params.seed is not None else self.config.model.seed * 1_000_003 + next(self._ids)
-        return torch.Generator(device=self.runner.device).manual_seed(seed)
+        # with workers, rank 0 samples with a generator of its own seeded from this one
+        device = "cpu" if isinstance(self.runner, Workers) else self.runner.device
+        return torch.Generator(device=device).manual_seed(seed)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free everything it holds; its last output (`finish_reason` "abort"),
@@ -221,10 +213,13 @@ class LLMEngine:
             return []
         tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
         self.kv.before_forward()
-        logits = self.runner.execute(batch.scheduled, tables)
         sampling = batch.sampling
-        tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling],
-                                     [s.banned_token_ids for s in sampling])
+        if isinstance(self.runner, Workers):  # rank 0 samples where the logits are
+            tokens = self.runner.execute(batch.scheduled, tables, sampling)
+        else:
+            logits = self.runner.execute(batch.scheduled, tables)
+            tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling],
+                                         [s.banned_token_ids for s in sampling])
         self._count(batch)  # before `update` advances the sequences
         finished = self.scheduler.update(batch, tokens)
         for seq in finished:
@@ -276,7 +271,7 @@ class LLMEngine:
             return
         self._closed = True
         self.kv.close()
-        self.runner.kv_cache = None
+        self.runner.close()
 
     def __enter__(self) -> LLMEngine:
         return self
