@@ -110,11 +110,20 @@ class Ranks:
         if status == "error":
             kind, message, trace = value
             logger.error("tensor-parallel rank %d failed:\n%s", rank, trace)
+            dead = self._dead_rank(other_than=rank)
+            if dead is not None:  # its collective broke because another rank died: name that one
+                self._fail(f"{self._death(dead)} (rank {rank} then failed: {kind}: {message})")
             # a bad setting found by a rank (a KV tier that does not fit its GPU) is the
             # caller's ValueError; anything else is a failure of the rank
             self._fail(f"tensor-parallel rank {rank} failed: {kind}: {message}",
                        ValueError(message) if kind == "ValueError" else None)
         return value
+
+    def _dead_rank(self, other_than: int, grace_s: float = 1.0) -> int | None:
+        """A rank (not `other_than`) that has exited, waiting up to `grace_s` for one."""
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs) if rank != other_than}
+        ready = connection.wait(list(sentinels), grace_s)
+        return min((sentinels[s] for s in ready), default=None)
 
     def _death(self, rank: int) -> str:
         proc = self.procs[rank]
