@@ -191,7 +191,7 @@ async def _run(run: Run, experiment: Experiment, options: Options,
     llm = AsyncLLM(config=EngineConfig.from_dict(run.engine_doc))
     engine = describe_engine(llm.engine)
     logger.info("%s", startup_summary(run.name, engine))
-    vocab = llm.engine.runner.model.config.vocab_size
+    vocab = llm.engine.runner.hf_config.vocab_size
     timeline: list[dict[str, Any]] = []
     stop = asyncio.Event()
     exporter = options.exporter

@@ -13,6 +13,7 @@ import mmap
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from multiprocessing import connection, reduction
 from typing import Any
 
@@ -131,6 +132,11 @@ class Worker:
 
     def measure_bandwidth(self) -> tuple[float, float]:
         return measure_bandwidth(self.runner.device)
+
+    def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(worker, *args)` on this rank: measurements that must run beside the shard
+        (benchmarks pass functions of their own; `fn` travels by name, as pickle sends it)."""
+        return fn(self, *args)
 
     def step(self, plan: StepPlan) -> StepReply:
         for request_id in plan.forget:
