@@ -4,6 +4,7 @@ a clear error instead of hanging it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,11 +13,13 @@ import time
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from tests.reference import hf_greedy, make_prompts
 from tieredkv import LLM, SamplingParams
 from tieredkv.config import EngineConfig
+from tieredkv.experiment.harness import run_experiment
 from tieredkv.parallel.ranks import RankFailure
 from tieredkv.parallel.sharded_tiers import rank_fingerprint
 from tieredkv.tiers.nvme.store import STORE_FILE_NAME, NVMeStore
@@ -30,10 +33,10 @@ LOAD_WINS = {**SWAP_WINS, "prefill_s_per_token": 1e-3}
 BLOCK_BYTES = 2048
 
 
-def tp_llm(model: str, nvme_path, preemption: str, cost_model: dict, **kw) -> LLM:
+def tp_llm(model: str, nvme_path, preemption: str, cost_model: dict, device: str = "cpu", **kw) -> LLM:
     """Two ranks; GPU and CPU tiers so small that requests are preempted and prefixes spill to
     NVMe all the time."""
-    return LLM(model=model, device="cpu", dtype="float32", tensor_parallel_size=2, block_size=4,
+    return LLM(model=model, device=device, dtype="float32", tensor_parallel_size=2, block_size=4,
                num_gpu_blocks=30, max_num_batched_tokens=24, cpu_cache_bytes=24 * BLOCK_BYTES,
                nvme_path=str(nvme_path), nvme_bytes="4MiB", io_backend="sync", preemption=preemption,
                scheduler={"cost_model": cost_model}, **kw)
@@ -77,6 +80,30 @@ def store_block_bytes(preset: str) -> int:
     """One rank's bytes of a block (block size 4, float32): tiny-qwen3 keeps one KV head of 32
     dims per rank (replicated), the others one of their two heads of 16 dims."""
     return 2 * 2 * 4 * (32 if preset == "tiny-qwen3" else 16) * 4
+
+
+def test_a_damaged_slice_on_one_rank_is_a_miss_for_the_block_on_both(tmp_path, reference_outputs):
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+    with tp_llm("tiny-llama", tmp_path, "recompute", LOAD_WINS) as llm:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+        geometry = llm.kv.offload.nvme.store.stores[1].geometry
+    flip_payloads(tmp_path / "tp2-rank1" / STORE_FILE_NAME, geometry)  # rank 0's file is intact
+    with tp_llm("tiny-llama", tmp_path, "recompute", LOAD_WINS) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        stats = llm.stats()
+    assert stats["nvme_failed_loads"] > 0 and stats["nvme_corrupt"] > 0
+    assert stats["nvme_loaded_blocks"] == 0  # no block came back: each lost its rank-1 half
+
+
+def flip_payloads(file, geometry) -> None:
+    """Flip one byte in the middle of every slot's payload."""
+    with open(file, "r+b") as f:
+        for slot in range(geometry.num_slots):
+            f.seek(geometry.slot_offset(slot) + geometry.header_bytes + geometry.block_bytes // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_a_model_directory_at_two_ranks_gives_the_tokens_and_text_of_one(chat_model_dir):
@@ -176,3 +203,57 @@ def test_tensor_parallel_size_in_yaml_and_keywords():
     assert EngineConfig.from_kwargs(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
     with pytest.raises(ValueError, match="did you mean 'parallel.tensor_parallel_size'"):
         EngineConfig.from_dict({"parallel": {"tensor_paralel_size": 2}})
+
+
+def test_an_experiment_runs_at_two_ranks(tmp_path):
+    """The experiment harness drives the two ranks through AsyncLLM (each step in a thread)."""
+    config = {
+        "name": "tp", "model": "tiny-llama", "device": "cpu", "dtype": "float32", "tensor_parallel_size": 2,
+        "cache": {"block_size": 4, "num_gpu_blocks": 48, "cpu_cache_bytes": "128KiB"},
+        "scheduler": {"max_num_batched_tokens": 64, "preemption": "swap"},
+        "workload": {"kind": "multi_turn", "users": 3, "turns": 2, "system_prompt_tokens": 20, "message_tokens": 6,
+                     "first_message_tokens": 30, "max_tokens": 4, "think_time_s": 0.01},
+    }
+    path = tmp_path / "tp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    [summary] = run_experiment(str(path), str(tmp_path / "out"), use_tqdm=False).summaries
+    assert summary.requests == 6 and summary.errors == 0
+    result = json.loads((tmp_path / "out" / "tp" / "result.json").read_text())
+    assert result["engine"]["config"]["parallel"] == {"tensor_parallel_size": 2}
+    assert all(len(r["token_times"]) == 4 for r in result["requests"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_two_gpus_are_exact_with_swap_spill_and_restart(preset, enforce_eager, tmp_path, reference_outputs):
+    """NCCL: the collectives inside CUDA graphs (decode and mixed steps), the CUDA transfer
+    engine of each rank with its pinned slice of the shared CPU tier, a store per rank."""
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs(preset, prompts, NEW_TOKENS)  # transformers, float32, CPU
+    kw = dict(device="cuda", enforce_eager=enforce_eager)
+    with tp_llm(preset, tmp_path, "swap", SWAP_WINS, **kw) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        stats = llm.stats()
+    assert stats["preemptions"]["swap"] > 0 and stats["nvme_spilled_blocks"] > 0
+    assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+    with tp_llm(preset, tmp_path, "recompute", LOAD_WINS, **kw) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        stats = llm.stats()
+    assert stats["nvme_loaded_blocks"] > 0 and stats["nvme_failed_loads"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_killed_rank_on_a_gpu_stops_the_engine():
+    """The survivor waits in an NCCL collective that never completes: the engine ends it."""
+    llm = LLM(model="tiny-llama", device="cuda", num_gpu_blocks=64, tensor_parallel_size=2)
+    pids = llm.runner.pids
+    llm.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    llm.step()
+    os.kill(pids[1], signal.SIGKILL)
+    err = run_with_deadline(llm.step, 60)
+    assert isinstance(err, RankFailure) and f"rank 1 (pid {pids[1]}) was killed by SIGKILL" in str(err)
+    assert all(gone(pid) for pid in pids)
+    llm.close()
