@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -137,6 +138,14 @@ def tp1_steps(llm: LLM, decode, prefill) -> tuple[float, float]:
     return wall_time(lambda: run(decode)), wall_time(lambda: run(prefill), reps=5)
 
 
+def run_tp1(model: str, num_blocks: int, batch: int, decode, prefill, kv_read: int, hbm: float):
+    """((decode step, prefill step) seconds, decode memory floor) of one process on GPU 0."""
+    with engine(model, 1, num_blocks, batch) as llm:
+        steps = tp1_steps(llm, decode, prefill)
+        floor = (weight_bytes(llm.runner.model) + kv_read * llm.runner.kv_spec.block_bytes(1)) / (hbm * 1e9)
+    return steps, floor
+
+
 def tp2_steps(llm: LLM, decode, prefill) -> tuple[float, float]:
     workers = llm.runner
 
@@ -210,9 +219,8 @@ def main() -> None:
     num_blocks = decode[2] + prefill[2]
     kv_read = args.batch * (args.context + 1)  # tokens of KV a decode step reads
 
-    with engine(args.model, 1, num_blocks, args.batch) as llm:
-        one = tp1_steps(llm, decode, prefill)
-        floor1 = (weight_bytes(llm.runner.model) + kv_read * llm.runner.kv_spec.block_bytes(1)) / (hbm * 1e9)
+    one, floor1 = run_tp1(args.model, num_blocks, args.batch, decode, prefill, kv_read, hbm)
+    gc.collect()  # the TP=1 model leaves GPU 0 to rank 0
     torch.cuda.empty_cache()
     swap_bytes = int(args.swap_gib * GiB)  # KV moved by each swap, both ranks together
     block_bytes = KVSpec.of(load_hf_config(args.model), "bfloat16").block_bytes(BLOCK_SIZE)
