@@ -15,6 +15,7 @@ again. Nothing waits on a dead rank.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 import weakref
@@ -59,8 +60,8 @@ class Ranks:
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(config, rank, world, self._store.port, child),
-                               name=f"tieredkv-rank{rank}", daemon=True)
+            args = (config, rank, world, self._store.port, child, dict(os.environ))
+            proc = ctx.Process(target=worker_main, args=args, name=f"tieredkv-rank{rank}", daemon=True)
             proc.start()
             child.close()
             self.procs.append(proc)

@@ -35,8 +35,15 @@ from tieredkv.sampling import FailedSample, Sampler
 from tieredkv.transfer.engine import TransferEngine
 
 
-def worker_main(config: EngineConfig, rank: int, world: int, store_port: int, conn: connection.Connection) -> None:
-    """Entry point of rank `rank`'s process (`config` resolved by the driver)."""
+def worker_main(
+    config: EngineConfig, rank: int, world: int, store_port: int, conn: connection.Connection,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Entry point of rank `rank`'s process (`config` resolved by the driver; `env`: the
+    driver's environment now, e.g. CUDA_VISIBLE_DEVICES, not the fork server's at its start)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     code = 1
     try:
         worker = Worker(config, rank, world, store_port, conn)
