@@ -30,7 +30,7 @@ from common import GiB, hbm_copy_peak, report, require_cuda, time_cuda, write_js
 
 from tieredkv import LLM, SamplingParams
 from tieredkv.model.runner import KVSpec, StepInputs, load_hf_config
-from tieredkv.parallel.plan import SampleRow, StepPlan
+from tieredkv.parallel.plan import NewRequest, StepPlan
 from tieredkv.sequence import ScheduledSeq, Sequence
 from tieredkv.transfer.engine import TransferJob
 
@@ -158,8 +158,9 @@ def tp2_steps(llm: LLM, decode, prefill) -> tuple[float, float]:
 
 def plan_of(llm: LLM, step) -> StepPlan:
     scheduled, tables, _ = step
-    rows = tuple(SampleRow(s.seq.request_id, GREEDY, None, ()) for s in scheduled)
-    return StepPlan(inputs=StepInputs.build(scheduled, tables, BLOCK_SIZE), rows=rows)
+    ids = tuple(s.seq.request_id for s in scheduled)
+    return StepPlan(inputs=StepInputs.build(scheduled, tables, BLOCK_SIZE), rows=ids,
+                    new_requests=tuple(NewRequest(i, GREEDY, None) for i in ids))
 
 
 def collectives(llm: LLM, decode, prefill, args, records: list, steps: dict) -> None:

@@ -185,16 +185,35 @@ def test_a_rank_killed_during_generate_ends_it_with_the_error():
     llm.close()
 
 
+def fail_on_rank_1(worker) -> None:
+    if worker.rank == 1:
+        raise RuntimeError("boom")
+
+
+def test_an_error_on_one_rank_stops_every_rank_and_names_it():
+    llm = LLM(model="tiny-llama", device="cpu", dtype="float32", num_gpu_blocks=64, tensor_parallel_size=2)
+    pids = llm.runner.pids
+    with pytest.raises(RankFailure, match="rank 1 failed: RuntimeError: boom"):
+        llm.runner.ranks.call("apply", fail_on_rank_1)
+    assert all(gone(pid) for pid in pids)
+    with pytest.raises(RankFailure, match="ranks have stopped: tensor-parallel rank 1 failed"):
+        llm.generate([[1, 2, 3]], use_tqdm=False)
+    llm.close()
+
+
 def wait_for_steps(llm: LLM, steps: int) -> None:
     while llm.stats()["steps"] < steps:
         time.sleep(0.01)
 
 
-def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts():
+def test_settings_the_model_or_the_ranks_cannot_take_are_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the model's 4 attention heads"):
         LLM(model="tiny-llama", device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size: expected an integer >= 1, got 0"):
         LLM(model="tiny-qwen3", device="cpu", tensor_parallel_size=0)
+    # found by the ranks (each checks its own memory): the caller's ValueError all the same
+    with pytest.raises(ValueError, match="num_gpu_blocks: 1000000000 blocks of 1024 bytes need"):
+        LLM(model="tiny-llama", device="cpu", block_size=4, num_gpu_blocks=10**9, tensor_parallel_size=2)
 
 
 def test_tensor_parallel_size_in_yaml_and_keywords():

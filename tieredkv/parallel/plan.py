@@ -13,30 +13,34 @@ from tieredkv.model.runner import StepInputs
 from tieredkv.sampling import FailedSample, SamplingParams
 from tieredkv.transfer.engine import TransferJob
 
+REPORTED_ERROR_EXIT = 3  # a rank's exit status after it sent the driver its error
+
 
 @dataclass(frozen=True)
-class SampleRow:
-    """One sequence that samples this step. `seed` is set the first time rank 0 must build the
-    request's generator (random sampling only); later rows of the request leave it None."""
+class NewRequest:
+    """A request rank 0 samples for the first time: its parameters and, for random sampling,
+    the seed of its generator (kept on rank 0 until the request is forgotten)."""
 
     request_id: str
     params: SamplingParams
     seed: int | None
-    banned_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """What every rank does this step, in order: submit `jobs` (ids `first_job`, `first_job`+1,
     ...), order the forward pass after the transfers but those in `later` (None: no ordering
-    asked), run `inputs` (None: transfers only), sample `rows` on rank 0; first drop the
-    generators of the `forget` requests."""
+    asked), run `inputs` (None: transfers only); rank 0 then samples row i of the logits for
+    request `rows[i]`, never one of the tokens `banned` lists for row i. Rank 0 first forgets
+    the `forget` requests and learns the `new_requests` (a request's parameters travel once)."""
 
     jobs: tuple[TransferJob, ...] = ()
     first_job: int = 0
     later: tuple[int, ...] | None = None
     inputs: StepInputs | None = None
-    rows: tuple[SampleRow, ...] = ()
+    rows: tuple[str, ...] = ()
+    banned: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    new_requests: tuple[NewRequest, ...] = ()
     forget: tuple[str, ...] = ()
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tieredkv.config import EngineConfig
+from tieredkv.parallel.plan import REPORTED_ERROR_EXIT
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +67,18 @@ class Ranks:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
-        self.info: list[dict[str, Any]] = self.replies()  # each rank reports once its shard is loaded
+        # each rank reports once its shard is loaded (a ValueError: a setting the model cannot take)
+        self.info: list[dict[str, Any]] = self.replies(settings=True)
 
     @property
     def world(self) -> int:
         return len(self.procs)
 
-    def call(self, method: str, *args: Any, handles: list[int] | None = None) -> list[Any]:
+    def call(self, method: str, *args: Any, handles: list[int] | None = None, settings: bool = False) -> list[Any]:
         """`Worker.<method>(*args)` on every rank; their results in rank order. `handles`: one
-        file descriptor per rank, passed to it after the call (the method receives it)."""
+        file descriptor per rank, passed to it after the call (the method receives it).
+        `settings`: the call checks the caller's settings, a ValueError it raises is theirs
+        (raised as such, after the ranks are stopped); otherwise any error is a RankFailure."""
         self.check()
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns):
@@ -84,10 +88,11 @@ class Ranks:
                     reduction.send_handle(conn, handles[rank], self.procs[rank].pid)
             except OSError:  # its end is closed: the rank is gone, `replies` says how
                 pass
-        return self.replies()
+        return self.replies(settings)
 
-    def replies(self) -> list[Any]:
-        """One reply from every rank, in rank order; RankFailure if one died or raised."""
+    def replies(self, settings: bool = False) -> list[Any]:
+        """One reply from every rank, in rank order; RankFailure if one died or raised
+        (`settings`: see `call`)."""
         waiting = dict(enumerate(self.conns))
         results: dict[int, Any] = {}
         while waiting:
@@ -98,11 +103,11 @@ class Ranks:
                     continue  # read this rank's reply (it may say why it stopped) before its exit
                 if ready in sentinels:
                     self._fail(self._death(rank))
-                results[rank] = self._receive(rank)
+                results[rank] = self._receive(rank, settings)
                 del waiting[rank]
         return [results[rank] for rank in range(self.world)]
 
-    def _receive(self, rank: int) -> Any:
+    def _receive(self, rank: int, settings: bool) -> Any:
         try:
             status, value = self.conns[rank].recv()
         except (EOFError, OSError):
@@ -114,17 +119,22 @@ class Ranks:
             dead = self._dead_rank(other_than=rank)
             if dead is not None:  # its collective broke because another rank died: name that one
                 self._fail(f"{self._death(dead)} (rank {rank} then failed: {kind}: {message})")
-            # a bad setting found by a rank (a KV tier that does not fit its GPU) is the
-            # caller's ValueError; anything else is a failure of the rank
+            user_error = settings and kind == "ValueError"  # e.g. a KV tier that does not fit a GPU
             self._fail(f"tensor-parallel rank {rank} failed: {kind}: {message}",
-                       ValueError(message) if kind == "ValueError" else None)
+                       ValueError(message) if user_error else None)
         return value
 
     def _dead_rank(self, other_than: int, grace_s: float = 1.0) -> int | None:
-        """A rank (not `other_than`) that has exited, waiting up to `grace_s` for one."""
+        """A rank (not `other_than`) that has died without a word (one that exited after
+        reporting an error of its own is not it), waiting up to `grace_s` for one."""
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs) if rank != other_than}
-        ready = connection.wait(list(sentinels), grace_s)
-        return min((sentinels[s] for s in ready), default=None)
+        dead = []
+        for sentinel in connection.wait(list(sentinels), grace_s):
+            proc = self.procs[sentinels[sentinel]]
+            proc.join(1.0)
+            if proc.exitcode != REPORTED_ERROR_EXIT:
+                dead.append(sentinels[sentinel])
+        return min(dead, default=None)
 
     def _death(self, rank: int) -> str:
         proc = self.procs[rank]

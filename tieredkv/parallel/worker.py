@@ -30,8 +30,8 @@ from tieredkv.calibrate import measure_bandwidth
 from tieredkv.config import CacheConfig, EngineConfig
 from tieredkv.model.runner import ModelRunner
 from tieredkv.model.sharding import TPLayout
-from tieredkv.parallel.plan import SampleRow, StepPlan, StepReply
-from tieredkv.sampling import FailedSample, Sampler
+from tieredkv.parallel.plan import REPORTED_ERROR_EXIT, StepPlan, StepReply
+from tieredkv.sampling import FailedSample, Sampler, SamplingParams
 from tieredkv.transfer.engine import TransferEngine
 
 
@@ -44,7 +44,7 @@ def worker_main(
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
-    code = 1
+    code = REPORTED_ERROR_EXIT
     try:
         worker = Worker(config, rank, world, store_port, conn)
         conn.send(("ok", worker.info()))
@@ -70,7 +70,7 @@ def _serve(worker: Worker, conn: connection.Connection) -> int:
             result = getattr(worker, method)(*args)
         except BaseException as err:
             _report(conn, err)
-            return 1
+            return REPORTED_ERROR_EXIT
         conn.send(("ok", result))
 
 
@@ -101,7 +101,7 @@ class Worker:
         self._cpu_memory: mmap.mmap | None = None
         self._job_ids: dict[int, int] = {}  # this rank's transfer job id -> the driver's
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
+        self.requests: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}  # rank 0 samples them
 
     @staticmethod
     def _warm_up(device: torch.device) -> None:
@@ -146,8 +146,6 @@ class Worker:
         return fn(self, *args)
 
     def step(self, plan: StepPlan) -> StepReply:
-        for request_id in plan.forget:
-            self.generators.pop(request_id, None)
         for i, job in enumerate(plan.jobs):
             self._job_ids[self.transfers.submit(job)] = plan.first_job + i
         if plan.later is not None:
@@ -157,7 +155,7 @@ class Worker:
         if plan.inputs is not None:
             logits = self.runner.run(plan.inputs)
             if self.rank == 0:
-                tokens = self._sample(logits, plan.rows)
+                tokens = self._sample(logits, plan)
         return self._reply(tokens)
 
     def wait(self, job_ids: list[int] | None) -> StepReply:
@@ -176,14 +174,21 @@ class Worker:
         finished = [self._job_ids.pop(mine) for mine in self.transfers.poll()]
         return StepReply(tokens, finished, self.transfers.compute_wait_s)
 
-    def _sample(self, logits: torch.Tensor, rows: tuple[SampleRow, ...]) -> list[int | FailedSample]:
-        generators = [self._generator(row) for row in rows]
-        return self.sampler.sample(logits, [r.params for r in rows], generators, [r.banned_token_ids for r in rows])
-
-    def _generator(self, row: SampleRow) -> torch.Generator | None:
-        if row.seed is not None:
-            self.generators[row.request_id] = torch.Generator(device=self.runner.device).manual_seed(row.seed)
-        return self.generators.get(row.request_id)
+    def _sample(self, logits: torch.Tensor, plan: StepPlan) -> list[int | FailedSample]:
+        for request_id in plan.forget:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            generator = None
+            if new.seed is not None:
+                generator = torch.Generator(device=self.runner.device).manual_seed(new.seed)
+            self.requests[new.request_id] = (new.params, generator)
+        if not plan.rows:  # every sequence computed a chunk short of its last token
+            return []
+        params, generators = zip(*(self.requests[rid] for rid in plan.rows), strict=True)
+        banned: list[tuple[int, ...]] = [()] * len(plan.rows)
+        for row, ids in plan.banned:
+            banned[row] = ids
+        return self.sampler.sample(logits, params, generators, banned)
 
     def _synchronize(self) -> None:
         if self.runner.device.type == "cuda":

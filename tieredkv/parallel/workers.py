@@ -32,7 +32,7 @@ from tieredkv.model.runner import (
     weights_identity,
 )
 from tieredkv.model.sharding import TPLayout
-from tieredkv.parallel.plan import SampleRow, StepPlan
+from tieredkv.parallel.plan import NewRequest, StepPlan
 from tieredkv.parallel.ranks import RankFailure, Ranks
 from tieredkv.parallel.sharded_tiers import ShardedCPUTier, ShardedStore, open_sharded_store
 from tieredkv.parallel.transfers import WorkerTransfers
@@ -71,7 +71,7 @@ class Workers:
         self.kv_spec = dataclasses.replace(self.rank_kv_spec, num_kv_heads=self.rank_kv_spec.num_kv_heads * world)
         self.block_size = 0
         self.transfers: WorkerTransfers | None = None
-        self._sampling: dict[str, Seq] = {}  # requests whose generator rank 0 holds
+        self._known: dict[str, Seq] = {}  # requests rank 0 holds the parameters (and generator) of
         self.ranks = Ranks(config, world)
         info = self.ranks.info
         assert all(i["kv_spec"] == self.rank_kv_spec for i in info), "the ranks hold the KV heads planned here"
@@ -90,7 +90,7 @@ class Workers:
 
     def num_gpu_blocks(self, cache: CacheConfig) -> int:
         """The GPU tier's blocks: what every rank's GPU holds (each its KV heads of them)."""
-        return min(self.ranks.call("num_gpu_blocks", cache))
+        return min(self.ranks.call("num_gpu_blocks", cache, settings=True))
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.ranks.call("allocate_kv_cache", num_blocks, block_size)
@@ -122,25 +122,28 @@ class Workers:
         """Run the scheduled tokens on every rank (after the transfers submitted since the last
         step); the next token of each sequence in `sampling`, sampled by rank 0."""
         inputs = StepInputs.build(scheduled, block_tables, self.block_size)
-        step = dict(inputs=inputs, rows=tuple(self._row(seq) for seq in sampling), forget=self._forget())
+        forget = self._forget()
+        new = tuple(self._learn(seq) for seq in sampling if self._known.get(seq.request_id) is not seq)
+        banned = tuple((i, seq.banned_token_ids) for i, seq in enumerate(sampling) if seq.banned_token_ids)
+        step = dict(inputs=inputs, rows=tuple(seq.request_id for seq in sampling), banned=banned,
+                    new_requests=new, forget=forget)
         plan = StepPlan(**step) if self.transfers is None else self.transfers.plan(**step)
         replies = self.ranks.call("step", plan)
         if self.transfers is not None:
             self.transfers.record(replies)
         return replies[0].tokens
 
-    def _row(self, seq: Seq) -> SampleRow:
-        seed = None
-        if seq.generator is not None and self._sampling.get(seq.request_id) is not seq:
-            self._sampling[seq.request_id] = seq
-            seed = seq.generator.initial_seed()
-        return SampleRow(seq.request_id, seq.params, seed, seq.banned_token_ids)
+    def _learn(self, seq: Seq) -> NewRequest:
+        """A request rank 0 has not seen (or a new one under a finished one's id)."""
+        self._known[seq.request_id] = seq
+        seed = seq.generator.initial_seed() if seq.generator is not None else None
+        return NewRequest(seq.request_id, seq.params, seed)
 
     def _forget(self) -> tuple[str, ...]:
-        """Requests that finished since the last step: rank 0 drops their generators."""
-        done = tuple(rid for rid, seq in self._sampling.items() if seq.is_finished)
+        """Requests that finished since the last step: rank 0 drops what it holds of them."""
+        done = tuple(rid for rid, seq in self._known.items() if seq.is_finished)
         for rid in done:
-            del self._sampling[rid]
+            del self._known[rid]
         return done
 
     def prefill_probe(self, num_tokens: int) -> None:
