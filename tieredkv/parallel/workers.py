@@ -14,6 +14,7 @@ Operations (besides the `ModelRunner` ones):
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -42,6 +43,8 @@ from tieredkv.sequence import ScheduledSeq
 from tieredkv.sequence import Sequence as Seq
 
 __all__ = ["RankFailure", "Workers"]
+
+logger = logging.getLogger(__name__)
 
 
 class Workers:
@@ -76,6 +79,7 @@ class Workers:
         info = self.ranks.info
         assert all(i["kv_spec"] == self.rank_kv_spec for i in info), "the ranks hold the KV heads planned here"
         self.device_name = f"{info[0]['device_name']} x{world}"
+        logger.info("%d tensor-parallel ranks (pids %s) on %s: %s", world, self.pids, self.device_name, self.tp_layout)
 
     @property
     def world(self) -> int:
