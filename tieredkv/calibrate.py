@@ -156,11 +156,14 @@ class DiskProbe(NamedTuple):
 
 
 def calibrate(
-    key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int, disk: DiskProbe | None = None
+    key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int, disk: DiskProbe | None = None,
+    bandwidth: Callable[[], tuple[float, float]] | None = None,
 ) -> CostModel:
     """The cost model for `key` (device + model [+ disk]), measured once and cached. Prefill is
     timed at `n` and `n/4` tokens, `n` the largest step (`max_tokens`, at most 8192): smaller
-    probes time the per-step launch overhead, not the per-token cost of serving's chunks."""
+    probes time the per-step launch overhead, not the per-token cost of serving's chunks.
+    `bandwidth` measures (D2H, H2D) bytes/s where `measure_bandwidth(device)` would not (the
+    ranks of a tensor-parallel engine; `device` is then where `prefill` returns when done)."""
     n2 = max(2, min(MAX_PREFILL_PROBE, max_tokens))
     n1 = max(1, n2 // 4)
     key = f"{key}/prefill:{n1}-{n2}"
@@ -176,7 +179,7 @@ def calibrate(
             return CostModel(**cached[key])
         except (TypeError, ValueError):
             logger.warning("ignoring a damaged cost model cached in %s", path)
-    d2h, h2d = measure_bandwidth(device)
+    d2h, h2d = bandwidth() if bandwidth is not None else measure_bandwidth(device)
     t1 = _timed(lambda: prefill(n1), device, reps=2)
     t2 = _timed(lambda: prefill(n2), device, reps=2)
     a, b = fit_prefill(n1, t1, n2, t2)

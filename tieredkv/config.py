@@ -33,7 +33,9 @@ from tieredkv.tiers.nvme.io_backends import IOBackend
 Device = Literal["cpu", "cuda", "auto"]  # auto: CUDA when present
 DType = Literal["float32", "float16", "bfloat16", "auto"]  # auto: the checkpoint's (presets: float32)
 
-__all__ = ["Device", "DType", "IOBackend", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig"]
+__all__ = [
+    "Device", "DType", "IOBackend", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig",
+]
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -270,6 +272,18 @@ def check_remote_url(url: Any) -> str:
     return url
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes run the model. `tensor_parallel_size` > 1 starts that many worker
+    processes, each holding its share of every layer (and of every KV tier); on CUDA, rank r
+    runs on `cuda:r` (choose the GPUs with `CUDA_VISIBLE_DEVICES`)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _set(self, "tensor_parallel_size", as_int("tensor_parallel_size", self.tensor_parallel_size, 1))
+
+
 def cost_model_from_dict(doc: dict[str, Any]) -> CostModel:
     """A CostModel from a YAML mapping: every field a number (numeric strings too), the speeds
     positive, the prefill terms not negative; errors name `cost_model.<field>`."""
@@ -297,6 +311,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         """Checks across sections that need no model."""
@@ -311,19 +326,16 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from the flat keywords of `LLM(...)`; `cache=` / `scheduler=` dicts also work."""
-        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTION_TYPES}
+        nested = [name for name in SECTION_TYPES if name != "model"]
         for key, value in kwargs.items():
-            if key in ("cache", "scheduler"):
+            if key in nested:
                 sections[key].update(_check_section(key, value, SECTION_TYPES[key]))
             elif key in FLAT_KEYS:
                 sections[FLAT_KEYS[key]][key] = value
             else:
-                raise ValueError(unknown_key(key, [*FLAT_KEYS, "cache", "scheduler"]))
-        return cls(
-            model=ModelConfig(**sections["model"]),
-            cache=CacheConfig(**sections["cache"]),
-            scheduler=SchedulerConfig(**sections["scheduler"]),
-        )
+                raise ValueError(unknown_key(key, [*FLAT_KEYS, *nested]))
+        return cls(**{name: SECTION_TYPES[name](**values) for name, values in sections.items()})
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any], extra_sections: tuple[str, ...] = ()) -> EngineConfig:
@@ -332,7 +344,7 @@ class EngineConfig:
         if not isinstance(doc, dict):
             raise ValueError(f"config: expected a mapping of keys to values at the top level, got {type(doc).__name__}")
         flat: dict[str, Any] = {}
-        top_keys = [*_fields(ModelConfig), "cache", "scheduler", *extra_sections]
+        top_keys = [*_fields(ModelConfig), *_fields(ParallelConfig), "cache", "scheduler", "parallel", *extra_sections]
         for key, value in doc.items():
             if key in extra_sections:
                 continue
@@ -348,7 +360,9 @@ class EngineConfig:
 EXPERIMENT_SECTIONS = ("name", "workload", "variants", "sweep", "slo",  # YAML sections the engine does not read
                        "restart_after_s", "restart_store")
 
-SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+SECTION_TYPES: dict[str, type] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+}
 
 
 def _fields(cls: type) -> list[str]:

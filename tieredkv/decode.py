@@ -3,6 +3,7 @@
 Operations:
 - `Decoder.process(sampling, logits)`: every sequence that sampled this step gets its next
   token; returns the requests that have news (their first sequence), in order.
+- `Decoder.append(sampling, tokens)`: the same for tokens sampled already (tensor parallelism).
 
 What that involves, per request:
 - one sequence: sample its row (and its logprobs, with `SamplingParams(logprobs=k)`);
@@ -45,6 +46,14 @@ class Decoder:
         if beams:
             news += self._step_beams(logits, beams)
         return list({id(s): s for s in (_first(seq) for seq in news)}.values())
+
+    def append(self, sampling: list[Sequence], tokens: list[int | FailedSample]) -> list[Sequence]:
+        """Tokens sampled elsewhere (rank 0 of a tensor-parallel engine), `tokens[i]` for
+        `sampling[i]`: sequences of their own only (no samples, no beams, no logprobs, which
+        `parallel/limits.py` refuses there). Returns the sequences, all with news."""
+        assert all(s.group is None and s.cumulative_logprob is None for s in sampling), "plain sequences only"
+        self.scheduler.append(sampling, tokens)
+        return list(sampling)
 
     def _rows(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence], list[tuple[int, Sequence]]]:
         """The logits row each sampling sequence draws from (requests with `n` samples fork at

@@ -32,6 +32,8 @@ from tieredkv.decode import Decoder
 from tieredkv.memory import check_fits
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tieredkv.parallel.limits import check_parallel_config, check_parallel_request
+from tieredkv.parallel.workers import Workers
 from tieredkv.parallel_sampling import SampleGroup
 from tieredkv.policy import CostModel, TierPolicy
 from tieredkv.prompts import Prompt, prompt_list, token_ids
@@ -40,35 +42,38 @@ from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
 from tieredkv.text import IncrementalDetokenizer, Message, chat_prompt
 from tieredkv.tiers.backend import BlockStore
-from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.opener import open_store
 from tieredkv.tiers.nvme.store import DEFAULT_QUEUE_DEPTH
 from tieredkv.tiers.remote import NVME_STORE_STATS, open_remote, pair_stores
-from tieredkv.transfer.engine import make_transfer_engine
 
 if TYPE_CHECKING:
     from tieredkv.tiers.remote.store import RemoteStore  # imports redis, an optional dependency
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_GPU_BLOCKS = 256
 MAX_GRAPH_BATCH = 256
 IO_WAIT_S = 0.0005  # a step with nothing to run sleeps this long (releases the GIL to the I/O threads)
 
 
 class LLMEngine:
-    """Scheduler + KV cache manager + model runner, stepped by the caller."""
+    """Scheduler + KV cache manager + model runner, stepped by the caller. With
+    `tensor_parallel_size` > 1 the model runner is `Workers`: one process per rank, each holding
+    its share of the model and of every KV tier; everything else stays here."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config = dataclasses.replace(config, model=config.model.resolved())  # no "auto" left
-        self.runner = ModelRunner(config.model)
+        check_parallel_config(config)
+        parallel = config.parallel.tensor_parallel_size > 1
+        self.runner: ModelRunner | Workers = Workers(config) if parallel else ModelRunner(config.model)
         block_size = config.cache.block_size
-        num_blocks = self._num_gpu_blocks()
-        kv_cache = self.runner.allocate_kv_cache(num_blocks, block_size)
+        num_blocks = self.runner.num_gpu_blocks(config.cache)
+        self.runner.allocate_kv_cache(num_blocks, block_size)
         self.remote: RemoteStore | None = None  # the remote tier's own store (its stats, its bandwidth)
-        hf_config = self.runner.model.config.to_dict()
-        self.fingerprint = model_fingerprint(hf_config, self.runner.weights_id, config.model.dtype, block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload(kv_cache))
+        hf_config = self.runner.hf_config.to_dict()
+        self.fingerprint = model_fingerprint(
+            hf_config, self.runner.weights_id, config.model.dtype, block_size, self.runner.tp_layout
+        )
+        self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload())
         policy = TierPolicy(config.scheduler.preemption, self.block_bytes, block_size, self._cost_model())
         self.scheduler = Scheduler(config.scheduler, self.kv, policy)
         if self.runner.device.type == "cuda" and not config.model.enforce_eager:
@@ -87,7 +92,7 @@ class LLMEngine:
     def block_bytes(self) -> int:
         return self.runner.kv_spec.block_bytes(self.config.cache.block_size)
 
-    def _build_offload(self, kv_cache: torch.Tensor) -> CPUOffload | None:
+    def _build_offload(self) -> CPUOffload | None:
         cache = self.config.cache
         if cache.cpu_cache_bytes == 0:  # EngineConfig checked that nothing needs a CPU tier
             return None
@@ -98,8 +103,8 @@ class LLMEngine:
                 "raise it or set it to 0 to run without a CPU tier"
             )
         check_fits("cpu_cache_bytes", num_blocks, self.block_bytes, torch.device("cpu"))
-        tier = CPUTier(num_blocks, tuple(kv_cache[:, :, 0].shape), kv_cache.dtype, pin=kv_cache.is_cuda)
-        return CPUOffload(tier, make_transfer_engine(kv_cache, tier.data), self._build_stores(), cache.cpu_policy)
+        tier, transfers = self.runner.cpu_tier(num_blocks)
+        return CPUOffload(tier, transfers, self._build_stores(), cache.cpu_policy)
 
     def _build_stores(self) -> BlockStore | None:
         """The store below the CPU tier: NVMe, the remote server, or both (reads from the first
@@ -115,6 +120,8 @@ class LLMEngine:
         cache = self.config.cache
         if cache.nvme_path is None:
             return None
+        if isinstance(self.runner, Workers):  # one store file per rank
+            return self.runner.open_store(cache, self.fingerprint)
         return open_store(cache.nvme_path, cache.nvme_bytes, self.block_bytes, self.fingerprint,
                           cache.block_size, backend=cache.io_backend)
 
@@ -126,15 +133,17 @@ class LLMEngine:
         needed = self.kv.offload is not None and (sched.preemption == "auto" or slow_tier)
         if sched.cost_model is not None or not needed:
             return sched.cost_model
-        device = self.runner.device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         max_tokens = min(self.kv.num_blocks * self.kv.block_size, self.runner.max_model_len,
                          sched.max_num_batched_tokens)  # the largest prefill step it will run
-        key = f"{name}/{self.fingerprint:016x}"
         disk_dir = cache.nvme_path
         if disk_dir is not None and not os.path.isdir(disk_dir):  # the store's file itself
             disk_dir = os.path.dirname(os.path.abspath(disk_dir))
         probe = DiskProbe(disk_dir, self.block_bytes, DEFAULT_QUEUE_DEPTH, cache.io_backend) if disk_dir else None
+        if isinstance(self.runner, Workers):  # the ranks measure; each call returns once they are done
+            return self.runner.calibrate(self.fingerprint, max_tokens, probe)
+        device = self.runner.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        key = f"{name}/{self.fingerprint:016x}"
         return self._with_remote_reads(calibrate(key, device, self.runner.prefill_probe, max_tokens, probe))
 
     def _with_remote_reads(self, cost: CostModel) -> CostModel:
@@ -146,22 +155,6 @@ class LLMEngine:
         speeds = [s for s in (cost.disk_read_bytes_per_s, remote) if s is not None]
         logger.info("remote tier reads %.2f GB/s", remote / 1e9)
         return dataclasses.replace(cost, disk_read_bytes_per_s=min(speeds))
-
-    def _num_gpu_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_gpu_blocks is not None:
-            check_fits("num_gpu_blocks", cache.num_gpu_blocks, self.block_bytes, self.runner.device)
-            return cache.num_gpu_blocks
-        if self.runner.device.type != "cuda":
-            return DEFAULT_CPU_GPU_BLOCKS
-        free, total = torch.cuda.mem_get_info(self.runner.device)
-        budget = free - (1 - cache.gpu_memory_utilization) * total
-        num = int(budget // self.runner.kv_spec.block_bytes(cache.block_size))
-        if num < 1:
-            raise ValueError(
-                "gpu_memory_utilization: leaves no memory for the KV cache; raise it or set num_gpu_blocks"
-            )
-        return num
 
     # ------------------------------------------------------------------ requests
 
@@ -177,6 +170,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
+        check_parallel_request(params, self.config.parallel.tensor_parallel_size)
         name = "best_of" if params.best_of is not None else "n"
         token_ids, request_id = self._new_request(prompt, request_id, params.max_tokens, name, params.num_samples)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
@@ -191,6 +185,7 @@ class LLMEngine:
         its result is `seq.group.result(...)` once it has finished."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
+        check_parallel_request(params, self.config.parallel.tensor_parallel_size)
         token_ids, request_id = self._new_request(prompt, request_id, params.max_tokens, "beam_width",
                                                   params.beam_width)
         # beams never stop by themselves: the beam search ends them
@@ -235,7 +230,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (a string needs a tokenizer; ids are checked against the vocabulary)."""
-        return token_ids(prompt, self.tokenizer, self.runner.model.config.vocab_size)
+        return token_ids(prompt, self.tokenizer, self.runner.hf_config.vocab_size)
 
     @property
     def max_request_tokens(self) -> int:
@@ -265,7 +260,9 @@ class LLMEngine:
             seed = (params.seed + sample) % 2**64
         else:
             seed = self.config.model.seed * 1_000_003 + next(self._ids)
-        return torch.Generator(device=self.runner.device).manual_seed(seed)
+        # with workers, rank 0 samples with a generator of its own seeded from this one
+        device = "cpu" if isinstance(self.runner, Workers) else self.runner.device
+        return torch.Generator(device=device).manual_seed(seed)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free everything it holds; its last output (`finish_reason` "abort"),
@@ -299,10 +296,17 @@ class LLMEngine:
         tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
         self.kv.before_forward()
         self.runner.copy_blocks(self.kv.take_block_copies())  # copy-on-write, before the writes
-        logits = self.runner.execute(batch.scheduled, tables)
-        self._count(batch)  # before `advance` moves the sequences on
-        self.scheduler.advance(batch)
-        outputs = [self._output(seq) for seq in self.decoder.process(batch.sampling, logits)]
+        if isinstance(self.runner, Workers):  # rank 0 samples where the logits are
+            tokens = self.runner.execute(batch.scheduled, tables, batch.sampling)
+            self._count(batch)
+            self.scheduler.advance(batch)
+            news = self.decoder.append(batch.sampling, tokens)
+        else:
+            logits = self.runner.execute(batch.scheduled, tables)
+            self._count(batch)  # before `advance` moves the sequences on
+            self.scheduler.advance(batch)
+            news = self.decoder.process(batch.sampling, logits)
+        outputs = [self._output(seq) for seq in news]
         for out in outputs:
             if out.finished and self.seqs.pop(out.request_id, None) is not None:
                 self._counters["requests_finished"] += 1
@@ -365,7 +369,7 @@ class LLMEngine:
             return
         self._closed = True
         self.kv.close()
-        self.runner.kv_cache = None
+        self.runner.close()
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -1,11 +1,16 @@
 """How much memory a device has left, to refuse a KV tier that cannot fit before allocating it.
-Operations: `available_bytes(device)`, `check_fits(key, num_blocks, block_bytes, device)`."""
+Operations: `available_bytes(device)`, `check_fits(key, num_blocks, block_bytes, device)`,
+`fit_gpu_blocks(cache, block_bytes, device)`."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+from tieredkv.config import CacheConfig
+
+DEFAULT_CPU_GPU_BLOCKS = 256  # the "GPU" tier of a CPU device, unless num_gpu_blocks says
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -33,3 +38,16 @@ def check_fits(key: str, num_blocks: int, block_bytes: int, device: torch.device
             f"{key}: {num_blocks} blocks of {block_bytes} bytes need {need / 2**30:.1f} GiB but "
             f"{device.type} memory has {available / 2**30:.1f} GiB available; lower {key}"
         )
+
+
+def fit_gpu_blocks(cache: CacheConfig, block_bytes: int, device: torch.device) -> int:
+    """Blocks of `block_bytes` that `gpu_memory_utilization` leaves on a CUDA device (CPU:
+    DEFAULT_CPU_GPU_BLOCKS); ValueError if none."""
+    if device.type != "cuda":
+        return DEFAULT_CPU_GPU_BLOCKS
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free - (1 - cache.gpu_memory_utilization) * total
+    num = int(budget // block_bytes)
+    if num < 1:
+        raise ValueError("gpu_memory_utilization: leaves no memory for the KV cache; raise it or set num_gpu_blocks")
+    return num

@@ -17,10 +17,14 @@ import numpy as np
 import xxhash
 
 
-def model_fingerprint(model_config: dict[str, Any], weights_id: str, dtype: str, block_size: int) -> int:
+def model_fingerprint(
+    model_config: dict[str, Any], weights_id: str, dtype: str, block_size: int, tp_layout: str | None = None
+) -> int:
     """A 64-bit id of everything that changes the KV bytes of a block: the architecture, the
-    weights, the dtype and the block size."""
+    weights, the dtype, the block size and the tensor-parallel layout (None: one process)."""
     doc = {"model": model_config, "weights": weights_id, "dtype": dtype, "block_size": block_size}
+    if tp_layout is not None:  # absent for one process, so that its fingerprints stay as they were
+        doc["tensor_parallel"] = tp_layout
     return xxhash.xxh3_64_intdigest(json.dumps(doc, sort_keys=True, default=str).encode())
 
 

@@ -204,7 +204,7 @@ async def _run(run: Run, experiment: Experiment, options: Options,
     if offload is not None:
         offload.trace = trace
     logger.info("%s", startup_summary(run.name, engine))
-    vocab = slot.llm.engine.runner.model.config.vocab_size
+    vocab = slot.llm.engine.runner.hf_config.vocab_size
     timeline: list[dict[str, Any]] = []
     stop = asyncio.Event()
     exporter = options.exporter

@@ -1,8 +1,12 @@
 """Model presets: architectures with random, seeded weights (no download).
 
-Tiny presets run on a laptop CPU; full-size shapes (`llama-3-8b`, `qwen3-8b`) are for GPU
-experiments. `initializer_range` is raised on the tiny ones so that random logits are far from
-ties and greedy decoding is stable under tiny numerical differences.
+Tiny presets run on a laptop CPU; full-size shapes (`llama-3-8b`, `qwen3-8b`, `llama-3-70b`)
+are for GPU experiments. `initializer_range` is raised on the tiny ones so that random logits are
+far from ties and greedy decoding is stable under tiny numerical differences.
+
+Under tensor parallelism (`build_preset_shard`) a tiny preset is built whole and cut, so every
+rank count runs the same weights; a full-size one is drawn directly in each rank's shape on its
+device (a 70B model never exists whole anywhere), so its weights depend on the rank count.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from tieredkv.model.sharding import TPLayout, parallelize, rank_config, shard_model
 
 _TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -26,6 +33,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-3-8b": ("llama", dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False,
+    )),
+    "llama-3-70b": ("llama", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
         rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False,
     )),
     "qwen3-8b": ("qwen3", dict(
@@ -62,3 +74,27 @@ def build_preset(
             attn_implementation=attn_implementation,
         )
     return model.to(device=device, dtype=dtype).eval()
+
+
+def build_preset_shard(
+    name: str, layout: TPLayout, group: dist.ProcessGroup | None = None, seed: int = 0,
+    dtype: torch.dtype = torch.float32, device: str = "cpu", attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """Rank `layout.rank`'s share of the preset (module docstring: tiny ones are cut from the
+    whole model, full-size ones drawn in their rank's shape, replicated weights alike on all)."""
+    if name.startswith("tiny-"):
+        model = build_preset(name, seed, dtype, device, attn_implementation)
+        shard_model(model, layout, group)
+        return model
+    full = preset_config(name)
+    layout.check(full)
+    torch.manual_seed(seed * 1_000_003 + layout.rank)  # each rank draws its own shard
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            rank_config(full, layout), dtype=dtype, attn_implementation=attn_implementation
+        )
+    embedding = model.get_input_embeddings().weight
+    generator = torch.Generator(device=device).manual_seed(seed)  # the same on every rank
+    embedding.data.normal_(0.0, full.initializer_range, generator=generator)
+    parallelize(model, layout, group)
+    return model.eval()

@@ -3,10 +3,14 @@
 Operations:
 - `ModelRunner(model_config)`: load a model directory (or a cached model id) or build a preset;
   register paged attention.
-- `allocate_kv_cache(num_blocks, block_size)`: the one KV tensor of the GPU tier.
+- `allocate_kv_cache(num_blocks, block_size)`: the one KV tensor of the GPU tier;
+  `cpu_tier(num_blocks)`: its CPU twin and the transfer engine between them.
 - `execute(scheduled, block_tables)`: one packed forward pass; logits of the last token of
-  every sequence that samples this step.
+  every sequence that samples this step (`run(step)` for inputs built already).
 - `copy_blocks(copies)`: copy whole KV blocks within the cache (copy-on-write of forks).
+
+With a `TPLayout` the runner holds one rank's share of the model and of the KV (its KV heads);
+the tensor-parallel workers (`tieredkv/parallel/`) run one such runner per rank.
 """
 
 from __future__ import annotations
@@ -18,20 +22,27 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-from tieredkv.config import ModelConfig
+from tieredkv.config import CacheConfig, ModelConfig
+from tieredkv.memory import check_fits, fit_gpu_blocks
 from tieredkv.model import attention, fused
 from tieredkv.model.cuda_graphs import MAX_MIXED_TOKENS, StepGraphs
-from tieredkv.model.presets import PRESETS, build_preset
+from tieredkv.model.presets import PRESETS, build_preset, build_preset_shard, preset_config
+from tieredkv.model.sharding import TPLayout, head_dim, num_kv_heads, shard_model
 from tieredkv.model.weights import weights_id
 from tieredkv.sampling import SamplingParams
 from tieredkv.sequence import ScheduledSeq
 from tieredkv.sequence import Sequence as Seq
+from tieredkv.tiers.cpu import CPUTier
+from tieredkv.transfer.engine import TransferEngine, make_transfer_engine
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 COPY_STAGING_BLOCKS = 16  # blocks one gather + scatter of `copy_blocks` moves
@@ -51,49 +62,99 @@ class KVSpec:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * elem
 
+    @classmethod
+    def of(cls, hf: PretrainedConfig, dtype: str, layout: TPLayout | None = None) -> KVSpec:
+        """The KV of the whole model, or of one rank's KV heads."""
+        heads = num_kv_heads(hf) if layout is None else len(layout.kv_heads(hf))
+        return cls(hf.num_hidden_layers, heads, head_dim(hf), getattr(torch, dtype))
 
-def load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Build a preset or load a local directory, with our paged attention installed."""
+
+def load_model(
+    config: ModelConfig, layout: TPLayout | None = None, group: torch.distributed.ProcessGroup | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Build a preset or load a local directory, with our paged attention installed; with a
+    `layout`, only that rank's share of it."""
     attention.register()
     dtype = getattr(torch, config.dtype)
+    impl = attention.ATTN_IMPLEMENTATION
     if config.model in PRESETS:
-        model = build_preset(config.model, config.seed, dtype, config.device, attention.ATTN_IMPLEMENTATION)
+        if layout is None:
+            model = build_preset(config.model, config.seed, dtype, config.device, impl)
+        else:
+            model = build_preset_shard(config.model, layout, group, config.seed, dtype, config.device, impl)
         fused.install(model, config.device)
         return model, None
-    model = AutoModelForCausalLM.from_pretrained(
-        config.model, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
-    )
-    if model.config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model: architecture {model.config.model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    has_tokenizer = any(
-        os.path.exists(os.path.join(config.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")
-    )
-    tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
+    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation=impl)
+    check_model_type(model.config)
+    if layout is not None:
+        shard_model(model, layout, group)
     fused.install(model, config.device)
-    return model.to(config.device).eval(), tokenizer
+    return model.to(config.device).eval(), load_tokenizer(config.model)
+
+
+def weights_identity(config: ModelConfig) -> str:
+    """What names the weights in the model fingerprint: preset and seed, or the files' hash."""
+    return f"preset:{config.model}:seed={config.seed}" if config.model in PRESETS else weights_id(config.model)
+
+
+def check_model_type(hf: PretrainedConfig) -> None:
+    if hf.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model: architecture {hf.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    """The architecture of a preset or a model directory (no weights read)."""
+    if model in PRESETS:
+        return preset_config(model)
+    hf = AutoConfig.from_pretrained(model)
+    check_model_type(hf)
+    return hf
+
+
+def load_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of a model directory, if it has one (presets have none)."""
+    if model in PRESETS:
+        return None
+    has_tokenizer = any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    return AutoTokenizer.from_pretrained(model) if has_tokenizer else None
+
+
+def load_generation_config(model: str, hf: PretrainedConfig) -> GenerationConfig:
+    """generation_config.json of a directory, else the one transformers derives from `hf`."""
+    if model not in PRESETS and os.path.exists(os.path.join(model, "generation_config.json")):
+        return GenerationConfig.from_pretrained(model)
+    return GenerationConfig.from_model_config(hf)
+
+
+def eos_token_ids(hf: PretrainedConfig, generation: GenerationConfig) -> tuple[int, ...]:
+    """Every EOS id of config.json and generation_config.json: transformers' `generate` stops
+    on any id of the generation config's list (Llama-3-Instruct lists three)."""
+    ids: list[int] = []
+    for source in (hf, generation):
+        eos = getattr(source, "eos_token_id", None)
+        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return tuple(dict.fromkeys(ids))
 
 
 class ModelRunner:
     """Runs packed batches of sequences through the model and the paged KV cache."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        """`config` may hold "auto" and model ids; they are resolved here (`ModelConfig.resolved`)."""
+    def __init__(
+        self, config: ModelConfig, layout: TPLayout | None = None, group: torch.distributed.ProcessGroup | None = None
+    ) -> None:
+        """`config` may hold "auto" and model ids; they are resolved here (`ModelConfig.resolved`).
+        With `layout`, this rank's share of the model (its collectives run over `group`)."""
         self.config = config = config.resolved()
         self.device = torch.device(config.device)
-        self.model, self.tokenizer = load_model(config)
-        hf = self.model.config
-        self.kv_spec = KVSpec(
-            num_layers=hf.num_hidden_layers,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-            dtype=getattr(torch, config.dtype),
-        )
-        self.max_model_len = _max_model_len(config.max_model_len, hf.max_position_embeddings)
-        is_preset = config.model in PRESETS
-        self.weights_id = f"preset:{config.model}:seed={config.seed}" if is_preset else weights_id(config.model)
+        self.model, self.tokenizer = load_model(config, layout, group)
+        # the whole model's architecture (a full-size preset's shard is built in its rank's shapes)
+        self.hf_config = self.model.config if layout is None else load_hf_config(config.model)
+        self.kv_spec = KVSpec.of(self.hf_config, config.dtype, layout)
+        self.tp_layout = None if layout is None else layout.describe(self.hf_config)  # in the model fingerprint
+        self.max_model_len = max_model_len(config.max_model_len, self.hf_config.max_position_embeddings)
+        self.weights_id = weights_identity(config)
         self.ops = attention.attention_ops(self.device)
         self.kv_cache: torch.Tensor | None = None
         self._copy_staging: torch.Tensor | None = None
@@ -102,13 +163,16 @@ class ModelRunner:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        """Every EOS id of config.json and generation_config.json: transformers' `generate`
-        stops on any id of the generation config's list (Llama-3-Instruct lists three)."""
-        ids: list[int] = []
-        for source in (self.model.config, self.model.generation_config):
-            eos = getattr(source, "eos_token_id", None)
-            ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
-        return tuple(dict.fromkeys(ids))
+        return eos_token_ids(self.model.config, self.model.generation_config)
+
+    def num_gpu_blocks(self, cache: CacheConfig) -> int:
+        """How many KV blocks the GPU tier gets (`num_gpu_blocks`, checked to fit, or what
+        `gpu_memory_utilization` leaves)."""
+        block_bytes = self.kv_spec.block_bytes(cache.block_size)
+        if cache.num_gpu_blocks is not None:
+            check_fits("num_gpu_blocks", cache.num_gpu_blocks, block_bytes, self.device)
+            return cache.num_gpu_blocks
+        return fit_gpu_blocks(cache, block_bytes, self.device)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         s = self.kv_spec
@@ -118,6 +182,18 @@ class ModelRunner:
         self._copy_staging = torch.empty(staging_shape, dtype=s.dtype, device=self.device)
         self.block_size = block_size
         return self.kv_cache
+
+    def cpu_tier(self, num_blocks: int, memory: torch.Tensor | None = None) -> tuple[CPUTier, TransferEngine]:
+        """A CPU tier of `num_blocks` blocks shaped like the GPU tier's (in `memory` if given,
+        else allocated), pinned on CUDA, and the transfer engine between the two."""
+        assert self.kv_cache is not None, "allocate_kv_cache() before cpu_tier()"
+        kv = self.kv_cache
+        tier = CPUTier(num_blocks, tuple(kv[:, :, 0].shape), kv.dtype, pin=kv.is_cuda, memory=memory)
+        return tier, make_transfer_engine(kv, tier.data)
+
+    def close(self) -> None:
+        """Release the KV tensor."""
+        self.kv_cache = None
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -140,8 +216,12 @@ class ModelRunner:
     def execute(self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[list[int]]) -> torch.Tensor:
         """Run the new tokens of every scheduled sequence; return `[n, vocab]` float32 logits
         for the n sequences whose chunk reaches their last token."""
+        return self.run(StepInputs.build(scheduled, block_tables, self.block_size))
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """`execute` for inputs built already."""
         assert self.kv_cache is not None, "allocate_kv_cache() before execute()"
-        step = StepInputs.build(scheduled, block_tables, self.block_size)
         bucket = self.graphs.bucket(step) if self.graphs is not None else None
         if bucket is not None:
             return self.graphs.run(step, bucket)
@@ -175,7 +255,8 @@ class ModelRunner:
         self.execute([ScheduledSeq(seq, num_tokens)], [list(range(-(-num_tokens // self.block_size)))])
 
 
-def _max_model_len(configured: int | None, positions: int) -> int:
+def max_model_len(configured: int | None, positions: int) -> int:
+    """The longest request: `max_model_len` if set (never past the model's positions)."""
     if configured is not None and configured > positions:
         raise ValueError(
             f"max_model_len: {configured} exceeds the model's {positions} positions "

@@ -19,11 +19,19 @@ logger = logging.getLogger(__name__)
 class CPUTier:
     """`num_blocks` host blocks of shape `block_shape`."""
 
-    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+        memory: torch.Tensor | None = None,
+    ) -> None:
+        """`memory`: zeroed uint8 bytes to hold the blocks (e.g. shared with another process);
+        allocated here when None."""
         shape = (num_blocks, *block_shape)
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        # page-aligned, so that NVMe I/O goes straight to and from the blocks (O_DIRECT)
-        self.data = aligned_empty(nbytes).view(dtype).view(shape).zero_()
+        if memory is None:
+            # page-aligned, so that NVMe I/O goes straight to and from the blocks (O_DIRECT)
+            memory = aligned_empty(nbytes).zero_()
+        assert memory.numel() == nbytes and memory.dtype == torch.uint8, "memory holds exactly the blocks' bytes"
+        self.data = memory.view(dtype).view(shape)
         self.pinned = pin and _pin(self.data)
 
     @property

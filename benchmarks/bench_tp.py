@@ -1,0 +1,249 @@
+"""Tensor parallelism on two GPUs, in one run:
+
+- `llama-3-8b` (random bf16 weights), TP=2 against TP=1: a decode step (batch 64, context 2k)
+  and a prefill step (4 x 2k tokens), each timed as the engine runs it (inputs sent to the
+  ranks, forward pass, rank 0 samples); each against its memory floor (a rank's weights and KV
+  read at the HBM copy bandwidth measured in the same run). The collectives' share: the GPU time
+  of NCCL kernels in a step (profiler on the ranks, eager), and the all-reduces of a step
+  (2 per layer) timed alone on the same activations.
+- Swap bandwidth at TP=2: a swap-out and a swap-in of `--swap-gib` of KV through the engine's
+  transfers (both ranks copy their heads of the same blocks at once, each over its own link),
+  against the sum of the two GPUs' pinned-copy peaks, each measured alone in the same run
+  (target >= 90%).
+
+    python benchmarks/bench_tp.py [--model llama-3-8b] [--batch 64] [--context 2048]
+                                  [--prefill-seqs 4] [--swap-gib 4] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from common import GiB, hbm_copy_peak, report, require_cuda, time_cuda, write_json
+
+from tieredkv import LLM, SamplingParams
+from tieredkv.model.runner import KVSpec, StepInputs, load_hf_config
+from tieredkv.parallel.plan import NewRequest, StepPlan
+from tieredkv.sequence import ScheduledSeq, Sequence
+from tieredkv.transfer.engine import TransferJob
+
+BLOCK_SIZE = 16
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def make_step(batch: int, context: int, new: int, first_block: int = 0, vocab: int = 30000):
+    """`batch` sequences of `context` cached tokens computing `new` more each (decode: 1,
+    prefill: context 0); their block tables over scattered blocks from `first_block` on."""
+    per_seq = -(-(context + new) // BLOCK_SIZE)
+    rng = random.Random(0)
+    blocks = list(range(first_block, first_block + batch * per_seq))
+    rng.shuffle(blocks)
+    scheduled, tables = [], []
+    for b in range(batch):
+        seq = Sequence(f"bench-{b}", [rng.randrange(vocab // 2, vocab) for _ in range(context + new)], GREEDY)
+        seq.num_computed_tokens = context
+        scheduled.append(ScheduledSeq(seq, new))
+        tables.append(blocks[b * per_seq : (b + 1) * per_seq])
+    return scheduled, tables, batch * per_seq
+
+
+def wall_time(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> float:
+    """Median host seconds of `fn` (each call returns once its tokens are sampled)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a forward pass reads of the weights (the embedding: one row per token, none)."""
+    embedding = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+
+
+# ---------------------------------------------------------------------- on the ranks
+
+
+def rank_weight_bytes(worker) -> int:
+    return weight_bytes(worker.runner.model)
+
+
+def rank_nccl_time(worker, plan: StepPlan, reps: int) -> float:
+    """GPU seconds of NCCL kernels per step of `plan` on this rank (eager: the profiler sees
+    every kernel)."""
+    graphs, worker.runner.graphs = worker.runner.graphs, None
+    try:
+        worker.step(plan)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                worker.step(plan)
+            torch.cuda.synchronize()
+    finally:
+        worker.runner.graphs = graphs
+    nccl_us = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower())
+    return nccl_us / 1e6 / reps
+
+
+def rank_all_reduce_time(worker, tokens: int, reps: int) -> float:
+    """Seconds of one all-reduce of `tokens` hidden states (bf16), alone."""
+    hidden = worker.runner.hf_config.hidden_size
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    return time_cuda(lambda: dist.all_reduce(x), reps=reps, warmup=3)
+
+
+def rank_pinned_peaks(worker, rank: int | None) -> tuple[float, float] | None:
+    """(D2H, H2D) GB/s of a 1 GiB pinned copy on this rank, if it is `rank` (None: every rank
+    at once)."""
+    if rank is not None and worker.rank != rank:
+        dist.barrier()
+        return None
+    host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    d2h = GiB / time_cuda(lambda: host.copy_(dev, non_blocking=True), reps=5) / 1e9
+    h2d = GiB / time_cuda(lambda: dev.copy_(host, non_blocking=True), reps=5) / 1e9
+    dist.barrier()
+    return d2h, h2d
+
+
+# ---------------------------------------------------------------------- TP=1 and TP=2
+
+
+def engine(model: str, tp: int, num_blocks: int, batch: int, cpu_bytes: int = 0) -> LLM:
+    extra = {"cpu_cache_bytes": cpu_bytes, "preemption": "swap"} if cpu_bytes else {}
+    return LLM(model=model, device="cuda", dtype="bfloat16", tensor_parallel_size=tp, num_gpu_blocks=num_blocks,
+               block_size=BLOCK_SIZE, max_num_seqs=batch, **extra)
+
+
+def tp1_steps(llm: LLM, decode, prefill) -> tuple[float, float]:
+    """(decode step, prefill step) seconds: forward pass and greedy sampling, one process."""
+    runner, sampler = llm.runner, llm.sampler
+
+    def run(step):
+        scheduled, tables, _ = step
+        logits = runner.execute(scheduled, tables)
+        return sampler.sample(logits, [GREEDY] * len(logits), [None] * len(logits))
+
+    return wall_time(lambda: run(decode)), wall_time(lambda: run(prefill), reps=5)
+
+
+def run_tp1(model: str, num_blocks: int, batch: int, decode, prefill, kv_read: int, hbm: float):
+    """((decode step, prefill step) seconds, decode memory floor) of one process on GPU 0."""
+    with engine(model, 1, num_blocks, batch) as llm:
+        steps = tp1_steps(llm, decode, prefill)
+        floor = (weight_bytes(llm.runner.model) + kv_read * llm.runner.kv_spec.block_bytes(1)) / (hbm * 1e9)
+    return steps, floor
+
+
+def tp2_steps(llm: LLM, decode, prefill) -> tuple[float, float]:
+    workers = llm.runner
+
+    def run(step):
+        scheduled, tables, _ = step
+        return workers.execute(scheduled, tables, [s.seq for s in scheduled])
+
+    return wall_time(lambda: run(decode)), wall_time(lambda: run(prefill), reps=5)
+
+
+def plan_of(llm: LLM, step) -> StepPlan:
+    scheduled, tables, _ = step
+    ids = tuple(s.seq.request_id for s in scheduled)
+    return StepPlan(inputs=StepInputs.build(scheduled, tables, BLOCK_SIZE), rows=ids,
+                    new_requests=tuple(NewRequest(i, GREEDY, None) for i in ids))
+
+
+def collectives(llm: LLM, decode, prefill, args, records: list, steps: dict) -> None:
+    ranks = llm.runner.ranks
+    layers = llm.runner.hf_config.num_hidden_layers
+    for name, step, tokens in (("decode", decode, args.batch), ("prefill", prefill, args.prefill_seqs * args.context)):
+        nccl = max(ranks.call("apply", rank_nccl_time, plan_of(llm, step), 5))
+        alone = 2 * layers * max(ranks.call("apply", rank_all_reduce_time, tokens, 10))
+        records.append(report(f"TP=2 {name} step: NCCL kernel time (profiler, eager)", nccl * 1e3, "ms",
+                              steps[name] * 1e3, f"{name} step"))
+        records.append(report(f"TP=2 {name} step: {2 * layers} all-reduces of {tokens} tokens, alone",
+                              alone * 1e3, "ms", steps[name] * 1e3, f"{name} step"))
+
+
+def swap_bandwidth(llm: LLM, swap_bytes: int, records: list) -> None:
+    ranks, transfers = llm.runner.ranks, llm.kv.offload.transfers
+    peaks = [ranks.call("apply", rank_pinned_peaks, rank)[rank] for rank in range(ranks.world)]
+    together = ranks.call("apply", rank_pinned_peaks, None)
+    for rank, (d2h, h2d) in enumerate(peaks):
+        report(f"rank {rank} pinned copy peak D2H (alone)", d2h, "GB/s")
+        report(f"rank {rank} pinned copy peak H2D (alone)", h2d, "GB/s")
+    report("both ranks' pinned copies at once, D2H sum", sum(d for d, _ in together), "GB/s")
+    report("both ranks' pinned copies at once, H2D sum", sum(h for _, h in together), "GB/s")
+    num_blocks = min(swap_bytes // transfers.block_bytes, llm.kv.num_blocks, llm.kv.offload.tier.num_blocks)
+    gpu_ids = list(range(num_blocks))
+    random.Random(1).shuffle(gpu_ids)  # a swapped sequence's blocks lie anywhere in the GPU tier
+    cpu_ids = list(range(num_blocks))
+    nbytes = num_blocks * transfers.block_bytes
+    for kind, peak in (("d2h", sum(d for d, _ in peaks)), ("h2d", sum(h for _, h in peaks))):
+        def move(kind=kind):
+            transfers.wait([transfers.submit(TransferJob(kind, tuple(gpu_ids), tuple(cpu_ids)))])
+
+        gbs = nbytes / wall_time(move, reps=5, warmup=1) / 1e9
+        name = f"TP=2 swap {kind.upper()} of {nbytes / GiB:.1f} GiB (both ranks)"
+        records.append(report(name, gbs, "GB/s", peak, "sum of the ranks' pinned peaks"))
+        print(f"  aggregate / sum of peaks: {gbs / peak:.1%} (target >= 90%)")
+    transfers.poll()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--prefill-seqs", type=int, default=4, help="prefill step: this many prompts of --context")
+    parser.add_argument("--swap-gib", type=float, default=4.0)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    require_cuda()
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("this benchmark needs two GPUs")
+    records: list[dict] = []
+    hbm = hbm_copy_peak()
+    report("HBM device-to-device copy (GPU 0)", hbm, "GB/s")
+    decode = make_step(args.batch, args.context, 1)
+    prefill = make_step(args.prefill_seqs, 0, args.context, first_block=decode[2])
+    num_blocks = decode[2] + prefill[2]
+    kv_read = args.batch * (args.context + 1)  # tokens of KV a decode step reads
+
+    one, floor1 = run_tp1(args.model, num_blocks, args.batch, decode, prefill, kv_read, hbm)
+    gc.collect()  # the TP=1 model leaves GPU 0 to rank 0
+    torch.cuda.empty_cache()
+    swap_bytes = int(args.swap_gib * GiB)  # KV moved by each swap, both ranks together
+    block_bytes = KVSpec.of(load_hf_config(args.model), "bfloat16").block_bytes(BLOCK_SIZE)
+    swap_blocks = swap_bytes // block_bytes
+    with engine(args.model, 2, max(num_blocks, swap_blocks), args.batch, cpu_bytes=swap_bytes + GiB) as llm:
+        two = tp2_steps(llm, decode, prefill)
+        rank_kv = llm.runner.rank_kv_spec.block_bytes(1)
+        floor2 = (max(llm.runner.ranks.call("apply", rank_weight_bytes)) + kv_read * rank_kv) / (hbm * 1e9)
+        records.append(report(f"TP=1 decode step, batch {args.batch}, context {args.context}", one[0] * 1e3, "ms",
+                              floor1 * 1e3, "memory floor"))
+        records.append(report(f"TP=2 decode step, batch {args.batch}, context {args.context}", two[0] * 1e3, "ms",
+                              floor2 * 1e3, "memory floor per rank"))
+        print(f"  TP=2 speed-up over TP=1 (decode step): {one[0] / two[0]:.2f}x")
+        tokens = args.prefill_seqs * args.context
+        records.append(report(f"TP=1 prefill, {args.prefill_seqs} x {args.context} tokens", tokens / one[1], "tok/s"))
+        records.append(report(f"TP=2 prefill, {args.prefill_seqs} x {args.context} tokens", tokens / two[1], "tok/s",
+                              2 * tokens / one[1], "twice TP=1"))
+        print(f"  TP=2 speed-up over TP=1 (prefill): {one[1] / two[1]:.2f}x")
+        collectives(llm, decode, prefill, args, records, {"decode": two[0], "prefill": two[1]})
+        swap_bandwidth(llm, swap_bytes, records)
+    write_json(args.json, records)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""A rank's process: its share of the model, its KV heads of every GPU block, its slice of the
+CPU tier (memory it shares with the driver, which does the NVMe I/O), its transfer engine;
+rank 0 also samples.
+
+`worker_main` joins torch.distributed (NCCL on CUDA, gloo on the CPU), loads the shard, then
+runs the driver's calls (`Worker.<method>(*args)`, one reply each) until the driver says stop or
+goes away. After an error it reports and exits: the driver stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from multiprocessing import connection, reduction
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# the fork server imports these once, so that a rank's process starts with them loaded
+import transformers.models.llama.modeling_llama  # noqa: F401
+import transformers.models.mistral.modeling_mistral  # noqa: F401
+import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+
+from tieredkv.calibrate import measure_bandwidth
+from tieredkv.config import CacheConfig, EngineConfig
+from tieredkv.model.runner import ModelRunner
+from tieredkv.model.sharding import TPLayout
+from tieredkv.parallel.plan import REPORTED_ERROR_EXIT, StepPlan, StepReply
+from tieredkv.sampling import FailedSample, Sampler, SamplingParams
+from tieredkv.transfer.engine import TransferEngine
+
+
+def worker_main(
+    config: EngineConfig, rank: int, world: int, store_port: int, conn: connection.Connection,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Entry point of rank `rank`'s process (`config` resolved by the driver; `env`: the
+    driver's environment now, e.g. CUDA_VISIBLE_DEVICES, not the fork server's at its start)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    code = REPORTED_ERROR_EXIT
+    try:
+        worker = Worker(config, rank, world, store_port, conn)
+        conn.send(("ok", worker.info()))
+        code = _serve(worker, conn)
+    except BaseException as err:  # reported to the driver, which stops every rank
+        _report(conn, err)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # no teardown: a collective with a rank that died could hang it
+        os._exit(code)
+
+
+def _serve(worker: Worker, conn: connection.Connection) -> int:
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):  # the driver went away
+            return 0
+        if method == "shutdown":
+            return 0
+        try:
+            result = getattr(worker, method)(*args)
+        except BaseException as err:
+            _report(conn, err)
+            return REPORTED_ERROR_EXIT
+        conn.send(("ok", result))
+
+
+def _report(conn: connection.Connection, err: BaseException) -> None:
+    try:
+        conn.send(("error", (type(err).__name__, str(err), traceback.format_exc())))
+    except OSError:
+        pass
+
+
+class Worker:
+    """The calls the driver makes on every rank."""
+
+    def __init__(self, config: EngineConfig, rank: int, world: int, store_port: int,
+                 conn: connection.Connection) -> None:
+        self.rank = rank
+        self.conn = conn
+        device = torch.device(config.model.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(rank)  # "cuda" means this rank's GPU from here on
+        else:  # the ranks share the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world)
+        self._warm_up(device)
+        self.runner = ModelRunner(config.model, TPLayout(rank, world))
+        self.transfers: TransferEngine | None = None
+        self._cpu_memory: mmap.mmap | None = None
+        self._job_ids: dict[int, int] = {}  # this rank's transfer job id -> the driver's
+        self.sampler = Sampler()
+        self.requests: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}  # rank 0 samples them
+
+    @staticmethod
+    def _warm_up(device: torch.device) -> None:
+        """One collective: the communicators exist before anything (a CUDA graph) records one."""
+        probe = torch.ones(1, device=device)
+        dist.all_reduce(probe)
+        assert int(probe.item()) == dist.get_world_size(), "all-reduce of ones counts the ranks"
+
+    def info(self) -> dict[str, Any]:
+        name = torch.cuda.get_device_name() if self.runner.device.type == "cuda" else "cpu"
+        return {"pid": os.getpid(), "device_name": name, "kv_spec": self.runner.kv_spec}
+
+    def num_gpu_blocks(self, cache: CacheConfig) -> int:
+        return self.runner.num_gpu_blocks(cache)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+
+    def attach_cpu_tier(self, num_blocks: int, nbytes: int) -> None:
+        """Map this rank's CPU tier slice, whose file descriptor the driver sends next."""
+        fd = reduction.recv_handle(self.conn)
+        try:
+            self._cpu_memory = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        memory = torch.frombuffer(self._cpu_memory, dtype=torch.uint8)
+        _, self.transfers = self.runner.cpu_tier(num_blocks, memory)
+
+    def capture_graphs(self, max_batch: int) -> None:
+        self.runner.capture_graphs(max_batch)
+
+    def prefill_probe(self, num_tokens: int) -> None:
+        self.runner.prefill_probe(num_tokens)
+        self._synchronize()
+
+    def measure_bandwidth(self) -> tuple[float, float]:
+        return measure_bandwidth(self.runner.device)
+
+    def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(worker, *args)` on this rank: measurements that must run beside the shard
+        (benchmarks pass functions of their own; `fn` travels by name, as pickle sends it)."""
+        return fn(self, *args)
+
+    def step(self, plan: StepPlan) -> StepReply:
+        for i, job in enumerate(plan.jobs):
+            self._job_ids[self.transfers.submit(job)] = plan.first_job + i
+        if plan.later is not None:
+            local = {driver: mine for mine, driver in self._job_ids.items()}
+            self.transfers.order_compute([local[j] for j in plan.later if j in local])
+        tokens = None
+        if plan.inputs is not None:
+            logits = self.runner.run(plan.inputs)
+            if self.rank == 0:
+                tokens = self._sample(logits, plan)
+        return self._reply(tokens)
+
+    def wait(self, job_ids: list[int] | None) -> StepReply:
+        """Wait for the driver's jobs `job_ids` (None: all) on this rank."""
+        if self.transfers is not None:
+            if job_ids is None:
+                self.transfers.wait_all()
+            else:
+                wanted = set(job_ids)
+                self.transfers.wait([mine for mine, driver in self._job_ids.items() if driver in wanted])
+        return self._reply(None)
+
+    def _reply(self, tokens: list[int | FailedSample] | None) -> StepReply:
+        if self.transfers is None:
+            return StepReply(tokens, [], 0.0)
+        finished = [self._job_ids.pop(mine) for mine in self.transfers.poll()]
+        return StepReply(tokens, finished, self.transfers.compute_wait_s)
+
+    def _sample(self, logits: torch.Tensor, plan: StepPlan) -> list[int | FailedSample]:
+        for request_id in plan.forget:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            generator = None
+            if new.seed is not None:
+                generator = torch.Generator(device=self.runner.device).manual_seed(new.seed)
+            self.requests[new.request_id] = (new.params, generator)
+        if not plan.rows:  # every sequence computed a chunk short of its last token
+            return []
+        params, generators = zip(*(self.requests[rid] for rid in plan.rows), strict=True)
+        banned: list[tuple[int, ...]] = [()] * len(plan.rows)
+        for row, ids in plan.banned:
+            banned[row] = ids
+        return self.sampler.sample(logits, params, generators, banned)
+
+    def _synchronize(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()

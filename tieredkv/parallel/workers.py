@@ -1,0 +1,181 @@
+"""`Workers`: the model runner of an engine with `tensor_parallel_size` > 1.
+
+It stands where a `ModelRunner` stands in the engine and answers what the engine asks of one
+(the model's architecture, tokenizer, EOS ids, KV size per block, a GPU tier, its CPU twin and
+transfers, a forward pass), while each rank's process holds its share of the model and of the
+KV. The driver keeps the scheduler and every block table; block ids are the same on every rank.
+
+Operations (besides the `ModelRunner` ones):
+- `execute(scheduled, tables, sampling) -> tokens`: one step on every rank; rank 0 samples.
+- `open_store(cache, fingerprint)`: the NVMe tier, one store file per rank.
+- `calibrate(fingerprint, max_tokens, disk)`: the cost model, measured on the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from tieredkv.calibrate import DiskProbe, calibrate
+from tieredkv.config import CacheConfig, EngineConfig
+from tieredkv.model.runner import (
+    KVSpec,
+    StepInputs,
+    eos_token_ids,
+    load_generation_config,
+    load_hf_config,
+    load_tokenizer,
+    max_model_len,
+    weights_identity,
+)
+from tieredkv.model.sharding import TPLayout
+from tieredkv.parallel.plan import NewRequest, StepPlan
+from tieredkv.parallel.ranks import RankFailure, Ranks
+from tieredkv.parallel.sharded_tiers import ShardedCPUTier, ShardedStore, open_sharded_store
+from tieredkv.parallel.transfers import WorkerTransfers
+from tieredkv.policy import CostModel
+from tieredkv.sampling import FailedSample
+from tieredkv.sequence import ScheduledSeq
+from tieredkv.sequence import Sequence as Seq
+
+__all__ = ["RankFailure", "Workers"]
+
+logger = logging.getLogger(__name__)
+
+
+class Workers:
+    """`tensor_parallel_size` rank processes behind the model runner's interface."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        """`config.model` resolved; the ranks start and load their shards before this returns."""
+        model = config.model
+        self.config = model
+        world = config.parallel.tensor_parallel_size
+        self.device = torch.device(model.device)
+        self.hf_config = load_hf_config(model.model)
+        layout = TPLayout(0, world)
+        layout.check(self.hf_config)
+        if self.device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(
+                f"tensor_parallel_size: {world} ranks need {world} GPUs, {torch.cuda.device_count()} are visible; "
+                "lower it (or make more GPUs visible with CUDA_VISIBLE_DEVICES)"
+            )
+        self.tp_layout = layout.describe(self.hf_config)
+        self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(model.model)
+        self.eos_token_ids = eos_token_ids(self.hf_config, load_generation_config(model.model, self.hf_config))
+        self.max_model_len = max_model_len(model.max_model_len, self.hf_config.max_position_embeddings)
+        self.weights_id = weights_identity(model)
+        self.rank_kv_spec = KVSpec.of(self.hf_config, model.dtype, layout)
+        # a block's KV on all ranks together (replicated KV heads counted once per rank)
+        self.kv_spec = dataclasses.replace(self.rank_kv_spec, num_kv_heads=self.rank_kv_spec.num_kv_heads * world)
+        self.block_size = 0
+        self.transfers: WorkerTransfers | None = None
+        self._known: dict[str, Seq] = {}  # requests rank 0 holds the parameters (and generator) of
+        self.ranks = Ranks(config, world)
+        info = self.ranks.info
+        assert all(i["kv_spec"] == self.rank_kv_spec for i in info), "the ranks hold the KV heads planned here"
+        self.device_name = f"{info[0]['device_name']} x{world}"
+        logger.info("%d tensor-parallel ranks (pids %s) on %s: %s", world, self.pids, self.device_name, self.tp_layout)
+
+    @property
+    def world(self) -> int:
+        return self.ranks.world
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, in rank order."""
+        return [i["pid"] for i in self.ranks.info]
+
+    # ------------------------------------------------------------------ tiers
+
+    def num_gpu_blocks(self, cache: CacheConfig) -> int:
+        """The GPU tier's blocks: what every rank's GPU holds (each its KV heads of them)."""
+        return min(self.ranks.call("num_gpu_blocks", cache, settings=True))
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.ranks.call("allocate_kv_cache", num_blocks, block_size)
+        self.block_size = block_size
+
+    def cpu_tier(self, num_blocks: int) -> tuple[ShardedCPUTier, WorkerTransfers]:
+        """The CPU tier, one slice per rank in memory shared with it, and the transfers."""
+        s = self.rank_kv_spec
+        tier = ShardedCPUTier(num_blocks, (s.num_layers, 2, self.block_size, s.num_kv_heads, s.head_dim),
+                              s.dtype, self.world)
+        try:
+            self.ranks.call("attach_cpu_tier", num_blocks, tier.rank_nbytes, handles=tier.fds)
+        finally:
+            tier.close_fds()
+        self.transfers = WorkerTransfers(self.ranks, self.kv_spec.block_bytes(self.block_size))
+        return tier, self.transfers
+
+    def open_store(self, cache: CacheConfig, fingerprint: int) -> ShardedStore:
+        return open_sharded_store(cache, self.rank_kv_spec.block_bytes(cache.block_size), fingerprint, self.world)
+
+    def capture_graphs(self, max_batch: int) -> None:
+        self.ranks.call("capture_graphs", max_batch)
+
+    # ------------------------------------------------------------------ steps
+
+    def execute(
+        self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[list[int]], sampling: Sequence[Seq]
+    ) -> list[int | FailedSample]:
+        """Run the scheduled tokens on every rank (after the transfers submitted since the last
+        step); the next token of each sequence in `sampling`, sampled by rank 0."""
+        inputs = StepInputs.build(scheduled, block_tables, self.block_size)
+        forget = self._forget()
+        new = tuple(self._learn(seq) for seq in sampling if self._known.get(seq.request_id) is not seq)
+        banned = tuple((i, seq.banned_token_ids) for i, seq in enumerate(sampling) if seq.banned_token_ids)
+        step = dict(inputs=inputs, rows=tuple(seq.request_id for seq in sampling), banned=banned,
+                    new_requests=new, forget=forget)
+        plan = StepPlan(**step) if self.transfers is None else self.transfers.plan(**step)
+        replies = self.ranks.call("step", plan)
+        if self.transfers is not None:
+            self.transfers.record(replies)
+        return replies[0].tokens
+
+    def _learn(self, seq: Seq) -> NewRequest:
+        """A request rank 0 has not seen (or a new one under a finished one's id)."""
+        self._known[seq.request_id] = seq
+        seed = seq.generator.initial_seed() if seq.generator is not None else None
+        return NewRequest(seq.request_id, seq.params, seed)
+
+    def _forget(self) -> tuple[str, ...]:
+        """Requests that finished since the last step: rank 0 drops what it holds of them."""
+        done = tuple(rid for rid, seq in self._known.items() if seq.is_finished)
+        for rid in done:
+            del self._known[rid]
+        return done
+
+    def prefill_probe(self, num_tokens: int) -> None:
+        """A forward pass of `num_tokens` on every rank; returns once all have finished."""
+        self.ranks.call("prefill_probe", num_tokens)
+
+    def measure_bandwidth(self) -> tuple[float, float]:
+        """(D2H, H2D) bytes/s of all ranks copying at once (each over its own link)."""
+        each = self.ranks.call("measure_bandwidth")
+        return sum(d for d, _ in each), sum(h for _, h in each)
+
+    def calibrate(self, fingerprint: int, max_tokens: int, disk: DiskProbe | None) -> CostModel:
+        """The cost model: swaps move every rank's bytes at once, so their bandwidths add up;
+        the disk is read as the ranks' stores read it (one rank's slices, every store's queue)."""
+        key = f"{self.device_name}/{fingerprint:016x}"
+        if disk is not None:
+            rank_bytes = self.rank_kv_spec.block_bytes(self.block_size)
+            disk = disk._replace(read_bytes=rank_bytes, queue_depth=disk.queue_depth * self.world)
+        return calibrate(key, torch.device("cpu"), self.prefill_probe, max_tokens, disk, self.measure_bandwidth)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write block copies come from forks, which `parallel/limits.py` refuses."""
+        if copies:
+            raise RuntimeError(
+                f"{len(copies)} copy-on-write block copies: not supported with tensor_parallel_size > 1 yet "
+                "(no request may fork; parallel/limits.py)"
+            )
+
+    def close(self) -> None:
+        """Stop the ranks (idempotent)."""
+        self.ranks.shutdown()
