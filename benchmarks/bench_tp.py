@@ -128,7 +128,7 @@ def engine(model: str, tp: int, num_blocks: int, batch: int, cpu_bytes: int = 0)
 
 def tp1_steps(llm: LLM, decode, prefill) -> tuple[float, float]:
     """(decode step, prefill step) seconds: forward pass and greedy sampling, one process."""
-    runner, sampler = llm.runner, llm.sampler
+    runner, sampler = llm.runner, llm.decoder.sampler
 
     def run(step):
         scheduled, tables, _ = step

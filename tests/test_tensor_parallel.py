@@ -21,6 +21,7 @@ from tieredkv import LLM, BeamSearchParams, SamplingParams
 from tieredkv.cache.spill import STAGING_FRACTION
 from tieredkv.config import EngineConfig
 from tieredkv.experiment.harness import run_experiment
+from tieredkv.experiment.restart import _empty_store
 from tieredkv.parallel.ranks import RankFailure
 from tieredkv.parallel.sharded_tiers import rank_fingerprint
 from tieredkv.tiers.nvme.store import STORE_FILE_NAME, NVMeStore
@@ -82,6 +83,17 @@ def check_store_layout(path, preset: str, fingerprint: int) -> None:
         shutil.copytree(path / "tp2-rank0", copy)
         with NVMeStore(copy / STORE_FILE_NAME, 2 << 20, store_block_bytes(preset), key, 4, backend="sync") as store:
             assert (store.stats()["restored"] > 0) == restored
+
+
+def test_a_restart_that_empties_the_store_removes_every_ranks_file(tmp_path):
+    """The warm-restart experiment's "empty" store at two ranks: both rank files go."""
+    sizes = []
+    for rank in range(2):
+        with NVMeStore(tmp_path / f"tp2-rank{rank}", 1 << 20, BLOCK_BYTES // 2, rank, 4, backend="sync"):
+            pass
+        sizes.append(os.path.getsize(tmp_path / f"tp2-rank{rank}" / STORE_FILE_NAME))
+    assert _empty_store(str(tmp_path)) == sum(sizes) > 0
+    assert not any((tmp_path / f"tp2-rank{rank}" / STORE_FILE_NAME).exists() for rank in range(2))
 
 
 def store_block_bytes(preset: str) -> int:

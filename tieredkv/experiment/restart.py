@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import glob
 import logging
 import os
 import time
@@ -161,12 +162,19 @@ def _free_memory() -> None:
 
 
 def _empty_store(nvme_path: str | None) -> int:
-    """Remove the store file at `nvme_path` (a directory holding it, or the file); its size."""
+    """Remove the store file at `nvme_path` (a directory holding it, or the file), and those of
+    tensor-parallel ranks (`tp<N>-rank<r>/` under the directory); their size."""
     from tieredkv.tiers.nvme import STORE_FILE_NAME
 
     if nvme_path is None:
         return 0
-    file = os.path.join(nvme_path, STORE_FILE_NAME) if os.path.isdir(nvme_path) else nvme_path
+    if not os.path.isdir(nvme_path):
+        return _remove_store_file(nvme_path)
+    ranks = glob.glob(os.path.join(glob.escape(nvme_path), "tp*-rank*", STORE_FILE_NAME))
+    return sum(_remove_store_file(f) for f in [os.path.join(nvme_path, STORE_FILE_NAME), *sorted(ranks)])
+
+
+def _remove_store_file(file: str) -> int:
     try:
         size = os.path.getsize(file)
         os.remove(file)
