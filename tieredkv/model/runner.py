@@ -192,8 +192,9 @@ class ModelRunner:
         return tier, make_transfer_engine(kv, tier.data)
 
     def close(self) -> None:
-        """Release the KV tensor."""
+        """Release the KV tensor (and the block copies' staging buffer)."""
         self.kv_cache = None
+        self._copy_staging = None
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
