@@ -33,9 +33,9 @@ from collections.abc import Iterable
 
 import torch
 from bench_nvme import parse_bytes, sequential_peak
-from common import pinned_peaks, report, require_cuda, write_json
+from common import FIRST_TOKEN, first_token_time, pinned_peaks, report, require_cuda, write_json
 
-from tieredkv import LLM, SamplingParams
+from tieredkv import LLM
 from tieredkv.cache.hashing import extend_block_hashes
 from tieredkv.calibrate import fit_prefill, measure_bandwidth, measure_disk_read
 from tieredkv.policy import CostModel
@@ -45,7 +45,6 @@ from tieredkv.tiers.nvme.store import NVMeStore
 
 LENGTHS = (16384, 32768, 65536)
 QUESTION = 64
-FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 def spill_prompt_blocks(llm: LLM, prompt: list[int]) -> int:
@@ -124,15 +123,7 @@ def store_queue_depth(store: NVMeStore) -> int:
     return depth if depth is not None else inspect.signature(NVMeStore).parameters["queue_depth"].default
 
 
-def ttft(llm: LLM, prompt: list[int], cost: CostModel) -> tuple[float, dict]:
-    llm.reset_prefix_cache()
-    llm.scheduler.policy = dataclasses.replace(llm.scheduler.policy, cost=cost)
-    before = llm.stats()
-    out = llm.generate(prompt, FIRST_TOKEN, use_tqdm=False)[0]
-    after = llm.stats()
-    keys = ("nvme_loaded_blocks", "nvme_failed_loads", "nvme_corrupt", "nvme_io_errors", "prefill_tokens")
-    moved = {k: after[k] - before[k] for k in keys}
-    return out.metrics.ttft, moved
+MOVED = ("nvme_loaded_blocks", "nvme_failed_loads", "nvme_corrupt", "nvme_io_errors", "prefill_tokens")
 
 
 def load_only_read_rate(llm: LLM, prompt: list[int], cost: CostModel, args: argparse.Namespace) -> dict:
@@ -144,7 +135,7 @@ def load_only_read_rate(llm: LLM, prompt: list[int], cost: CostModel, args: argp
     _, peak = sequential_peak(args.dir, size, block_bytes, depth)
     clock = ReadClock(store)
     try:
-        seconds, moved = ttft(llm, prompt, cost)
+        seconds, moved = first_token_time(llm, prompt, cost, MOVED)
     finally:
         clock.close()
     read = moved["nvme_loaded_blocks"] * block_bytes  # KV bytes, as the peak counts (slot headers: the store's cost)
@@ -196,7 +187,7 @@ def main() -> None:
                 seconds, moved = reads.pop("ttft"), reads.pop("moved")
                 row["load_only_reads"] = reads
             else:
-                seconds, moved = ttft(llm, prompt, cost)
+                seconds, moved = first_token_time(llm, prompt, cost, MOVED)
             row[name] = seconds
             report(f"{length} prefix: TTFT {name}", seconds * 1e3, "ms")
             print(f"    {moved}", flush=True)

@@ -29,16 +29,15 @@ import sys
 import time
 
 import torch
-from common import pinned_peaks, report, require_cuda, start_redis_server, write_json
+from common import FIRST_TOKEN, first_token_time, pinned_peaks, report, require_cuda, start_redis_server, write_json
 
-from tieredkv import LLM, SamplingParams
+from tieredkv import LLM
 from tieredkv.cache.hashing import extend_block_hashes
 from tieredkv.calibrate import fit_prefill, measure_bandwidth
 from tieredkv.policy import CostModel
 from tieredkv.tiers.backend import BlockRef
 
 QUESTION = 64
-FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 ENGINE = dict(num_gpu_blocks=5000, max_num_batched_tokens=16384, preemption="recompute")
 WRITE_BATCH = 64  # blocks staged in host memory at once by the first engine
 
@@ -88,14 +87,7 @@ def first_engine(args: argparse.Namespace, url: str, lengths: list[int]) -> None
             llm.reset_prefix_cache()
 
 
-def ttft(llm: LLM, prompt: list[int], cost: CostModel) -> tuple[float, dict]:
-    llm.reset_prefix_cache()
-    llm.scheduler.policy = dataclasses.replace(llm.scheduler.policy, cost=cost)
-    before = llm.stats()
-    out = llm.generate(prompt, FIRST_TOKEN, use_tqdm=False)[0]
-    after = llm.stats()
-    keys = ("remote_hit_blocks", "remote_errors", "nvme_loaded_blocks", "prefill_tokens")
-    return out.metrics.ttft, {k: after[k] - before[k] for k in keys}
+MOVED = ("remote_hit_blocks", "remote_errors", "nvme_loaded_blocks", "prefill_tokens")
 
 
 def second_engine(args: argparse.Namespace, url: str, lengths: list[int]) -> list[dict]:
@@ -121,7 +113,7 @@ def second_engine(args: argparse.Namespace, url: str, lengths: list[int]) -> lis
         row: dict = {"prefix_tokens": len(prefix)}
         for name, cost in (("load-only", load_only), ("recompute-only", recompute_only),
                            ("load-and-recompute", calibrated)):
-            row[name], moved = ttft(llm, prompt, cost)
+            row[name], moved = first_token_time(llm, prompt, cost, MOVED)
             report(f"{len(prefix)} prefix: TTFT {name}", row[name] * 1e3, "ms")
             print(f"    {moved}", flush=True)
         row["speedup_over_recompute"] = row["recompute-only"] / min(row["load-only"], row["load-and-recompute"])

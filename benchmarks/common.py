@@ -3,6 +3,7 @@ measured against (each benchmark measures its own peak in the same run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import statistics
@@ -13,6 +14,9 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from tieredkv import LLM, SamplingParams
+from tieredkv.policy import CostModel
 
 GiB = 1 << 30
 # Llama-3-8B KV block: 32 layers, K and V, 16 tokens, 8 kv heads, head dim 128, bf16 (2 MiB)
@@ -107,3 +111,17 @@ def start_redis_server(binary: str = "redis-server") -> tuple[subprocess.Popen, 
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"{binary} did not start on port {port}")
+
+
+FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def first_token_time(llm: LLM, prompt: list[int], cost: CostModel, keys: tuple[str, ...]) -> tuple[float, dict]:
+    """TTFT of `prompt` on an engine with empty GPU and CPU prefix caches, planned under `cost`;
+    and how much each of the stats `keys` moved meanwhile."""
+    llm.reset_prefix_cache()
+    llm.scheduler.policy = dataclasses.replace(llm.scheduler.policy, cost=cost)
+    before = llm.stats()
+    out = llm.generate(prompt, FIRST_TOKEN, use_tqdm=False)[0]
+    after = llm.stats()
+    return out.metrics.ttft, {k: after[k] - before[k] for k in keys}
