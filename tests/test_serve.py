@@ -11,18 +11,14 @@ import os
 import re
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
 
+from tests.http_server import running_server
 from tieredkv import LLM, AsyncLLM, SamplingParams
 from tieredkv.cli import main
-from tieredkv.serve.app import build_app
-from tieredkv.serve.server import listen, make_server, url_of
 
 NAME = "tiny-chat"
 PROMPTS = ["the cache block", "swap recompute prefix", "café naïve", "東京 über the", "a slow disk"]
@@ -31,48 +27,10 @@ IGNORE_EOS = {"ignore_eos": True}  # vLLM's extension field, sent as the openai 
 ENGINE = dict(block_size=16, num_gpu_blocks=512, max_num_seqs=256, max_num_batched_tokens=1024)
 
 
-@dataclass
-class Server:
-    url: str
-    allm: AsyncLLM
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def metrics(self) -> dict[str, float]:
-        """The unlabelled-by-kind samples of /metrics, by name (`name{outcome="abort"}` kept whole)."""
-        text = httpx.get(f"{self.url}/metrics").text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, value = line.rsplit(" ", 1)
-                key = re.sub(r',?variant="[^"]*"', "", key).replace("{}", "")
-                out[key] = float(value)
-        return out
-
-    def settled(self, timeout_s: float = 10.0) -> dict[str, float]:
-        """/metrics once no request runs or waits."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            m = self.metrics()
-            if m["tieredkv_requests_running"] == m["tieredkv_requests_waiting"] == 0 or time.monotonic() > deadline:
-                return m
-            time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def server(chat_model_dir):
-    allm = AsyncLLM(model=chat_model_dir, **ENGINE)
-    sock = listen("127.0.0.1", 0)
-    uvicorn_server = make_server(build_app(allm, NAME))
-    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not uvicorn_server.started:
-        time.sleep(0.01)
-    yield Server(url_of(sock), allm)
-    uvicorn_server.should_exit = True
-    thread.join(timeout=30)
-    assert not thread.is_alive()
+    with running_server(AsyncLLM(model=chat_model_dir, **ENGINE), NAME) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +165,12 @@ def test_tokenize_and_detokenize(server, reference):
     ({"model": "gpt-4"}, "model"),
     ({"temperature": -1}, "temperature"),
     ({"stop": [""]}, "stop"),
-    ({"n": 2}, "n"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"best_of": 1, "n": 2}, "best_of"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"echo": True, "logprobs": 1}, "echo"),
 ])
 def test_bad_completion_is_400_naming_the_field(server, kwargs, param):
     client = server.client()
@@ -225,7 +187,11 @@ def test_bad_completion_is_400_naming_the_field(server, kwargs, param):
     ({"messages": [{"role": "user", "content": "the cache " * 200}]}, "messages"),
     ({"messages": "hello"}, "messages"),
     ({"messages": MESSAGES, "model": "other"}, "model"),
-    ({"messages": MESSAGES, "top_logprobs": 2, "logprobs": True}, "logprobs"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MESSAGES, "echo": True}, "echo"),
 ])
 def test_bad_chat_is_400_naming_the_field(server, body, param):
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body)

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tieredkv.async_engine import AsyncLLM
-from tieredkv.experiment.prometheus import PrometheusMetrics
+from tieredkv.experiment.prometheus import ServerMetrics
 from tieredkv.serve.handlers import OpenAIHandlers
 from tieredkv.serve.protocol import (
     BadRequest,
@@ -41,7 +41,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def build_app(allm: AsyncLLM, model: str) -> FastAPI:
     """The server's application over `allm`, serving it under the name `model`; closing the
     application (uvicorn's shutdown) closes the engine."""
-    metrics = PrometheusMetrics()
+    metrics = ServerMetrics()
     handlers = OpenAIHandlers(allm, model, metrics)
     started = int(time.time())
 

@@ -4,8 +4,9 @@ Operations:
 - `OpenAIHandlers(allm, model, metrics)`: the server's state.
 - `.completion_job(request)` / `.chat_job(request)`: tokenize and validate (`BadRequest`), before
   any byte of the response is sent.
-- `.respond(job)`: the whole response body; `.stream(job)`: its SSE lines, one chunk per token
-  (its text delta), then a usage chunk (with `stream_options.include_usage`), then `[DONE]`.
+- `.respond(job)`: the whole response body; `.stream(job)`: its SSE lines, one chunk per choice
+  that got tokens (its text delta, under its index), then a usage chunk (with
+  `stream_options.include_usage`), then `[DONE]`.
 
 A client that leaves cancels the task that awaits the engine; `AsyncLLM.generate_stream` then
 aborts the request, which frees its blocks in every tier. An engine failure ends the affected
@@ -20,11 +21,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from contextlib import aclosing
 
 from tieredkv.async_engine import AsyncLLM
-from tieredkv.experiment.prometheus import PrometheusMetrics
+from tieredkv.experiment.metrics import RequestRecord
+from tieredkv.experiment.prometheus import ServerMetrics
 from tieredkv.outputs import RequestOutput
 from tieredkv.sampling import SamplingParams
 from tieredkv.serve.protocol import (
@@ -36,52 +37,22 @@ from tieredkv.serve.protocol import (
     param_of,
     sampling_params,
 )
+from tieredkv.serve.responses import Cursor, Job, choice, chunk, id_text, usage
 from tieredkv.text import chat_prompt
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["completion", "chat"]
 DONE = "data: [DONE]\n\n"
 
 
-@dataclass
-class Job:
-    """One API request as the engine runs it: one token-id prompt per choice."""
-
-    kind: Kind
-    id: str
-    model: str
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    include_usage: bool
-    created: int = field(default_factory=lambda: int(time.time()))
-    arrival: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class Timing:
-    """Token times of one choice, for the TTFT / ITL histograms."""
-
-    arrival: float
-    times: list[float] = field(default_factory=list)
-
-    @property
-    def ttft(self) -> float | None:
-        return self.times[0] - self.arrival if self.times else None
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
-
-
-def sse(payload: dict[str, Any]) -> str:
+def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 class OpenAIHandlers:
     """Turns API requests into engine requests and engine outputs into API responses."""
 
-    def __init__(self, allm: AsyncLLM, model: str, metrics: PrometheusMetrics) -> None:
+    def __init__(self, allm: AsyncLLM, model: str, metrics: ServerMetrics) -> None:
         self.allm, self.model, self.metrics = allm, model, metrics
 
     # ------------------------------------------------------------------ requests
@@ -92,9 +63,13 @@ class OpenAIHandlers:
 
     def completion_job(self, request: CompletionRequest) -> Job:
         self.check_model(request.model)
-        prompts = [self._tokenize(p, "prompt") for p in request.prompts()]
+        texts = request.prompts()
+        prompts = [self._tokenize(p, "prompt") for p in texts]
         params = [self._params(request, ids, request.max_tokens, "max_tokens") for ids in prompts]
-        return Job("completion", f"cmpl-{uuid.uuid4().hex}", self.model, prompts, params, request.include_usage)
+        job = self._job("completion", "cmpl", request, prompts, params)
+        if request.echo:
+            job.echo = [t if isinstance(t, str) else self._text(ids) for t, ids in zip(texts, prompts, strict=True)]
+        return job
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         self.check_model(request.model)
@@ -105,7 +80,20 @@ class OpenAIHandlers:
         field_name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         limit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self._params(request, ids, limit, field_name, prompt_field="messages")
-        return Job("chat", f"chatcmpl-{uuid.uuid4().hex}", self.model, [ids], [params], request.include_usage)
+        return self._job("chat", "chatcmpl", request, [ids], [params])
+
+    def _job(self, kind: str, prefix: str, request: SamplingFields, prompts: list[list[int]],
+             params: list[SamplingParams]) -> Job:
+        tokenizer = self.allm.engine.tokenizer
+        return Job(kind, f"{prefix}-{uuid.uuid4().hex}", self.model, prompts, params, request.include_usage,
+                   token_text=None if tokenizer is None else self.allm.engine._decode_token,
+                   token_ids=tokenizer is None or request.return_token_ids,
+                   ids_as_tokens=request.return_tokens_as_token_ids)
+
+    def _text(self, ids: list[int]) -> str:
+        """A prompt's text: through the tokenizer, or its ids as "token_id:N"."""
+        tokenizer = self.allm.engine.tokenizer
+        return "".join(map(id_text, ids)) if tokenizer is None else tokenizer.decode(ids)
 
     def _tokenize(self, prompt: str | list[int], field_name: str) -> list[int]:
         try:
@@ -136,93 +124,78 @@ class OpenAIHandlers:
 
     # ------------------------------------------------------------------ responses
 
-    async def respond(self, job: Job) -> dict[str, Any]:
+    async def respond(self, job: Job) -> dict:
         """The whole response; raises what the engine raised."""
-        timings = [Timing(job.arrival) for _ in job.prompts]
         finals: list[RequestOutput | None] = [None] * len(job.prompts)
-        outcome = "error"
-        try:
-            async for i, out in self._outputs(job):
-                timings[i].times.append(time.monotonic())
+        async with aclosing(self._outputs(job)) as outputs:
+            async for i, out in outputs:
                 finals[i] = out
-            outcome = "ok"
-        except asyncio.CancelledError:
-            outcome = "abort"
-            raise
-        finally:
-            self._record(timings, outcome)
         assert all(f is not None and f.finished for f in finals), "every stream ends with a finished output"
-        choices = [self._choice(job.kind, i, out) for i, out in enumerate(finals)]
-        obj = "text_completion" if job.kind == "completion" else "chat.completion"
-        return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": choices,
-                "usage": self._usage(job, finals)}
+        choices = [choice(job, i * job.n + j, Cursor().advance(job, c), i)
+                   for i, out in enumerate(finals) for j, c in enumerate(out.outputs)]
+        return {"id": job.id, "object": job.object, "created": job.created, "model": job.model, "choices": choices,
+                "usage": usage(job, finals)}
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
-        """SSE lines: one chunk per token of every choice, the usage chunk if asked, `[DONE]`."""
-        timings = [Timing(job.arrival) for _ in job.prompts]
+        """SSE lines: a chunk per choice with news, the usage chunk if asked, `[DONE]`."""
+        cursors = [[Cursor() for _ in range(job.n)] for _ in job.prompts]
         finals: list[RequestOutput | None] = [None] * len(job.prompts)
-        outcome = "error"
+        failed = False
         try:
-            async for i, out in self._outputs(job):
-                timings[i].times.append(time.monotonic())
-                yield sse(self._chunk(job, i, out, first=len(timings[i].times) == 1))
-                if out.finished:
-                    finals[i] = out
-            outcome = "ok"
-        except (asyncio.CancelledError, GeneratorExit):  # the client left
-            outcome = "abort"
-            raise
+            async with aclosing(self._outputs(job)) as outputs:
+                async for i, out in outputs:
+                    for j, c in enumerate(out.outputs):
+                        delta = cursors[i][j].advance(job, c)
+                        if delta is not None:
+                            yield sse(chunk(job, i * job.n + j, delta, i))
+                    if out.finished:
+                        finals[i] = out
         except Exception as err:  # the engine failed: this stream ends with the error
             logger.exception("request %s failed", job.id)
             yield sse(error_body(f"the engine failed: {err}", "InternalServerError", 500))
-        finally:
-            self._record(timings, outcome)
-        if outcome == "ok" and job.include_usage:
+            failed = True
+        if not failed and job.include_usage:
             obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
             yield sse({"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": [],
-                       "usage": self._usage(job, finals)})
+                       "usage": usage(job, finals)})
         yield DONE
 
     async def _outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, output) as the engine produces them, over all the job's prompts."""
-        streams = [self.allm.generate_stream(ids, p, request_id=f"{job.id}-{i}")
-                   for i, (ids, p) in enumerate(zip(job.prompts, job.params, strict=True))]
-        if len(streams) == 1:
-            async for out in streams[0]:
-                yield 0, out
-            return
-        async for item in _merge(streams):
-            yield item
+        """(prompt index, output) as the engine produces them, over all the job's prompts; each
+        engine request is recorded in the metrics when it ends (or fails, or its client leaves)."""
+        records = [RequestRecord(f"{job.id}-{i}", job.arrival, prompt_tokens=len(ids))
+                   for i, ids in enumerate(job.prompts)]
+        finals: list[RequestOutput | None] = [None] * len(job.prompts)
+        streams = [self.allm.generate_stream(ids, p, request_id=record.tag)
+                   for ids, p, record in zip(job.prompts, job.params, records, strict=True)]
+        merged = _single(streams[0]) if len(streams) == 1 else _merge(streams)
+        failed = False
+        try:
+            async with aclosing(merged):
+                async for i, out in merged:
+                    records[i].token_times.append(time.monotonic())
+                    finals[i] = out
+                    yield i, out
+        except Exception:
+            failed = True
+            raise
+        finally:
+            for record, final in zip(records, finals, strict=True):
+                self._observe(record, final, failed)
 
-    def _chunk(self, job: Job, i: int, out: RequestOutput, first: bool) -> dict[str, Any]:
-        delta = out.text_delta or ""
-        reason = out.finish_reason if out.finished else None
-        if job.kind == "completion":
-            choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
-            return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
-                    "choices": [choice]}
-        message = {"role": "assistant", "content": delta} if first else {"content": delta}
-        choice = {"index": i, "delta": message, "logprobs": None, "finish_reason": reason}
-        return {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": job.model,
-                "choices": [choice]}
+    def _observe(self, record: RequestRecord, final: RequestOutput | None, failed: bool) -> None:
+        """Metrics of one engine request: `final` is its last output (None: it had none)."""
+        if final is not None and final.metrics is not None:
+            record.cached_tokens = final.metrics.num_cached_tokens
+        generated = 0 if final is None else sum(len(c.token_ids) for c in final.outputs)
+        reason = "abort" if final is None or not final.finished else final.finish_reason
+        self.metrics.observe(self.model, record, generated, None if failed or reason == "error" else reason)
 
-    @staticmethod
-    def _choice(kind: Kind, i: int, out: RequestOutput) -> dict[str, Any]:
-        text = out.text or ""
-        if kind == "completion":
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
-        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": out.finish_reason}
 
-    @staticmethod
-    def _usage(job: Job, finals: list[RequestOutput | None]) -> dict[str, int]:
-        prompt = sum(map(len, job.prompts))
-        completion = sum(len(f.token_ids) for f in finals if f is not None)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def _record(self, timings: list[Timing], outcome: str) -> None:
-        for t in timings:
-            self.metrics.record(self.model, t.ttft, t.itls, len(t.times), outcome == "error", outcome == "abort")
+async def _single(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async with aclosing(stream):
+        async for out in stream:
+            yield 0, out
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

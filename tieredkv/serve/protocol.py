@@ -2,13 +2,16 @@
 
 Operations:
 - `CompletionRequest`, `ChatCompletionRequest`, `TokenizeRequest`, `DetokenizeRequest`:
-  validated bodies (unknown fields are ignored, as vLLM does).
+  validated bodies. A field of OpenAI's or vLLM's API that the engine does not do (`REFUSED`) is a
+  400 naming it unless it holds its neutral value; a field neither API has is ignored with a
+  warning in the server's log (as vLLM does).
 - `sampling_params(request, max_tokens)`: the engine's parameters, or `BadRequest`.
 - `BadRequest(param, message)` / `error_body(...)`: the OpenAI error object a 400 carries.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,9 +19,28 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 
 from tieredkv.sampling import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 TokenIds = list[StrictInt]
-# fields clients send at their neutral value (vllm bench sends repetition_penalty: 1.0)
-NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "best_of": 1}
+MAX_LOGPROBS = 20  # top tokens per position, OpenAI's (and vLLM's default) limit
+# fields of OpenAI's and vLLM's APIs the engine does not do, with the values that ask for nothing
+# (clients send some of them at their neutral value: vllm bench sends repetition_penalty: 1.0)
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (None, 1.0), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+    "min_p": (None, 0.0), "logit_bias": (None, {}), "suffix": (None, ""), "prompt_logprobs": (None,),
+    "include_stop_str_in_output": (None, False), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "reasoning_effort": (None,), "web_search_options": (None,), "lora_request": (None,),
+    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "length_penalty": (None, 1.0), "use_beam_search": (None, False), "echo": (None, False),
+}
+# fields of the APIs that change nothing the engine computes (bookkeeping, or options of features
+# above that are off): accepted without a warning
+ACCEPTED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                      "safety_identifier", "request_id", "priority", "add_generation_prompt", "add_special_tokens",
+                      "spaces_between_special_tokens", "chat_template_kwargs", "verbosity"})
 
 
 class BadRequest(Exception):
@@ -41,9 +63,11 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields completions and chat share."""
+    """The fields completions and chat share. `return_token_ids` (vLLM's field) adds the
+    generated ids to each choice (always there when the model has no tokenizer);
+    `return_tokens_as_token_ids` writes logprob tokens as "token_id:N"."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     temperature: float | None = None
@@ -58,15 +82,17 @@ class SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     best_of: int | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def num_logprobs(self) -> int | None:
+        """Top tokens per position the response reports (None: no logprobs)."""
+        raise NotImplementedError
 
 
 class CompletionRequest(SamplingFields):
@@ -76,7 +102,11 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is not None and self.echo:
+            raise BadRequest("echo", "echo: not supported together with logprobs (that needs the prompt's logprobs)")
+        return _logprobs_count("logprobs", self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt in the body."""
@@ -96,6 +126,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise BadRequest("top_logprobs", "top_logprobs: needs logprobs: true")
+            return None
+        return _logprobs_count("top_logprobs", self.top_logprobs or 0)
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages with their content as plain text (list content: its text parts)."""
@@ -148,24 +185,34 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> BadRequest:
     return BadRequest(param, message)
 
 
-def unsupported(request: SamplingFields) -> None:
-    """Refuse, naming the field, what the engine cannot do yet (rather than ignore it)."""
-    if request.n != 1:
-        raise BadRequest("n", f"n: only n=1 is supported yet, got {request.n}")
-    for name, neutral in NEUTRAL.items():
-        value = getattr(request, name)
-        if value is not None and value != neutral:
-            raise BadRequest(name, f"{name}: not supported yet (only {neutral} is accepted), got {value}")
-    logprobs = getattr(request, "logprobs", None)
-    if logprobs not in (None, False) or getattr(request, "top_logprobs", None):
-        raise BadRequest("logprobs", "logprobs: not supported yet")
-    if getattr(request, "echo", False) or getattr(request, "suffix", None):
-        raise BadRequest("echo" if request.echo else "suffix", "echo / suffix: not supported yet")
+def _logprobs_count(name: str, value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise BadRequest(name, f"{name}: expected an integer in [0, {MAX_LOGPROBS}], got {value}")
+    return value
+
+
+def refuse_unsupported(request: BaseModel) -> None:
+    """A 400 naming the first field the engine does not do (rather than ignore it); a warning
+    for fields neither API has."""
+    extra = request.model_extra or {}
+    for name, value in extra.items():
+        neutral = REFUSED.get(name)
+        if neutral is not None and not any(value == v for v in neutral):
+            raise BadRequest(name, f"{name}: not supported (only {_neutral(neutral)} is accepted), got {value!r}")
+    unknown = sorted(k for k in extra if k not in REFUSED and k not in ACCEPTED)
+    if unknown:
+        logger.warning("ignored fields neither OpenAI's nor vLLM's API has: %s", ", ".join(unknown))
+
+
+def _neutral(values: tuple[Any, ...]) -> str:
+    return " or ".join("null" if v is None else repr(v) for v in values)
 
 
 def sampling_params(request: SamplingFields, max_tokens: int) -> SamplingParams:
     """The engine's parameters for `request` (OpenAI's defaults where it says nothing)."""
-    unsupported(request)
+    refuse_unsupported(request)
+    if request.stream and request.best_of is not None and request.best_of > request.n:
+        raise BadRequest("best_of", "best_of: not supported with stream (the best samples are known at the end)")
     top_k = None if request.top_k in (None, -1, 0) else request.top_k
     try:
         return SamplingParams(
@@ -179,6 +226,9 @@ def sampling_params(request: SamplingFields, max_tokens: int) -> SamplingParams:
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
             skip_special_tokens=request.skip_special_tokens,
+            n=request.n,
+            best_of=request.best_of,
+            logprobs=request.num_logprobs(),
         )
     except ValueError as err:
         raise BadRequest(param_of(str(err)), str(err)) from None
