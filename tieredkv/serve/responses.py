@@ -158,10 +158,17 @@ def _logprobs(job: Job, delta: Delta) -> dict[str, Any] | None:
     return {
         "tokens": tokens,
         "token_logprobs": [e[t].logprob for t, e in zip(delta.token_ids, delta.logprobs, strict=True)],
-        "top_logprobs": [{job.logprob_token(i, p.decoded_token): p.logprob for i, p in list(e.items())[:k]}
-                         for e in delta.logprobs],
+        "top_logprobs": [_top_by_text(job, e, k) for e in delta.logprobs],
         "text_offset": offsets,
     }
+
+
+def _top_by_text(job: Job, entry: TokenLogprobs, k: int) -> dict[str, float]:
+    """The top `k` of a position keyed by text (two tokens of one text: the likelier one's)."""
+    top: dict[str, float] = {}
+    for i, p in list(entry.items())[:k]:
+        top.setdefault(job.logprob_token(i, p.decoded_token), p.logprob)
+    return top
 
 
 def _chat_entry(job: Job, token_id: int, entry: TokenLogprobs, k: int) -> dict[str, Any]:
