@@ -1,4 +1,5 @@
-"""Command line: `tieredkv run [CONFIG]`, `tieredkv serve [CONFIG] [--model M]`.
+"""Command line: `tieredkv run [CONFIG]`, `tieredkv serve [CONFIG] [--model M]`,
+`tieredkv bench CONFIG --base-url URL`.
 
 Every error `tieredkv run` finds before the workload runs (the config, the trace, the results folder, a locked
 store, a busy port) is one `tieredkv: error: ...` line and exit status 2; Ctrl-C writes the partial
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                      help="logging level (default: info: a start-up summary of each engine)")
     serve.add_parser(commands)
+    _add_bench_parser(commands)
     return parser
 
 
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return serve.main(args)
+    if args.command == "bench":
+        return _bench(args)
     level = "debug" if args.verbose else args.log_level
     with _logging(level):
         try:
@@ -123,6 +127,41 @@ def _run(args: argparse.Namespace) -> int:
         print(f"interrupted: partial results in {outcome.folder}/", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(f"results in {outcome.folder}/")
+    return 0
+
+
+def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser(
+        "bench", help="replay a YAML experiment's workload against an OpenAI-compatible server",
+        description="Send the file's workload (its base config: the same requests and arrival times as `tieredkv "
+        "run`, Mooncake traces included) to BASE_URL/v1/completions, streaming, and report what the clients saw: "
+        "the summary table, OUT/<name>-bench/result.json (the schema of `tieredkv run`, with the SLO verdict) "
+        "and plots. Works against tieredkv serve, vLLM or SGLang alike.",
+    )
+    bench.add_argument("config", help="YAML file, or the name of a config shipped with tieredkv")
+    bench.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (before /v1)")
+    bench.add_argument("--model", help="the served model name (default: the first at /v1/models)")
+    bench.add_argument("--tokenizer", help="send prompts as text through this tokenizer (default: token ids)")
+    bench.add_argument("--vocab-size", type=int, help="range of the random token ids (default: the tokenizer's, "
+                       "else the config's model's)")
+    bench.add_argument("--out", default="results", help="where result.json and the plots go (default: results/)")
+    bench.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """`tieredkv bench`: 2 and one `tieredkv: error:` line on a bad config or an unreachable server."""
+    from tieredkv.experiment.client import bench
+    from tieredkv.experiment.harness import format_summary
+    from tieredkv.experiment.spec import find_config
+
+    try:
+        done = bench(find_config(args.config), args.base_url, args.out, args.model, args.tokenizer,
+                     args.vocab_size, use_tqdm=not args.no_progress)
+    except (ValueError, OSError) as err:
+        print(f"tieredkv: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    print(format_summary(done.summary))
+    print(f"results in {done.folder}/")
     return 0
 
 
