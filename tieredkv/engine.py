@@ -411,7 +411,7 @@ class LLM(LLMEngine):
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. A prompt is a
-        string or token ids (a list, or a 1-D numpy array / torch tensor; a 2-D one is a batch).
+        string or token ids (a sequence of ints, or a 1-D numpy array / torch tensor; a 2-D one is a batch).
         A prompt that can never run, or fails while running, gets an output with `error` set;
         the others still complete.
 

@@ -6,8 +6,9 @@ Operations:
 - `token_ids(prompt, tokenizer, vocab_size)`: one prompt's token ids as plain ints, or a
   ValueError that says what was wrong with it.
 
-A prompt is a string (tokenized by the model's tokenizer) or token ids: a list or tuple of
-integers (numpy integers too), or a 1-D integer numpy array or torch tensor.
+A prompt is a string (tokenized by the model's tokenizer) or token ids: any sequence of
+integers (a list, a tuple, a `range`; numpy integers too), or a 1-D integer numpy array or torch
+tensor.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ _ARRAYS = (np.ndarray, torch.Tensor)
 
 
 def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Any]:
-    """The prompts of a call: one prompt becomes a list of one, a 2-D array its rows. Only an
-    array of more dimensions is refused here; each prompt is checked on its own by `token_ids`."""
+    """The prompts of a call: one prompt becomes a list of one, a 2-D array its rows, and a
+    sequence whose first item is a number is one prompt of token ids. Only an array of more
+    dimensions is refused here; each prompt is checked on its own by `token_ids`."""
     if isinstance(prompts, _ARRAYS):
         if prompts.ndim == 1:
             return [prompts]
@@ -37,7 +39,7 @@ def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Any]:
             f"prompts: expected a 1-D array (one prompt) or a 2-D array (a batch) of token ids, "
             f"got {prompts.ndim} dimensions"
         )
-    if isinstance(prompts, (list, tuple)):
+    if _is_sequence(prompts):
         if prompts and isinstance(prompts[0], (numbers.Number, np.bool_)):
             return [prompts]  # token ids of one prompt
         return list(prompts)
@@ -69,6 +71,11 @@ def _raw_ids(prompt: object) -> list[Any]:
         if prompt.ndim != 1:
             raise ValueError(f"prompt: expected a 1-D array of token ids, got {prompt.ndim} dimensions")
         return prompt.tolist()
-    if not isinstance(prompt, (list, tuple)):
+    if not _is_sequence(prompt):
         raise ValueError(f"prompt: expected a string or token ids, got {type(prompt).__name__}")
     return list(prompt)
+
+
+def _is_sequence(value: object) -> bool:
+    """A sequence of items (token ids, or prompts), not a string of characters or bytes."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
