@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,6 +96,24 @@ def test_sweep_and_slo_errors_name_the_key(tmp_path, change, message):
         run_experiment(write_config(tmp_path, **change), str(tmp_path / "out"), use_tqdm=False)
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_commit_is_named_inside_a_git_checkout_and_none_outside(tmp_path):
+    from tieredkv.experiment.results import _git_commit
+
+    assert _git_commit(tmp_path) is None  # a source tarball
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "tracked").write_text("1")
+    subprocess.run([*git, "add", "tracked"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "untracked").write_text("x")
+    assert _git_commit(tmp_path) == head  # untracked files do not make it dirty
+    (tmp_path / "tracked").write_text("2")
+    assert _git_commit(tmp_path) == f"{head}+dirty"
+
+
 def test_result_json_describes_what_produced_it(tmp_path):
     cache = {**ENGINE["cache"], "nvme_path": "${results}/nvme", "nvme_bytes": "4MiB", "io_backend": "sync"}
     config = write_config(tmp_path, **{"cache": cache, "scheduler": {**ENGINE["scheduler"], "cost_model": COST}})
@@ -113,8 +132,11 @@ def test_result_json_describes_what_produced_it(tmp_path):
     assert engine["config"]["cache"]["nvme_path"] == str(folder / "nvme") and engine["device"].startswith("cpu")
     env = result["environment"]
     assert env["versions"]["tieredkv"] and env["versions"]["torch"] and env["versions"]["transformers"]
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    assert env["git_commit"].removesuffix("+dirty") == head
+    if (ROOT / ".git").exists():  # a checkout: its commit
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+        assert env["git_commit"].removesuffix("+dirty") == head.stdout.strip()
+    else:  # a source tarball: no commit to name
+        assert env["git_commit"] is None
     assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", env["date"])
     assert result["workload"] == {**CHAT, "first_message_tokens": None, "think_time_s": 0.0, "rate": None,
                                   "seed": 0, "num_requests": 4}

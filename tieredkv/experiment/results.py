@@ -29,6 +29,7 @@ from tieredkv.experiment.metrics import RequestRecord, Summary, comparison_rows,
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
 PACKAGES = ("tieredkv", "torch", "triton", "transformers")
+CHECKOUT = Path(__file__).resolve().parents[2]  # the folder holding the package: a checkout, or not
 
 
 def environment() -> dict[str, Any]:
@@ -48,9 +49,9 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _git_commit() -> str | None:
-    """HEAD of the checkout tieredkv runs from (`+dirty` with uncommitted changes), or None."""
-    root = Path(__file__).resolve().parents[2]
+def _git_commit(root: Path = CHECKOUT) -> str | None:
+    """HEAD of the git checkout at `root` (`+dirty` with uncommitted changes to tracked files),
+    or None where `root` is not one (a source tarball, an installed wheel)."""
     if not (root / ".git").exists():
         return None
     try:
