@@ -147,7 +147,7 @@ def test_spill_writes_each_worthwhile_block_once_and_never_evicts_one_being_writ
     stats = sim.kv.stats()
     assert written and len(written) == len(set(written)) == store.stats()["writes"]  # none twice
     assert stats["nvme_spilled_blocks"] == len(written) and stats["nvme_write_backlog"] == 0
-    assert stats["nvme_staged_blocks"] == 0  # an 8-block tier has no staging blocks
+    assert stats["cpu_blocks_staging"] == 1 and stats["cpu_blocks_used"] == 0  # an 8-block tier: one staging block
 
 
 def test_a_prefix_on_nvme_is_split_between_computing_and_loading(tmp_path):

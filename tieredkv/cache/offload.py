@@ -97,7 +97,7 @@ class CPUOffload:
         if self.nvme.contains(gpu_block.block_hash):
             self.on_disk_blocks += 1
             return
-        staging = self.nvme.stage()
+        staging = self.nvme.stage(len(self._reads))
         if staging is not None:
             ref = BlockRef(gpu_block.block_hash, gpu_block.parent_hash, gpu_block.token_ids)
             self._demotions.append((gpu_block.block_id, staging))
@@ -179,7 +179,7 @@ class CPUOffload:
             if ref is None:
                 self.pool.release([block])
             else:
-                self.nvme.write_staged(block, ref)
+                self.nvme.write_staged(block, ref, len(self._reads))
 
     # ------------------------------------------------------------------ NVMe loads
 
@@ -249,7 +249,8 @@ class CPUOffload:
     def stats(self) -> dict[str, int | float]:
         return {
             "cpu_blocks_total": self.tier.num_blocks,
-            "cpu_blocks_used": self.tier.num_blocks - self.pool.num_free,
+            "cpu_blocks_used": self.tier.num_blocks - self.pool.num_free - self._spill_blocks,
+            "cpu_blocks_staging": self._spill_blocks,
             "cpu_blocks_cached": self.pool.num_cached,
             "cpu_hit_blocks": self.hit_blocks,
             "cpu_demoted_blocks": self.demoted_blocks,
@@ -262,6 +263,11 @@ class CPUOffload:
             "transfer_wait_s": self.transfers.compute_wait_s,
             **(self._nvme_stats() if self.nvme else {}),
         }
+
+    @property
+    def _spill_blocks(self) -> int:
+        """CPU blocks held on their way to disk (staging, writes in flight), not by requests."""
+        return self.nvme.held_blocks if self.nvme is not None else 0
 
     def _nvme_stats(self) -> dict[str, int]:
         return {

@@ -6,11 +6,14 @@ first computed (the admission policy's counts, `cache/admission.py`), each once:
   that when the CPU tier evicts them they are safe on disk; a block being written is held
   (never evicted, so nothing ever waits for a write) and goes back to the front of the CPU
   tier's free queue, where it was taken, once it is on disk (evicting it then loses nothing);
-- `stage() -> cpu block | None` / `write_staged(block, ref)`: a demotion the full CPU tier
-  turned down but the disk should keep passes through one of a few staging blocks of the CPU
-  tier on its way down;
+- `stage(reads_in_flight) -> cpu block | None` / `write_staged(block, ref, reads_in_flight)`:
+  a demotion the full CPU tier turned down but the disk should keep passes through one of a
+  few staging blocks of the CPU tier on its way down;
 - `persist()`: at shutdown, every cached CPU block, so that a restart finds them on disk.
-Writes never crowd out reads: few are in flight, fewer while reads are.
+
+Writes never wait and never crowd out reads: while reads are in flight, or `MAX_WRITES_IN_FLIGHT`
+writes are, the disk is behind and a spill is dropped (counted), not queued; after repeated
+failed writes (a full or lost disk) spilling pauses, for longer each time, and says so once.
 
 What is read: `contains(hash)`, `start_read(...) -> job | None`, `poll() -> [(job, ok)]`.
 """
@@ -30,10 +33,18 @@ from tieredkv.tiers.backend import BlockRef, BlockStore
 
 logger = logging.getLogger(__name__)
 
-MAX_WRITES_IN_FLIGHT = 16  # keeps the disk busy at the store's queue depth
-WRITES_BESIDE_READS = 2  # while reads are in flight, writes only trickle: reads come first
+MAX_WRITES_IN_FLIGHT = 16  # keeps the disk busy at the store's queue depth; more would queue
 WORTH_WRITING = 2  # requests a block must have had: the one that computed it, and one more
-STAGING_FRACTION = 16  # 1/16 of the CPU tier stages blocks on their way to disk (at most 256)
+STAGING_FRACTION = 16  # 1/16 of the CPU tier stages blocks on their way to disk
+MAX_STAGING_BLOCKS = 256
+FAILURES_BEFORE_PAUSE = 8  # failed writes in a row (one write window) before spilling pauses
+PAUSE_FIRST_S, PAUSE_MAX_S = 1.0, 60.0  # the pause doubles while writes keep failing
+
+
+def staging_blocks(num_cpu_blocks: int) -> int:
+    """CPU blocks reserved to stage demotions on their way to disk: 1/16 of the tier, at least
+    one, at most 256; none in a one-block tier, whose block is needed to read blocks back."""
+    return min(MAX_STAGING_BLOCKS, max(1, num_cpu_blocks // STAGING_FRACTION), num_cpu_blocks - 1)
 
 
 class NVMeSpill:
@@ -47,74 +58,83 @@ class NVMeSpill:
         self.cpu_data = cpu_data
         self.admission = admission
         self.window = max(8, len(cpu_pool.blocks) // 4)  # the coldest cached blocks, kept on disk
-        self._staging = cpu_pool.allocate(min(256, len(cpu_pool.blocks) // STAGING_FRACTION)) or []
-        self._staged: list[tuple[Block, BlockRef]] = []  # landed in staging, waiting to be written
+        self.num_staging = staging_blocks(len(cpu_pool.blocks))
+        self._staging = cpu_pool.allocate(self.num_staging) or []
         self._writes: dict[int, tuple[Block, int, bool]] = {}  # write job -> (CPU block, hash, staged)
         # cpu block id -> the hash of the content of it that is on disk: spill-ahead skips these
         # without calling into the store (it scans its window on every step)
         self._on_disk: dict[int, int] = {}
+        self._failures = 0  # failed writes in a row
+        self._pause_s, self._paused_until = PAUSE_FIRST_S, 0.0
         self.spilled_blocks = 0
         self.skipped_blocks = 0  # found on disk already: not written again
         self.staged_blocks = 0
         self.staging_full = 0  # demotions dropped: no staging block free
+        self.dropped = 0  # demotions bound for disk dropped: the disk was behind (staging full included)
 
     def worth_writing(self, block_hash: int) -> bool:
         return not isinstance(self.admission, FrequencyAdmission) or self.admission.count(block_hash) >= WORTH_WRITING
 
+    def behind(self, reads_in_flight: int) -> bool:
+        """True when a write now would queue: reads are in flight (they come first), the write
+        bound is reached, or spilling pauses after failed writes."""
+        return (reads_in_flight > 0 or len(self._writes) >= MAX_WRITES_IN_FLIGHT
+                or time.monotonic() < self._paused_until)
+
     # ------------------------------------------------------------------ writes
 
-    def stage(self) -> Block | None:
-        """A staging block for a demotion on its way to disk, or None (counted) if none is free."""
-        if not self._staging:
-            self.staging_full += 1
+    def stage(self, reads_in_flight: int) -> Block | None:
+        """A staging block for a demotion on its way to disk, or None (a dropped spill, counted)
+        if the disk is behind or no staging block is free."""
+        if self.behind(reads_in_flight) or not self._staging:
+            self.staging_full += not self._staging
+            self.dropped += 1
             return None
         self.staged_blocks += 1
         return self._staging.pop()
 
-    def write_staged(self, block: Block, ref: BlockRef) -> None:
-        """The staging block holds the demoted block now: write it when the disk has room."""
-        self._staged.append((block, ref))
+    def write_staged(self, block: Block, ref: BlockRef, reads_in_flight: int) -> None:
+        """The staging block holds the demoted block now: write it, or drop it (counted) if the
+        disk is behind; it is never queued."""
+        if self.behind(reads_in_flight):
+            self.dropped += 1
+            self._staging.append(block)
+            return
+        self._write(block, ref, staged=True)
 
     def unstage(self, block: Block) -> None:
         """The staging block's copy never arrived: it is free again."""
         self._staging.append(block)
 
     def spill_ahead(self, reads_in_flight: int) -> None:
-        limit = WRITES_BESIDE_READS if reads_in_flight else MAX_WRITES_IN_FLIGHT
-        self._spill(itertools.islice(self.cpu_pool.cold_blocks(), self.window), limit, closing=False)
+        if not self.behind(reads_in_flight):
+            self._spill(itertools.islice(self.cpu_pool.cold_blocks(), self.window), closing=False)
 
     def persist(self) -> None:
         """At shutdown, when writes no longer compete with reads: write every cached CPU block the
         disk lacks, the coldest first (an LRU store keeps the hottest), so that a restart finds
         them there; wait until all writes are done."""
         start, before = time.monotonic(), self.spilled_blocks
-        self._spill(self.cpu_pool.cold_blocks(), MAX_WRITES_IN_FLIGHT, closing=True)
+        self._spill(self.cpu_pool.cold_blocks(), closing=True)
         self._settle(list(self._writes))
         if self.spilled_blocks > before:
             logger.info("closing: wrote %d cached CPU blocks to the store in %.1f s", self.spilled_blocks - before,
                         time.monotonic() - start)
 
-    def _spill(self, blocks: Iterable[Block], limit: int, closing: bool) -> None:
-        """Write the staged demotions, then those of `blocks` worth it (all of them when
-        `closing`), keeping at most `limit` writes in flight: beyond it, stop, or when `closing`
-        wait for the oldest write."""
-
-        def room() -> bool:
-            if len(self._writes) >= limit and closing:
-                self._settle(list(self._writes)[:1])
-            return len(self._writes) < limit
-
-        while self._staged and room():
-            block, ref = self._staged.pop(0)
-            self._write(block, ref, staged=True)
+    def _spill(self, blocks: Iterable[Block], closing: bool) -> None:
+        """Write those of `blocks` worth it (all of them when `closing`), keeping at most
+        `MAX_WRITES_IN_FLIGHT` writes in flight: beyond it, stop, or when `closing` wait for
+        the oldest write."""
         for block in list(blocks):
             if self._on_disk.get(block.block_id) == block.block_hash:
                 continue
             # asked before the store (a lookup may cost a round trip)
             if not closing and not self.worth_writing(block.block_hash):
                 continue
-            if not room():
-                return
+            if len(self._writes) >= MAX_WRITES_IN_FLIGHT:
+                if not closing:
+                    return
+                self._settle(list(self._writes)[:1])
             if self.store.contains(block.block_hash):  # e.g. loaded from disk: left where it is
                 self._on_disk[block.block_id] = block.block_hash
                 self.skipped_blocks += 1
@@ -138,6 +158,8 @@ class NVMeSpill:
             self._writes[job] = (block, ref.block_hash, staged)
 
     def _wrote(self, block: Block, block_hash: int, staged: bool, ok: bool) -> None:
+        """A write finished (or never started): its block is released either way."""
+        self._count_outcome(ok)
         if staged:
             self._staging.append(block)
             return
@@ -145,9 +167,30 @@ class NVMeSpill:
             self._on_disk[block.block_id] = block_hash
         self.cpu_pool.release([block], evict_first=True)  # back to the front, where it was taken
 
+    def _count_outcome(self, ok: bool) -> None:
+        """Failed writes in a row pause spilling, twice as long each time, until one succeeds."""
+        if ok:
+            if self._failures >= FAILURES_BEFORE_PAUSE:
+                logger.info("NVMe writes succeed again; spilling resumes")
+            self._failures, self._pause_s = 0, PAUSE_FIRST_S
+            return
+        self._failures += 1
+        if self._failures < FAILURES_BEFORE_PAUSE:
+            return
+        if self._failures == FAILURES_BEFORE_PAUSE:
+            logger.warning("NVMe writes keep failing (full or lost disk?); spilling pauses and retries every "
+                           "%.0f to %.0f s (store stats count the faults)", PAUSE_FIRST_S, PAUSE_MAX_S)
+        self._paused_until = time.monotonic() + self._pause_s
+        self._pause_s = min(2 * self._pause_s, PAUSE_MAX_S)
+
     @property
     def writes_in_flight(self) -> int:
-        return len(self._writes) + len(self._staged)
+        return len(self._writes)
+
+    @property
+    def held_blocks(self) -> int:
+        """CPU blocks the spill holds: the staging blocks, and cached blocks being written."""
+        return self.num_staging + sum(not staged for _, _, staged in self._writes.values())
 
     # ------------------------------------------------------------------ reads
 
@@ -184,6 +227,7 @@ class NVMeSpill:
             "nvme_write_skipped_blocks": self.skipped_blocks,
             "nvme_staged_blocks": self.staged_blocks,
             "nvme_staging_full": self.staging_full,
+            "nvme_spills_dropped": self.dropped,
             "nvme_write_backlog": self.writes_in_flight,
             "nvme_bytes_written": store["bytes_written"],
             "nvme_bytes_read": store["bytes_read"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 
 from tieredkv.tiers.nvme.io_backends import IOBackend
+from tieredkv.tiers.nvme.slot_file import StoreInUseError
 from tieredkv.tiers.nvme.slot_format import SlotGeometry
 from tieredkv.tiers.nvme.store import NVMeStore
 
@@ -19,7 +20,7 @@ def open_store(
     backend: IOBackend = "uring",
 ) -> NVMeStore:
     """The engine's store, with errors that name the config key to change (`nvme_path` or
-    `nvme_bytes`) as ValueError; RuntimeError if another store holds the file."""
+    `nvme_bytes`) as ValueError, also when another engine holds the store."""
     need = SlotGeometry.min_capacity_bytes(block_bytes, block_size)
     if nvme_bytes < need:
         raise ValueError(
@@ -30,6 +31,11 @@ def open_store(
         return NVMeStore(nvme_path, nvme_bytes, block_bytes, fingerprint, block_size, backend)
     except ValueError as err:
         raise ValueError(f"nvme_path: {err}") from err
+    except StoreInUseError as err:
+        raise ValueError(
+            f"cache.nvme_path: the store {err.path} is in use by another engine ({err.holder}); "
+            "close that engine first, or give this one another nvme_path"
+        ) from None
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise ValueError(

@@ -41,6 +41,20 @@ STORE_FILE_NAME = "tieredkv-blocks.slots"  # the file used when the store's path
 _warned_dirs: set[str] = set()
 
 
+class StoreInUseError(RuntimeError):
+    """Another NVMeStore (in this process or process `pid`; None: unknown) holds the file."""
+
+    def __init__(self, path: str, pid: int | None) -> None:
+        self.path, self.pid = path, pid
+        super().__init__(f"{path} is used by another NVMeStore ({self.holder}); give each engine its own nvme_path")
+
+    @property
+    def holder(self) -> str:
+        if self.pid is None:
+            return "another process"
+        return f"this process, pid {self.pid}" if self.pid == os.getpid() else f"process {self.pid}"
+
+
 @dataclass(frozen=True)
 class ScanResult:
     """What a scan of the slot headers found: (sequence, block hash, slot) of each block of
@@ -63,10 +77,9 @@ class SlotFile:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = lock_holder(self.fd)
             os.close(self.fd)
-            raise RuntimeError(
-                f"{path} is used by another NVMeStore; give each engine its own nvme_path"
-            ) from None
+            raise StoreInUseError(path, holder) from None
         st = os.fstat(self.fd)
         self.was_empty = st.st_size == 0
         try:
@@ -173,12 +186,14 @@ class SlotFile:
         blocks = sorted((seq, h, slot) for h, (seq, slot) in found.items())
         return ScanResult(blocks, damaged)
 
-    def close(self) -> None:
-        """fsync and close (idempotent); an fsync failure is logged, not raised."""
+    def close(self, sync: bool = True) -> None:
+        """fsync (unless not `sync`: a lost file) and close (idempotent); an fsync failure is
+        logged, not raised."""
         if self.fd < 0:
             return
         try:
-            os.fsync(self.fd)
+            if sync:
+                os.fsync(self.fd)
         except OSError as exc:
             logger.warning("fsync of %s failed at close: %s", self.path, exc)
         os.close(self.fd)
@@ -210,6 +225,22 @@ def _open(path: str) -> tuple[int, bool]:
             "%s does not take O_DIRECT; the NVMe store uses buffered I/O there", directory
         )
     return os.open(path, flags, 0o644), False
+
+
+def lock_holder(fd: int) -> int | None:
+    """The pid holding the flock on the file open at `fd`, from /proc/locks (Linux), else None."""
+    st = os.fstat(fd)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            lines = locks.readlines()
+    except OSError:  # not Linux: the holder stays unknown
+        return None
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == inode and fields[4].isdigit():
+            return int(fields[4])
+    return None
 
 
 def _check_free_space(fd: int, path: str, size: int) -> None:

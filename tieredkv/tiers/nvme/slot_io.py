@@ -1,18 +1,21 @@
 """Slot I/O of the NVMe store: a job moves one block between caller memory and one slot.
 
-A job is one vectored request, header then payload. It goes straight from (to) the caller's
-memory when that memory suits O_DIRECT, else through an aligned bounce buffer; at most
-`queue_depth` bounce buffers exist, and jobs that need one queue for it, so a burst of
-unaligned blocks costs bounded memory. A completion thread reaps the backend, verifies reads
+`start(job)` only queues the job, so the caller (the engine loop) never waits for the disk nor
+spends time on a block's bytes. An issuing thread takes queued jobs, reads before writes, and
+keeps at most `queue_depth` of them in flight: a write waiting here never delays a read
+submitted after it. It prepares each job (a write's payload xxh3 and header; a copy into an
+aligned bounce buffer where the caller's memory does not suit O_DIRECT) and submits it as one
+vectored request, header then payload. A completion thread reaps the backend, verifies reads
 (every header field, the header checksum, the payload xxh3) and calls `on_done(job, fault)`:
 fault is None, or the name of the stats counter of what went wrong: a disk fault, or
-`internal_errors` for a bug met while checking a job (logged at ERROR; the test suite fails on it).
+`internal_errors` for a bug met while handling a job (logged at ERROR; the test suite fails on it).
 
 Operations: `SlotJob`, `SlotIO.start`, `SlotIO.in_flight`, `SlotIO.close`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import threading
@@ -25,11 +28,13 @@ import xxhash
 
 from tieredkv.tiers.nvme.io_backends import BlockIO, IOOp, IORequest
 from tieredkv.tiers.nvme.slot_format import (
+    ALIGN,
     AlignedBufferPool,
     SlotGeometry,
     SlotHeader,
     byte_view,
     header_matches,
+    is_aligned,
     pack_header,
     parse_header,
 )
@@ -41,7 +46,8 @@ _POLL_S = 0.05  # how long the completion thread sleeps in reap() before looking
 
 @dataclass(eq=False)
 class SlotJob:
-    """One block read or write; `payload` is the caller's block as uint8."""
+    """One block read or write; `payload` is the caller's block as uint8. `fd` is -1 when the
+    job's file is still to be made (the last one was lost): `open_file` makes it at issue."""
 
     id: int
     op: IOOp
@@ -49,16 +55,21 @@ class SlotJob:
     parent_hash: int
     token_ids: tuple[int, ...]
     slot: int
-    fd: int
     generation: int  # which incarnation of the store file the slot belongs to
     payload: torch.Tensor
+    fd: int = -1
+    o_direct: bool = False  # the file takes O_DIRECT: memory must be aligned
+    write_header: SlotHeader | None = None  # a write's header, its payload checksum made at issue
     header: torch.Tensor | None = None  # aligned header_bytes, from a pool
     bounce: torch.Tensor | None = None  # aligned copy of the payload, when one is needed
     nbytes: int = 0  # bytes the request moves
 
 
 class SlotIO:
-    """Runs SlotJobs through a backend on behalf of the store."""
+    """Runs SlotJobs through a backend on behalf of the store (module docstring).
+
+    `open_file(job)`: called on the issuing thread for a job with no file (`fd == -1`); sets
+    its `fd` and `o_direct`, or returns the fault the job fails with."""
 
     def __init__(
         self,
@@ -67,77 +78,112 @@ class SlotIO:
         fingerprint: bytes,
         queue_depth: int,
         on_done: Callable[[SlotJob, str | None], None],
+        open_file: Callable[[SlotJob], str | None],
     ) -> None:
-        self.backend, self.geometry = backend, geometry
-        self._fingerprint, self._on_done = fingerprint, on_done
+        self.backend, self.geometry, self.queue_depth = backend, geometry, queue_depth
+        self._fingerprint, self._on_done, self._open_file = fingerprint, on_done, open_file
         self._headers = AlignedBufferPool(geometry.header_bytes)
         self._bounces = AlignedBufferPool(geometry.payload_bytes, limit=queue_depth)
-        self._lock = threading.Lock()
-        self._jobs: dict[int, SlotJob] = {}  # started, not done
-        self._waiting: deque[SlotJob] = deque()  # for a bounce buffer
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._complete_loop, name="tieredkv-nvme", daemon=True
-        )
-        self._thread.start()
+        self._cond = threading.Condition()
+        self._queued: dict[IOOp, deque[SlotJob]] = {"read": deque(), "write": deque()}
+        self._issued: dict[int, SlotJob] = {}  # taken by the issuing thread, not done
+        self._stop = False
+        self._threads = [
+            threading.Thread(target=self._issue_loop, name="tieredkv-nvme-issue", daemon=True),
+            threading.Thread(target=self._complete_loop, name="tieredkv-nvme", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def in_flight(self) -> int:
-        with self._lock:
-            return len(self._jobs) + len(self._waiting)
+        with self._cond:
+            return self._pending()
 
-    def start(self, job: SlotJob, header: SlotHeader | None, direct: bool) -> None:
-        """Start `job` (writes pass their header); `direct`: the payload memory suits O_DIRECT."""
-        job.header = self._headers.get()
-        if header is not None:
-            pack_header(byte_view(job.header), header)
-        if direct:
-            self._issue(job)
-            return
-        with self._lock:
-            self._waiting.append(job)
-        self._start_waiting()
+    def _pending(self) -> int:
+        return len(self._issued) + len(self._queued["read"]) + len(self._queued["write"])
+
+    def start(self, job: SlotJob) -> None:
+        """Queue `job` (a write carries its `write_header`); returns at once."""
+        with self._cond:
+            self._queued[job.op].append(job)
+            self._cond.notify_all()
 
     def close(self) -> None:
-        """Stop the completion thread once every started job is done; close the backend."""
-        self._stop.set()
-        self._thread.join()
+        """Stop the threads once every started job is done; close the backend."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
         self.backend.close()
 
-    def _start_waiting(self) -> None:
-        """Start jobs waiting for a bounce buffer, while there are free ones."""
-        while True:
-            with self._lock:
-                bounce = self._bounces.get() if self._waiting else None
-                if bounce is None:
-                    return
-                job = self._waiting.popleft()
-            job.bounce = bounce
-            if job.op == "write":
-                n = job.payload.numel()
-                bounce[:n].copy_(job.payload)
-                bounce[n:].zero_()
-            self._issue(job)  # if that fails, the job is done and its buffer free again
+    # ---------------------------------------------------------------- issuing
 
-    def _issue(self, job: SlotJob) -> None:
+    def _issue_loop(self) -> None:
+        while (job := self._next_job()) is not None:
+            try:
+                fault = self._prepare(job)
+            except Exception:  # a bug, not a disk fault: the job fails, the thread lives on
+                logger.exception("NVMe store: internal error while preparing job %d", job.id)
+                fault = "internal_errors"
+            if fault is not None:
+                self._done(job, fault)
+            else:
+                self._submit(job)
+
+    def _next_job(self) -> SlotJob | None:
+        """The next job to issue, reads first, once fewer than `queue_depth` are in flight;
+        None once closed and nothing is queued."""
+        queued = self._queued
+        with self._cond:
+            self._cond.wait_for(
+                lambda: (queued["read"] or queued["write"]) and len(self._issued) < self.queue_depth
+                or (self._stop and not (queued["read"] or queued["write"]))
+            )
+            queue = queued["read"] or queued["write"]
+            if not queue:
+                return None
+            job = queue.popleft()
+            self._issued[job.id] = job
+        return job
+
+    def _prepare(self, job: SlotJob) -> str | None:
+        """Buffers, checksum and header of `job`; the fault it fails with, or None."""
+        if job.fd < 0 and (fault := self._open_file(job)) is not None:
+            return fault
+        job.header = self._headers.get()
+        if self.geometry.block_bytes % ALIGN or (job.o_direct and not is_aligned(job.payload)):
+            job.bounce = self._bounces.get()  # never None: at most queue_depth jobs are issued
+        if job.op == "write":
+            checksum = xxhash.xxh3_64_intdigest(byte_view(job.payload))
+            pack_header(byte_view(job.header), dataclasses.replace(job.write_header, payload_checksum=checksum))
+            if job.bounce is not None:
+                n = job.payload.numel()
+                job.bounce[:n].copy_(job.payload)
+                job.bounce[n:].zero_()
+        return None
+
+    def _submit(self, job: SlotJob) -> None:
         body = job.payload if job.bounce is None else job.bounce
         buffers = (byte_view(job.header), byte_view(body))
         job.nbytes = sum(b.nbytes for b in buffers)
         offset = self.geometry.slot_offset(job.slot)
-        with self._lock:
-            self._jobs[job.id] = job
         try:
             self.backend.submit([IORequest(job.id, job.op, job.fd, offset, buffers)])
         except OSError as exc:
-            with self._lock:
-                del self._jobs[job.id]
             self._done(job, "enospc" if exc.errno == errno.ENOSPC else "io_errors")
 
+    # ---------------------------------------------------------------- completing
+
     def _complete_loop(self) -> None:
-        while not (self._stop.is_set() and self.in_flight == 0):
+        while True:
+            with self._cond:
+                if self._stop and not self._pending():
+                    return
             for completion in self.backend.reap(_POLL_S):
-                with self._lock:
-                    job = self._jobs.pop(completion.tag, None)
+                with self._cond:
+                    job = self._issued.get(completion.tag)
                 if job is None:
                     logger.error(
                         "NVMe store: internal error: completion of unknown job %d ignored",
@@ -151,13 +197,16 @@ class SlotIO:
                     logger.exception("NVMe store: internal error while checking job %d", job.id)
                     fault = "internal_errors"
                 self._done(job, fault)
-                self._start_waiting()
 
     def _done(self, job: SlotJob, fault: str | None) -> None:
         self._on_done(job, fault)
-        self._headers.put(job.header)
+        if job.header is not None:
+            self._headers.put(job.header)
         if job.bounce is not None:
             self._bounces.put(job.bounce)
+        with self._cond:
+            del self._issued[job.id]
+            self._cond.notify_all()
 
     def _outcome(self, job: SlotJob, result: int) -> str | None:
         """None if the job succeeded, else the stats counter of its fault (verifies reads)."""

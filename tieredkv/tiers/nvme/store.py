@@ -23,15 +23,19 @@ xxh3); the block then is not stored (its slot is discarded), `dst` holds garbage
 recomputes, and the cause is counted in `stats()`. Submits never raise for I/O trouble: faults
 come back as failed jobs (ValueError only for bad arguments).
 
-Writes take a free slot, else evict the least recently used stored block (reads, writes and
-re-submitted writes count as uses). Header and payload go out in one vectored write, straight
-from the caller's memory when it is 4 KiB-aligned (see `aligned_empty`), else through a bounce
-buffer. A crash mid-write can leave a torn slot; its header's payload checksum then fails, so
-it is never served. Opening a store scans the slot headers: blocks written under the same
-fingerprint and format version are found again, in the order they were written; damaged slot
-headers, or a damaged superblock (the file is then formatted anew), are logged once and counted
-(`scan_discarded`, `reformatted`). If the file is deleted while open, the next submit notices:
-all blocks are lost (reads return None), a new file is started, `files_lost` is counted.
+Submits only queue the job: checksums, headers, copies and I/O happen on the store's threads,
+reads before writes (slot_io.py). Writes take a free slot, else evict the least recently used
+stored block (reads, writes and re-submitted writes count as uses). Header and payload go out
+in one vectored write, straight from the caller's memory when it is 4 KiB-aligned (see
+`aligned_empty`), else through a bounce buffer. A crash mid-write can leave a torn slot; its
+header's payload checksum then fails, so it is never served. Opening a store scans the slot
+headers: blocks written under the same fingerprint and format version are found again, in the
+order they were written; damaged slot headers, or a damaged superblock (the file is then
+formatted anew), are logged once and counted (`scan_discarded`, `reformatted`). If the file is
+deleted while open, the next submit notices: all blocks are lost (reads return None),
+`files_lost` is counted, the lost file is closed once no job uses it (so its space returns),
+and the next job's thread makes a new file; if that fails (a full disk), submits start nothing
+until a retry, after 1 s, then twice as long each time up to a minute (logged once).
 Layout: slot_format.py; I/O: slot_io.py.
 """
 
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -48,19 +53,15 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import torch
-import xxhash
 
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme.io_backends import BlockIO, IOBackend, IOOp, make_backend
 from tieredkv.tiers.nvme.slot_file import STORE_FILE_NAME, SlotFile, remove_empty_dirs, store_file
 from tieredkv.tiers.nvme.slot_format import (
-    ALIGN,
     MAX_U64,
     SlotGeometry,
     SlotHeader,
-    byte_view,
     fingerprint_digest,
-    is_aligned,
 )
 from tieredkv.tiers.nvme.slot_index import SlotIndex
 from tieredkv.tiers.nvme.slot_io import SlotIO, SlotJob
@@ -68,6 +69,7 @@ from tieredkv.tiers.nvme.slot_io import SlotIO, SlotJob
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_DEPTH = 32  # I/Os in flight
+REOPEN_FIRST_S, REOPEN_MAX_S = 1.0, 60.0  # waits before remaking a lost file after a failure
 
 _COUNTERS = (
     "hits misses writes bytes_read bytes_written evictions write_rejected restored "
@@ -102,7 +104,9 @@ class NVMeStore:
         self._ids = itertools.count(1)
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._generation, self._sequence, self._closed = 0, 0, False
-        self._retired: list[SlotFile] = []  # files deleted under us, closed at close()
+        self._retired: dict[int, SlotFile] = {}  # generation -> a file lost under us, open while its jobs run
+        self._reopen_at, self._reopen_wait = 0.0, REOPEN_FIRST_S  # no file: when to try making one
+        self._reopen_fault = "io_errors"  # what jobs fail with while no file can be made
         # time with reads in flight: bytes read over it is the read bandwidth the engine gets
         self._reads_in_flight, self._read_busy_since, self._read_busy_s = 0, 0.0, 0.0
         self._file: SlotFile | None = None
@@ -115,7 +119,7 @@ class NVMeStore:
         except BaseException:
             self._undo_open(backend, made_dir)
             raise
-        self._io = SlotIO(backend, self.geometry, self._fingerprint, queue_depth, self._finish)
+        self._io = SlotIO(backend, self.geometry, self._fingerprint, queue_depth, self._finish, self._open_lost)
 
     def _undo_open(self, backend: IOBackend | BlockIO, made_dir: str | None) -> None:
         """Opening failed: close what was opened, remove the file and folders it created."""
@@ -154,8 +158,8 @@ class NVMeStore:
         """Start storing the block in `src`; a job id, or None if no I/O was started.
 
         None: the block is stored or being written already (it becomes most recently used),
-        every slot has I/O in flight (`write_rejected`), or the store is closed. Either way `src`
-        is free at once.
+        every slot has I/O in flight (`write_rejected`), the file is lost and cannot be made
+        now, or the store is closed. Either way `src` is free at once.
         """
         block_hash, parent_hash = ref.block_hash, ref.parent_hash
         payload = self._check_block(src, "src", ref.token_ids)
@@ -165,20 +169,19 @@ class NVMeStore:
             if self._closed or self.index.known(block_hash):
                 self.index.touch(block_hash)
                 return None
+            if self._file is None and time.monotonic() < self._reopen_at:
+                return None
             reservation = self.index.reserve(block_hash)
             if reservation is None:
                 self._counts["write_rejected"] += 1
                 return None
             self._counts["evictions"] += reservation.evicted is not None
             self._sequence += 1
-            sequence = self._sequence
-            job, direct = self._new_job(
-                "write", block_hash, parent_hash, tokens, reservation.slot, payload
-            )
-        checksum = xxhash.xxh3_64_intdigest(byte_view(payload))
-        fields = (payload.numel(), checksum, sequence, self._fingerprint)
-        header = SlotHeader(block_hash, parent_hash, tokens, *fields)
-        self._io.start(job, header, direct)
+            job = self._new_job("write", block_hash, parent_hash, tokens, reservation.slot, payload)
+            # the payload checksum is made on the I/O side
+            job.write_header = SlotHeader(block_hash, parent_hash, tokens, payload.numel(), 0, self._sequence,
+                                          self._fingerprint)
+        self._io.start(job)
         return job.id
 
     def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
@@ -192,11 +195,11 @@ class NVMeStore:
             if slot is None:
                 self._counts["misses"] += 1
                 return None
-            job, direct = self._new_job("read", block_hash, parent_hash, tokens, slot, payload)
+            job = self._new_job("read", block_hash, parent_hash, tokens, slot, payload)
             if not self._reads_in_flight:
                 self._read_busy_since = time.monotonic()
             self._reads_in_flight += 1
-        self._io.start(job, None, direct)
+        self._io.start(job)
         return job.id
 
     def poll(self) -> list[tuple[int, bool]]:
@@ -284,9 +287,10 @@ class NVMeStore:
             self._closed = True
             self._cond.wait_for(lambda: not self._jobs)
         self._io.close()
-        for file in [self._file, *self._retired]:
-            if file is not None:
-                file.close()
+        if self._file is not None:
+            self._file.close()
+        for file in self._retired.values():
+            file.close(sync=False)
 
     def __enter__(self) -> NVMeStore:
         return self
@@ -330,15 +334,13 @@ class NVMeStore:
         tokens: tuple[int, ...],
         slot: int,
         payload: torch.Tensor,
-    ) -> tuple[SlotJob, bool]:
-        """Register a job (lock held); also whether its payload memory suits O_DIRECT."""
-        fd, o_direct = (-1, False) if self._file is None else (self._file.fd, self._file.o_direct)
-        job = SlotJob(
-            next(self._ids), op, block_hash, parent, tokens, slot, fd, self._generation, payload
-        )
+    ) -> SlotJob:
+        """Register a job (lock held), on the current file (none yet: made when it is issued)."""
+        job = SlotJob(next(self._ids), op, block_hash, parent, tokens, slot, self._generation, payload)
+        if self._file is not None:
+            job.fd, job.o_direct = self._file.fd, self._file.o_direct
         self._jobs[job.id] = job
-        direct = self.geometry.block_bytes % ALIGN == 0 and (not o_direct or is_aligned(payload))
-        return job, direct
+        return job
 
     def _finish(self, job: SlotJob, fault: str | None) -> None:
         """Called by SlotIO when a job is done: update the index, the counters, the waiters."""
@@ -363,32 +365,68 @@ class NVMeStore:
                     self._read_busy_s += time.monotonic() - self._read_busy_since
             del self._jobs[job.id]
             self._done[job.id] = ok
+            self._close_retired()
             self._cond.notify_all()
 
     # ---------------------------------------------------------------- the file
 
     def _check_file(self) -> None:
-        """If the store file was deleted or replaced, forget its blocks and start a new one."""
-        if self._file is not None and not self._file.vanished():
+        """If the store file was deleted or replaced, forget its blocks; the next job makes a
+        new file (`_open_lost`, on the I/O side)."""
+        if self._file is None or not self._file.vanished():
             return
         with self._cond:
-            if self._file is not None and not self._file.vanished():
-                return  # another thread replaced it meanwhile
-            if self._file is not None:
-                logger.warning(
-                    "NVMe store file %s vanished; its blocks are lost, starting anew", self.path
-                )
-                self._counts["files_lost"] += 1
-                self._retired.append(self._file)  # in-flight jobs may still use it
+            if self._file is None or not self._file.vanished():
+                return  # another thread noticed meanwhile
+            logger.warning("NVMe store file %s vanished; its blocks are lost, starting anew", self.path)
+            self._counts["files_lost"] += 1
+            self._retired[self._generation] = self._file  # in-flight jobs may still use it
             self._generation += 1
             self.index = SlotIndex(self.num_slots)
-            try:
-                self._file = SlotFile(self.path, self.geometry, self._owns_file)
-                self._file.format()
-            except (OSError, RuntimeError, ValueError) as exc:  # jobs fail (EBADF) until a later submit manages
-                if self._file is not None:
-                    logger.error("NVMe store cannot recreate %s: %s", self.path, exc)
-                self._file = None
+            self._file, self._reopen_at, self._reopen_wait = None, 0.0, REOPEN_FIRST_S
+            self._close_retired()
+
+    def _close_retired(self) -> None:
+        """Close the lost files no job uses any more, so that their space returns (lock held)."""
+        busy = {job.generation for job in self._jobs.values()}
+        for generation in [g for g in self._retired if g not in busy]:
+            self._retired.pop(generation).close(sync=False)
+
+    def _open_lost(self, job: SlotJob) -> str | None:
+        """On the issuing thread, for a job submitted while the file was lost: give it the file,
+        making a new one unless a failure was too recent; else the fault the job fails with."""
+        with self._cond:
+            if self._file is None and time.monotonic() >= self._reopen_at:
+                self._reopen_at = float("inf")  # this thread tries; jobs meanwhile fail
+            elif self._file is None:
+                return self._reopen_fault
+            else:
+                job.fd, job.o_direct = self._file.fd, self._file.o_direct
+                return None
+        try:
+            file = SlotFile(self.path, self.geometry, self._owns_file)
+            file.format()
+        except (OSError, RuntimeError, ValueError) as exc:
+            self._reopen_failed(exc)
+            return self._reopen_fault
+        with self._cond:  # nobody replaces a missing file but this thread
+            if self._reopen_wait > REOPEN_FIRST_S:
+                logger.warning("NVMe store: made a new file %s; storing blocks again", self.path)
+            self._file, self._reopen_wait = file, REOPEN_FIRST_S
+            job.fd, job.o_direct = file.fd, file.o_direct
+        return None
+
+    def _reopen_failed(self, exc: Exception) -> None:
+        """Making a new file failed: wait before the next try, twice as long each time."""
+        with self._cond:
+            if self._reopen_wait == REOPEN_FIRST_S:
+                logger.error("NVMe store cannot make a new file %s: %s; blocks are not stored until it can "
+                             "(retrying after %.0f s, then up to every %.0f s)", self.path, exc, REOPEN_FIRST_S,
+                             REOPEN_MAX_S)
+            full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+            self._reopen_fault = "enospc" if full else "io_errors"
+            self._reopen_at = time.monotonic() + self._reopen_wait
+            self._reopen_wait = min(2 * self._reopen_wait, REOPEN_MAX_S)
 
     def _load_index(self, backend: BlockIO) -> None:
         """Find the blocks an earlier store left in the file, or format it. Damage found here
