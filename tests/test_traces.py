@@ -116,7 +116,8 @@ def test_mooncake_replay_hits_the_shared_prefixes(tmp_path):
     assert result["workload"]["trace"] == {
         "format": "mooncake", "lines": 30, "requests": 30, "returning": len(returning), "conversations": 16,
         "span_s": pytest.approx(lines[-1]["timestamp"] / 1e3 * scale), "offered_rate": pytest.approx(
-            29 / (lines[-1]["timestamp"] / 1e3 * scale)), "prompt_tokens": sum(line.input_length for line in trace)}
+            29 / (lines[-1]["timestamp"] / 1e3 * scale)), "prompt_tokens": sum(line.input_length for line in trace),
+        "prefix_hit_bound": pytest.approx(summary.prefix_hit_rate)}  # a GPU keeping every block reaches the bound
 
 
 def test_time_scaling_window_and_sampling_are_deterministic(tmp_path):

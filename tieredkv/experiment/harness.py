@@ -259,11 +259,13 @@ async def _stop_restart(restart: asyncio.Task | None, slot: EngineSlot) -> None:
 
 
 def _slo(slo: Slo | None, records: list[RequestRecord], summary: Summary) -> dict[str, Any] | None:
-    """The targets, what the run measured for them, and whether they held."""
+    """The targets, what the run measured for them, whether they held, and goodput (requests
+    per second within every per-request bound)."""
     if slo is None:
         return None
     measured = slo.measure(records)
-    return {"targets": slo.targets, "measured": measured, "met": slo.holds(measured, summary)}
+    return {"targets": slo.targets, "measured": measured, "met": slo.holds(measured, summary),
+            "goodput_rps": slo.goodput_rps(records, summary.elapsed_s)}
 
 
 def startup_summary(name: str, engine: dict[str, Any]) -> str:

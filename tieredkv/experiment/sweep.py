@@ -2,7 +2,8 @@
 
 Operations:
 - `sweep_document(experiment, done) -> dict`: sweep.json: per variant, per load point the
-  figures (vLLM's names) and whether the SLOs held; the variant's goodput.
+  figures (vLLM's names), whether the SLOs held and, under per-request bounds, the share of
+  requests within them and the requests per second within them; the variant's goodput.
 - `goodput(points)`: the highest load at which the SLOs held, at it and at every lower point
   (a single lucky point above a failing one is noise, not capacity); None if none held.
 - `format_sweep(doc)`: the table `tieredkv run --sweep` prints.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tieredkv.experiment.metrics import Summary
+from tieredkv.experiment.metrics import ATTAINMENT, Summary
 from tieredkv.experiment.spec import Experiment, Run
 
 SWEPT = ("request_throughput", "output_throughput", "p90_ttft_ms", "p99_ttft_ms", "median_ttft_ms",
@@ -41,6 +42,8 @@ def sweep_document(experiment: Experiment, done: list[tuple[Run, Summary, dict[s
             "value": run.point[1], **{k: metrics[k] for k in SWEPT},
             "slo_met": None if result["slo"] is None else result["slo"]["met"],
             "slo_measured": None if result["slo"] is None else result["slo"]["measured"],
+            "slo_attainment": None if result["slo"] is None else result["slo"]["measured"].get(ATTAINMENT),
+            "goodput_rps": None if result["slo"] is None else result["slo"].get("goodput_rps"),
             "partial": summary.partial, "errors": summary.errors,
             "result": f"{run.folder}/result.json",
         })
@@ -57,10 +60,12 @@ def sweep_document(experiment: Experiment, done: list[tuple[Run, Summary, dict[s
 
 
 def format_sweep(doc: dict[str, Any]) -> str:
-    """Per variant and load point: throughput, TTFT p90 / p99, ITL p99, SLO; then goodput."""
+    """Per variant and load point: throughput, TTFT p90 / p99, ITL p99, SLO (and under
+    per-request bounds the share of requests within them, and those per second); then goodput."""
     key = doc["key"]
+    per_request = ATTAINMENT in (doc["slo"] or {})
     lines = [f"{'variant':<22}{key:>10}{'req/s':>9}{'out tok/s':>11}{'TTFT p90 ms':>13}{'TTFT p99 ms':>13}"
-             f"{'ITL p99 ms':>12}{'SLO':>6}"]
+             f"{'ITL p99 ms':>12}{'SLO':>6}" + (f"{'within %':>10}{'good req/s':>12}" if per_request else "")]
 
     def cell(value: float | None, width: int, fmt: str = ".1f") -> str:
         return f"{'n/a' if value is None else format(value, fmt):>{width}}"
@@ -70,13 +75,21 @@ def format_sweep(doc: dict[str, Any]) -> str:
             slo = "n/a" if p["slo_met"] is None else "met" if p["slo_met"] else "miss"
             lines.append(f"{variant['name']:<22}{p['value']:>10g}{cell(p['request_throughput'], 9, '.2f')}"
                          f"{cell(p['output_throughput'], 11)}{cell(p['p90_ttft_ms'], 13)}{cell(p['p99_ttft_ms'], 13)}"
-                         f"{cell(p['p99_itl_ms'], 12)}{slo:>6}" + ("  (partial)" if p["partial"] else ""))
+                         f"{cell(p['p99_itl_ms'], 12)}{slo:>6}"
+                         + (f"{cell(_percent(p['slo_attainment']), 10)}{cell(p['goodput_rps'], 12, '.2f')}"
+                            if per_request else "")
+                         + ("  (partial)" if p["partial"] else ""))
     if doc["slo"] is None:
         lines.append("goodput: n/a (the file has no slo: section)")
     else:
-        targets = ", ".join(f"{k} <= {v:g}" for k, v in doc["slo"].items())
-        lines.append(f"goodput ({key} under SLO {targets}):")
+        targets = ", ".join(f"{k} <= {v:g}" for k, v in doc["slo"].items() if k != ATTAINMENT)
+        rule = f" (met by {doc['slo'][ATTAINMENT]:.0%} of requests)" if per_request else ""
+        lines.append(f"goodput ({key} under SLO {targets}{rule}):")
         for variant in doc["variants"]:
             value = variant["goodput"]
             lines.append(f"  {variant['name']:<20} {'none of the points' if value is None else f'{value:g}'}")
     return "\n".join(lines)
+
+
+def _percent(share: float | None) -> float | None:
+    return None if share is None else share * 100

@@ -14,6 +14,8 @@ Operations:
 - `select(lines, ...) -> list[TraceRequest]`: the time window, a seeded fraction of the
   conversations, the first `max_requests`; times start at 0 and are scaled; `returning` marked.
 - `prompt_token_ids(request, ...)`: the prompt a Mooncake line stands for.
+- `prefix_hit_bound(lines, block_tokens, block_size)`: the prefix-hit rate of a cache that never
+  evicts, the most any tier setup can reach on those lines.
 
 A line is *returning* when its hash ids begin with every full block of an earlier selected
 line's prompt, beyond the leading blocks that every line of the file shares (a system prompt
@@ -234,6 +236,25 @@ def _replay_times(times: list[float], time_scale: float, rate: float | None) -> 
     if rate is not None:
         time_scale = (len(times) - 1) / (rate * span) if span > 0 else 0.0
     return [(t - start) * time_scale for t in times]
+
+
+def prefix_hit_bound(lines: list[TraceLine], block_tokens: int = 512, block_size: int = 16) -> float:
+    """The share of the prompt tokens of Mooncake `lines` (in time order) that a cache which
+    never evicts could serve: each prompt's longest prefix that an earlier line sent, in full
+    engine blocks of `block_size` tokens, short of the prompt's last token (always computed).
+    Hash ids stand for `block_tokens` tokens; an earlier line sent only the first tokens of its
+    last, partial block."""
+    sent: dict[tuple[int, ...], int] = {}  # hash-id prefix -> most tokens of it an earlier line sent
+    hit = total = 0
+    for line in lines:
+        ids, length = line.hash_ids, line.input_length
+        found = next((k for k in range(len(ids), 0, -1) if ids[:k] in sent), 0)
+        common = min(sent[ids[:found]], length) if found else 0
+        hit += min(common, length - 1) // block_size * block_size
+        total += length
+        for k in range(1, len(ids) + 1):
+            sent[ids[:k]] = max(sent.get(ids[:k], 0), min(k * block_tokens, length))
+    return hit / total if total else 0.0
 
 
 def block_token_ids(hash_id: int, block_tokens: int, vocab_size: int, seed: int = 0, low: int = 4) -> list[int]:

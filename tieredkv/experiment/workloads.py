@@ -35,6 +35,7 @@ from tieredkv.experiment.traces import (
     TraceFormat,
     TraceLine,
     TraceRequest,
+    prefix_hit_bound,
     prompt_token_ids,
     read_trace,
     select,
@@ -195,7 +196,8 @@ class ReplayWorkload:
     Selection: lines in [`start_s`, `start_s + duration_s`) of the trace's clock, a seeded
     `fraction` of its conversations, prompts of at most `max_input_tokens`, the first
     `max_requests`. Times start at 0 and are multiplied by `time_scale` (0.5: twice as fast), or
-    scaled so that requests arrive `rate` per second on average. Outputs are capped at
+    divided by `speed` (2: twice as fast; the load a sweep raises), or scaled so that requests
+    arrive `rate` per second on average. Outputs are capped at
     `max_output_tokens`; `max_tokens` is for prompts lines that do not say. A Mooncake hash id
     stands for `block_tokens` tokens drawn from `seed`."""
 
@@ -204,6 +206,7 @@ class ReplayWorkload:
     max_tokens: int = 16
     max_output_tokens: int | None = None
     time_scale: float = 1.0
+    speed: float | None = None
     rate: float | None = None
     start_s: float = 0.0
     duration_s: float | None = None
@@ -224,6 +227,12 @@ class ReplayWorkload:
             )
         if self.rate is not None and self.time_scale != 1.0:
             raise ValueError("workload.rate: set either rate (requests per second) or time_scale, not both")
+        if self.speed is not None and (isinstance(self.speed, bool) or not isinstance(self.speed, (int, float))
+                                       or not 0 < self.speed < float("inf")):
+            raise ValueError(f"workload.speed: expected a factor > 0 (2 replays twice as fast), got {self.speed!r}")
+        if self.speed is not None and (self.rate is not None or self.time_scale != 1.0):
+            raise ValueError("workload.speed: set either speed or rate / time_scale, not both "
+                             "(speed 2 is time_scale 0.5)")
         if not isinstance(self.fraction, (int, float)) or isinstance(self.fraction, bool) or not 0 < self.fraction <= 1:
             raise ValueError(
                 f"workload.fraction: expected a fraction of conversations in (0, 1], got {self.fraction!r}"
@@ -240,7 +249,7 @@ class ReplayWorkload:
         selected = select(
             lines, block_tokens=self.block_tokens, start_s=self.start_s, duration_s=self.duration_s,
             fraction=self.fraction, max_requests=self.max_requests, max_input_tokens=self.max_input_tokens,
-            time_scale=self.time_scale, rate=self.rate, seed=self.seed,
+            time_scale=self.time_scale if self.speed is None else 1 / self.speed, rate=self.rate, seed=self.seed,
         )
         if not selected:
             raise ValueError(f"workload: no line of {self.path} is selected; widen the window, fraction or limits")
@@ -256,6 +265,8 @@ class ReplayWorkload:
             "conversations": len({r.conversation for r in selected}), "span_s": span,
             "offered_rate": (len(selected) - 1) / span if span > 0 else None,
             "prompt_tokens": sum(r.line.num_prompt_tokens or 0 for r in selected),
+            "prefix_hit_bound": prefix_hit_bound([r.line for r in selected], self.block_tokens)
+            if lines[0].hash_ids else None,
         }
 
     @property
