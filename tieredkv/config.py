@@ -177,7 +177,7 @@ class CacheConfig:
     nvme_path: str | None = None
     nvme_bytes: int = 0
     io_backend: IOBackend = "uring"
-    cpu_policy: CPUPolicy = "tinylfu"
+    cpu_policy: CPUPolicy = "adaptive"
     remote_url: str | None = None
     remote_bytes: int = 0
 

@@ -39,7 +39,7 @@ class CPUOffload:
     was offered and asked for (`cache/trace.py`)."""
 
     def __init__(
-        self, tier: CPUTier, transfers: TransferEngine, store: BlockStore | None = None, policy: CPUPolicy = "tinylfu"
+        self, tier: CPUTier, transfers: TransferEngine, store: BlockStore | None = None, policy: CPUPolicy = "adaptive"
     ) -> None:
         self.tier = tier
         self.pool = BlockPool(tier.num_blocks)
@@ -72,6 +72,7 @@ class CPUOffload:
         assert block_hash is not None, "only cached blocks are demoted"
         if self.trace is not None:
             self.trace.offer(block_hash)
+        self.admission.offered(block_hash)
         known = self.pool.cached_block(block_hash)
         if known is not None:
             if known.ref_count == 0 and not known.evict_first:
@@ -104,7 +105,7 @@ class CPUOffload:
             self._staging[staging.block_id] = ref
 
     def requested(self, block_hashes: list[int], num_gpu_hits: int) -> None:
-        self.admission.record(block_hashes)
+        self.admission.record(block_hashes, num_gpu_hits)
         if self.trace is not None:
             self.trace.request(tuple(block_hashes[num_gpu_hits:]))
 
@@ -140,7 +141,8 @@ class CPUOffload:
         except TransferError:
             self.pool.release(cpu_blocks)
             raise
-        self._held[job_id] = list(cpu_blocks)
+        # released tail first once copied: a chain's head, which every prefix hit needs, stays longest
+        self._held[job_id] = list(reversed(cpu_blocks))
         self._copies_in[job_id] = len(cpu_blocks)
         return job_id
 

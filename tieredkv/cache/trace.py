@@ -6,13 +6,18 @@ A trace records what was asked of the CPU tier while the engine ran:
   were looked for in the CPU tier.
 
 `replay(trace, capacity, policy)` runs the same trace through a CPU tier of `capacity` blocks
-under `lru`, `tinylfu` (the admission rule the engine uses, `cache/admission.py`) or `belady`
+under `lru`, `tinylfu`, `adaptive` (the engine's rules, `cache/admission.py`) or `belady`
 (on each offer to a full tier, drop whichever of the resident blocks and the offered one is
 requested again furthest in the future: Belady's MIN with bypass, the best any policy can do
 for blocks taken one by one). A request's hits are counted as in the engine, its leading
 resident blocks up to the first miss, and also block by block (`resident_rate`: the measure
 under which Belady's is optimal; a prefix-run count may favour another policy). Swapped-out
 sequences are not in the trace: replay gives the whole capacity to prefixes.
+
+`simulate(requests, gpu_blocks)` derives a trace with no model: a GPU tier of `gpu_blocks`
+cached blocks in LRU order serves each request's leading blocks, asks the CPU tier for the
+rest, and offers the blocks it evicts (the tail of a chain before its head, as the engine
+frees a sequence's blocks). Running requests hold no blocks: each completes before the next.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
-from tieredkv.cache.admission import AdmitAll, FrequencyAdmission
+from tieredkv.cache.admission import GhostTier, make_admission
 
-ReplayPolicy = Literal["lru", "tinylfu", "belady"]
-REPLAY_POLICIES: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "belady")
+ReplayPolicy = Literal["lru", "tinylfu", "adaptive", "belady"]
+REPLAY_POLICIES: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "adaptive", "belady")
 
 
 class BlockTrace:
@@ -59,25 +65,18 @@ class ReplayResult(NamedTuple):
 def replay(trace: BlockTrace, capacity: int, policy: ReplayPolicy) -> ReplayResult:
     if policy == "belady":
         return _replay_belady(trace.events, capacity)
-    admission = FrequencyAdmission(capacity) if policy == "tinylfu" else AdmitAll()
-    resident: OrderedDict[int, None] = OrderedDict()
+    admission = make_admission(policy, capacity)
+    tier = GhostTier(capacity)
     requested = hits = alone = 0
     for event in trace.events:
         if isinstance(event, tuple):
             admission.record(event)
             requested += len(event)
-            alone += sum(block_hash in resident for block_hash in event)
-            run = _leading_run(event, resident)
-            for block_hash in event[:run]:
-                resident.move_to_end(block_hash)
-            hits += run
-        elif event in resident:
-            resident.move_to_end(event)
-        elif len(resident) < capacity:
-            resident[event] = None
-        elif capacity and admission.admits(event, next(iter(resident))):
-            resident.popitem(last=False)
-            resident[event] = None
+            alone += sum(block_hash in tier.resident for block_hash in event)
+            hits += tier.request(event)
+        else:
+            admission.offered(event)
+            tier.offer(event, admission.admits)
     return ReplayResult(requested, hits, alone)
 
 
@@ -140,3 +139,18 @@ def replay_all(trace: BlockTrace, capacity: int) -> dict[str, object]:
         "hit_rate": {policy: result.hit_rate for policy, result in results.items()},
         "resident_rate": {policy: result.resident_rate for policy, result in results.items()},
     }
+
+
+def simulate(requests: Iterable[tuple[tuple[int, ...], tuple[int, ...]]], gpu_blocks: int) -> BlockTrace:
+    """The CPU tier's trace under a GPU tier of `gpu_blocks` (module docstring). Each request is
+    (its prompt's full blocks, the blocks it leaves cached: the prompt's and its answer's)."""
+    trace = BlockTrace()
+    gpu: OrderedDict[int, None] = OrderedDict()  # cached blocks, the least recently used first
+    for prompt, cached in requests:
+        trace.request(prompt[_leading_run(prompt, gpu):])
+        for block_hash in reversed(cached):  # the head touched last: the tail is evicted first
+            gpu[block_hash] = None
+            gpu.move_to_end(block_hash)
+        while len(gpu) > gpu_blocks:
+            trace.offer(gpu.popitem(last=False)[0])
+    return trace
