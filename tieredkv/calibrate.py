@@ -155,6 +155,26 @@ class DiskProbe(NamedTuple):
     backend: IOBackend
 
 
+def _disk_id(directory: str) -> str:
+    """The device under `directory`: folders on one disk share its measurement (a store in a
+    fresh temporary folder, as `LLM.from_yaml` makes, is not measured again)."""
+    try:
+        return f"device {os.stat(directory).st_dev}"
+    except OSError:  # not there: the probe will say so
+        return os.path.abspath(directory)
+
+
+def _describe(model: CostModel, prefill_probe: tuple[int, int], disk: DiskProbe | None) -> str:
+    """The measured cost model in words and units, with how each figure was measured."""
+    text = (f"copies D2H {model.d2h_bytes_per_s / 1e9:.1f} GB/s, H2D {model.h2d_bytes_per_s / 1e9:.1f} GB/s; "
+            f"prefill {model.prefill_s_per_token * 1e6:.2f} us/token + {model.prefill_s_per_token_sq * 1e9:.3f} "
+            f"ns/token^2 (timed at {prefill_probe[0]} and {prefill_probe[1]} tokens)")
+    if disk is not None and model.disk_read_bytes_per_s is not None:
+        text += (f"; disk reads {model.disk_read_bytes_per_s / 1e9:.2f} GB/s under {disk.directory} "
+                 f"({disk.backend} backend, {disk.read_bytes / 1024:g} KiB reads, {disk.queue_depth} in flight)")
+    return text
+
+
 def calibrate(
     key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int, disk: DiskProbe | None = None,
     bandwidth: Callable[[], tuple[float, float]] | None = None,
@@ -166,17 +186,17 @@ def calibrate(
     ranks of a tensor-parallel engine; `device` is then where `prefill` returns when done)."""
     n2 = max(2, min(MAX_PREFILL_PROBE, max_tokens))
     n1 = max(1, n2 // 4)
-    key = f"{key}/prefill:{n1}-{n2}"
+    entry = f"{key}/prefill:{n1}-{n2}"
     if disk is not None:
-        key = f"{key}/disk:{os.path.abspath(disk.directory)}:{disk.read_bytes}x{disk.queue_depth}:{disk.backend}"
+        entry = f"{entry}/disk:{_disk_id(disk.directory)}:{disk.read_bytes}x{disk.queue_depth}:{disk.backend}"
     path = cache_file()
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
-    if key in cached:
+    if entry in cached:
         try:
-            return CostModel(**cached[key])
+            return CostModel(**cached[entry])
         except (TypeError, ValueError):
             logger.warning("ignoring a damaged cost model cached in %s", path)
     d2h, h2d = bandwidth() if bandwidth is not None else measure_bandwidth(device)
@@ -188,8 +208,8 @@ def calibrate(
     if disk is not None and disk_rate is None:  # a guess: used now, not cached
         return CostModel(d2h, h2d, a, b, DEFAULT_DISK_READ_BYTES_PER_S)
     model = CostModel(d2h, h2d, a, b, disk_rate)
-    logger.info("calibrated %s: %s", key, model)
-    cached[key] = asdict(model)
+    logger.info("calibrated %s: %s; cached in %s", key, _describe(model, (n1, n2), disk), path)
+    cached[entry] = asdict(model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cached, indent=1))

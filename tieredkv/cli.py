@@ -1,5 +1,8 @@
 """Command line: `tieredkv run [CONFIG]`, `tieredkv serve [CONFIG] [--model M]`,
-`tieredkv bench CONFIG --base-url URL`.
+`tieredkv bench CONFIG --base-url URL`, `tieredkv --version`.
+
+Each subcommand has its parser and one handler (`COMMANDS`); a handler imports what it runs, so
+that `tieredkv --help` starts without torch.
 
 Every error `tieredkv run` finds before the workload runs (the config, the trace, the results folder, a locked
 store, a busy port) is one `tieredkv: error: ...` line and exit status 2; Ctrl-C writes the partial
@@ -13,9 +16,9 @@ import contextlib
 import logging
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from tieredkv import serve
+from tieredkv import __version__, serve
 
 DEFAULT_CONFIG = "configs/demo.yaml"
 EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
@@ -26,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tieredkv",
         description="Tiered KV cache offloading engine for LLM inference (GPU HBM, pinned CPU, NVMe).",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = commands.add_parser(
         "run", help="run a YAML experiment and print its summary",
@@ -58,14 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command is None:
-        build_parser().print_help()
+        parser.print_help()
         return 0
-    if args.command == "serve":
-        return serve.main(args)
-    if args.command == "bench":
-        return _bench(args)
+    return COMMANDS[args.command](args)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """`tieredkv run`: logs at the chosen level; 2 and one `tieredkv: error:` line on an error
+    found before the workload runs, 130 on Ctrl-C."""
     level = "debug" if args.verbose else args.log_level
     with _logging(level):
         try:
@@ -164,6 +171,8 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"results in {done.folder}/")
     return 0
 
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"run": _run_command, "serve": serve.main, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())

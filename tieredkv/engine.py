@@ -14,8 +14,11 @@ import dataclasses
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +30,7 @@ from tieredkv.cache.hashing import model_fingerprint
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.calibrate import DiskProbe, calibrate
-from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml, resolve_paths
+from tieredkv.config import EXPERIMENT_SECTIONS, RESULTS_VAR, EngineConfig, read_yaml, resolve_paths
 from tieredkv.decode import Decoder
 from tieredkv.memory import check_fits
 from tieredkv.model.runner import ModelRunner
@@ -138,7 +141,8 @@ class LLMEngine:
         disk_dir = cache.nvme_path
         if disk_dir is not None and not os.path.isdir(disk_dir):  # the store's file itself
             disk_dir = os.path.dirname(os.path.abspath(disk_dir))
-        probe = DiskProbe(disk_dir, self.block_bytes, DEFAULT_QUEUE_DEPTH, cache.io_backend) if disk_dir else None
+        backend = self.kv.stats().get("nvme_io_backend", cache.io_backend)  # the store's: `sync` where uring fell back
+        probe = DiskProbe(disk_dir, self.block_bytes, DEFAULT_QUEUE_DEPTH, backend) if disk_dir else None
         if isinstance(self.runner, Workers):  # the ranks measure; each call returns once they are done
             return self.runner.calibrate(self.fingerprint, max_tokens, probe)
         device = self.runner.device
@@ -394,15 +398,35 @@ class LLM(LLMEngine):
         """`LLM(model=..., **keywords)`, or `LLM(config=EngineConfig(...))`."""
         super().__init__(config or EngineConfig.from_kwargs(model=model, **kwargs))
         self._generate_lock = threading.Lock()
+        self._scratch: weakref.finalize | None = None  # removes the folder `from_yaml` made for `${results}`
 
     @classmethod
     def from_yaml(cls, path: str) -> LLM:
         """An engine built from a YAML experiment file (its experiment sections are ignored);
-        relative paths are taken from the file's folder, `${results}` is results/<name>."""
+        relative paths are taken from the file's folder. `${results}` (the run's results folder
+        under `tieredkv run`) is a temporary folder of this engine's own, removed by `close()` (or
+        when the engine is collected): a store there starts empty and leaves nothing behind."""
         doc = read_yaml(path)
-        results = os.path.join("results", str(doc.get("name", "experiment")))
-        doc = resolve_paths(doc, os.path.dirname(os.path.abspath(path)), results)
-        return cls(config=EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS))
+        cache = doc.get("cache")
+        scratch = None
+        if isinstance(cache, dict) and RESULTS_VAR in str(cache.get("nvme_path")):
+            scratch = tempfile.mkdtemp(prefix="tieredkv-results-")
+        try:
+            doc = resolve_paths(doc, os.path.dirname(os.path.abspath(path)), scratch or "results")  # results: unused
+            llm = cls(config=EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS))
+        except BaseException:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        if scratch is not None:
+            llm._scratch = weakref.finalize(llm, shutil.rmtree, scratch, ignore_errors=True)
+        return llm
+
+    def close(self) -> None:
+        """As `LLMEngine.close`; then removes the folder `from_yaml` made for `${results}`."""
+        super().close()
+        if self._scratch is not None:
+            self._scratch()
 
     def generate(
         self,

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,9 @@ TIERS = (("GPU", "gpu_blocks_used", "gpu"), ("CPU", "cpu_blocks_used", "cpu"), (
 
 
 def _pyplot() -> Any:
+    # matplotlib logs at INFO when it builds its font cache (a first run): the user's logging
+    # level is for tieredkv, so matplotlib says only warnings
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")
