@@ -78,8 +78,11 @@ class NVMeSpill:
     def behind(self, reads_in_flight: int) -> bool:
         """True when a write now would queue: reads are in flight (they come first), the write
         bound is reached, or spilling pauses after failed writes."""
-        return (reads_in_flight > 0 or len(self._writes) >= MAX_WRITES_IN_FLIGHT
-                or time.monotonic() < self._paused_until)
+        return reads_in_flight > 0 or len(self._writes) >= MAX_WRITES_IN_FLIGHT or self.paused
+
+    @property
+    def paused(self) -> bool:
+        return time.monotonic() < self._paused_until
 
     # ------------------------------------------------------------------ writes
 
@@ -123,17 +126,17 @@ class NVMeSpill:
 
     def _spill(self, blocks: Iterable[Block], closing: bool) -> None:
         """Write those of `blocks` worth it (all of them when `closing`), keeping at most
-        `MAX_WRITES_IN_FLIGHT` writes in flight: beyond it, stop, or when `closing` wait for
-        the oldest write."""
+        `MAX_WRITES_IN_FLIGHT` writes in flight: beyond it (or once writes fail), stop, or when
+        `closing` wait for the oldest write."""
         for block in list(blocks):
             if self._on_disk.get(block.block_id) == block.block_hash:
                 continue
             # asked before the store (a lookup may cost a round trip)
             if not closing and not self.worth_writing(block.block_hash):
                 continue
+            if not closing and self.behind(0):
+                return
             if len(self._writes) >= MAX_WRITES_IN_FLIGHT:
-                if not closing:
-                    return
                 self._settle(list(self._writes)[:1])
             if self.store.contains(block.block_hash):  # e.g. loaded from disk: left where it is
                 self._on_disk[block.block_id] = block.block_hash
@@ -168,14 +171,14 @@ class NVMeSpill:
         self.cpu_pool.release([block], evict_first=True)  # back to the front, where it was taken
 
     def _count_outcome(self, ok: bool) -> None:
-        """Failed writes in a row pause spilling, twice as long each time, until one succeeds."""
+        """Failed writes in a row pause spilling, twice as long each pause, until one succeeds."""
         if ok:
             if self._failures >= FAILURES_BEFORE_PAUSE:
                 logger.info("NVMe writes succeed again; spilling resumes")
             self._failures, self._pause_s = 0, PAUSE_FIRST_S
             return
         self._failures += 1
-        if self._failures < FAILURES_BEFORE_PAUSE:
+        if self._failures < FAILURES_BEFORE_PAUSE or self.paused:  # writes started before the pause
             return
         if self._failures == FAILURES_BEFORE_PAUSE:
             logger.warning("NVMe writes keep failing (full or lost disk?); spilling pauses and retries every "

@@ -266,12 +266,15 @@ class NVMeStore:
         return out
 
     def sync(self) -> bool:
-        """Wait until no job is in flight, then fsync the file; False (counted) if that failed."""
+        """Wait until no job is in flight, then fsync the file; False if there is none (it was
+        lost), or (counted) if that failed."""
         with self._cond:
             self._cond.wait_for(lambda: not self._jobs)
             file = self._file
+        if file is None:
+            return False
         try:
-            os.fsync(-1 if file is None else file.fd)
+            os.fsync(file.fd)
             return True
         except OSError as exc:
             logger.warning("NVMe store: fsync of %s failed: %s", self.path, exc)
