@@ -29,11 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.config import EngineConfig, read_yaml
 from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
 from tieredkv.experiment.spec import variants
-from tieredkv.experiment.workloads import LongContextWorkload, make_workload
+from tieredkv.experiment.traces import prompt_token_ids
+from tieredkv.experiment.workloads import LongContextWorkload, ReplayWorkload, make_workload
 from tieredkv.policy import TierPolicy
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
@@ -43,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "long_context_8b.yaml"
 VOCAB = 128256  # llama-3-8b
 TOKEN = 5  # what the simulated steps sample (no stop token)
-Request = tuple[float, str, list[int], bool]  # arrival s, tag, prompt, returning
+Request = tuple[float, str, list[int], bool, int]  # arrival s, tag, prompt, returning, max tokens
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class StepCost:
 H200_LLAMA_8B = StepCost(step_s=4.7e-3, token_s=2.94e-5, pair_s=6.78e-10, kv_read_s=3.18e-8)
 
 
-def simulate(engine_doc: dict, requests: list[Request], max_tokens: int, cost: StepCost) -> tuple[list, float]:
+def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple[list, float]:
     """Serve `requests` with the config's scheduler on a simulated clock; the clients' records
     and the seconds until the last token."""
     config = EngineConfig.from_dict(engine_doc)
@@ -86,7 +89,7 @@ def simulate(engine_doc: dict, requests: list[Request], max_tokens: int, cost: S
     records, now, i = {}, 0.0, 0
     while i < len(requests) or sched.has_unfinished():
         while i < len(requests) and requests[i][0] <= now:
-            arrival, tag, prompt, returning = requests[i]
+            arrival, tag, prompt, returning, max_tokens = requests[i]
             sched.add(Seq(tag, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
             records[tag] = RequestRecord(tag, arrival, returning, prompt_tokens=len(prompt))
             i += 1
@@ -107,7 +110,7 @@ def _book(sched: Scheduler, out: SchedulerOutput, records: dict[str, RequestReco
         records[seq.request_id].finished = seq.is_finished
 
 
-def serve(engine_doc: dict, requests: list[Request], max_tokens: int) -> tuple[list, float]:
+def serve(engine_doc: dict, requests: list[Request]) -> tuple[list, float]:
     """Serve `requests` with `LLMEngine` on the wall clock (after a warm-up); the clients'
     records and the seconds until the last token."""
     import torch
@@ -116,14 +119,13 @@ def serve(engine_doc: dict, requests: list[Request], max_tokens: int) -> tuple[l
 
     engine = LLMEngine(EngineConfig.from_dict(engine_doc))
     _warm_up(engine)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     records, i = {}, 0
     start = time.perf_counter()
     while i < len(requests) or engine.has_unfinished():
         now = time.perf_counter() - start
         while i < len(requests) and requests[i][0] <= now:
-            arrival, tag, prompt, returning = requests[i]
-            engine.add_request(prompt, params, request_id=tag)
+            arrival, tag, prompt, returning, max_tokens = requests[i]
+            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=tag)
             records[tag] = RequestRecord(tag, arrival, returning, prompt_tokens=len(prompt))
             i += 1
         if not engine.has_unfinished():
@@ -156,19 +158,47 @@ def _warm_up(engine) -> None:
 FIRST_ID = 4
 
 
-def workload_of(doc: dict, **keys: float | None) -> LongContextWorkload:
-    """The config's workload with `keys` (rate, requests, seed) replaced where given."""
-    section = {**(doc.get("workload") or {}), **{k: v for k, v in keys.items() if v is not None}}
+def workload_of(doc: dict, trace: str | None, **keys: float | None) -> LongContextWorkload | ReplayWorkload:
+    """The config's workload, or with `trace` a replay of that Mooncake trace with full-length
+    prompts and real output lengths; `keys` (rate, requests, seed; fraction, start_s,
+    duration_s of a trace) replace the workload's where given."""
+    given = {k: v for k, v in keys.items() if v is not None}
+    if trace is not None:
+        section = {"kind": "replay", "path": trace, "format": "mooncake", "max_output_tokens": None,
+                   **{k: v for k, v in given.items() if k != "requests"}}
+        if "requests" in given:
+            section["max_requests"] = given["requests"]
+        return make_workload(section)
+    section = {**(doc.get("workload") or {}), **given}
     workload = make_workload(section)
     if not isinstance(workload, LongContextWorkload):
-        raise SystemExit(f"the config's workload is {section.get('kind')!r}; this benchmark runs kind: long_context")
+        raise SystemExit(f"the config's workload is {section.get('kind')!r}; this benchmark runs kind: "
+                         "long_context (or a trace: --trace)")
     return workload
 
 
-def engines_of(doc: dict, names: str | None, vary: str | None) -> list[tuple[str, dict]]:
-    """(name, engine config) of each variant to run: the config's (those in `names`), and with
-    `vary` ("prefill_aging=0.05,0.2"), the last one again with that scheduler key at each value."""
-    engines = [(name.split("/", 1)[-1], engine_doc) for name, engine_doc in variants(doc, compare=True)]
+def plan_of(workload: LongContextWorkload | ReplayWorkload) -> list[Request]:
+    """Every request of the workload, in arrival order."""
+    if isinstance(workload, LongContextWorkload):
+        return [(*r, workload.max_tokens) for r in workload.plan(VOCAB)]
+    blocks: dict[int, list[int]] = {}
+    return [(r.time_s, f"line{r.line.line}", prompt_token_ids(r.line, workload.block_tokens, VOCAB, workload.seed,
+                                                              blocks), r.returning, workload.output_tokens(r))
+            for r in workload.requests]
+
+
+def engines_of(doc: dict, names: str | None, vary: str | None, policies: str | None,
+               settings: Sequence[str]) -> list[tuple[str, dict]]:
+    """(name, engine config) of each variant to run: the config's (those in `names`), or with
+    `policies` ("fcfs,ttft,hrrn") the config's base engine under each scheduling policy; with
+    `vary` ("prefill_aging=0.05,0.2"), the last one again with that scheduler key at each value.
+    `settings` ("scheduler.max_num_batched_tokens=8192") apply to every one."""
+    if policies:
+        base = {k: v for k, v in doc.items() if k not in ("variants", "workload", "sweep", "slo", "name")}
+        engines = [(p, {**base, "scheduler": {**base.get("scheduler", {}), "scheduling_policy": p}})
+                   for p in policies.split(",")]
+    else:
+        engines = [(name.split("/", 1)[-1], engine_doc) for name, engine_doc in variants(doc, compare=True)]
     if names:
         engines = [(n, d) for n, d in engines if n in names.split(",")]
     if vary:
@@ -176,7 +206,19 @@ def engines_of(doc: dict, names: str | None, vary: str | None) -> list[tuple[str
         base = engines[-1][1]
         for value in values.split(","):
             engines.append((f"{key}={value}", {**base, "scheduler": {**base.get("scheduler", {}), key: value}}))
-    return engines
+    return [(name, _with_settings(engine_doc, settings)) for name, engine_doc in engines]
+
+
+def _with_settings(engine_doc: dict, settings: Sequence[str]) -> dict:
+    """`engine_doc` with each "section.key=value" (a YAML value) set."""
+    doc = dict(engine_doc)
+    for setting in settings:
+        path, _, value = setting.partition("=")
+        section, _, key = path.partition(".")
+        if not key:
+            raise SystemExit(f"--set {setting!r}: write section.key=value, e.g. scheduler.max_num_batched_tokens=8192")
+        doc[section] = {**(doc.get(section) or {}), key: yaml.safe_load(value)}
+    return doc
 
 
 def row(summary: Summary, first: Summary | None) -> str:
@@ -206,21 +248,24 @@ HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'ITL p50':>9}
           f" {'wall s':>8} {'tok/s':>9}   vs the first: TTFT p50, p90 and ITL p99 x lower, throughput x")
 
 
-def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, **keys: float | None) -> list[Summary]:
+def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str | None,
+              **keys: float | None) -> list[Summary]:
     """Every variant on one workload (one rate, one seed); prints a table, returns the summaries."""
-    workload = workload_of(doc, **keys)
-    requests = workload.plan(VOCAB)
+    workload = workload_of(doc, trace, **keys)
+    requests = plan_of(workload)
     tokens = sum(len(r[2]) for r in requests)
-    print(f"\n{workload.requests} requests, seed {workload.seed}, {tokens} prompt tokens (mean "
-          f"{tokens / len(requests):.0f}, max {max(len(r[2]) for r in requests)}), rate {workload.rate}/s, "
-          f"{workload.max_tokens} output tokens each; {'simulated H200 clock' if sim else 'engine, wall clock'}")
+    outputs = sum(r[4] for r in requests)
+    print(f"\n{len(requests)} requests, seed {workload.seed}, {tokens} prompt tokens (mean "
+          f"{tokens / len(requests):.0f}, max {max(len(r[2]) for r in requests)}), {outputs} output tokens, "
+          f"arrivals over {requests[-1][0]:.0f} s (rate {workload.rate}/s); "
+          f"{'simulated H200 clock' if sim else 'engine, wall clock'}")
     print(HEADER, flush=True)
     summaries = []
     for name, engine_doc in engines:
         if sim:
-            records, elapsed = simulate(engine_doc, requests, workload.max_tokens, H200_LLAMA_8B)
+            records, elapsed = simulate(engine_doc, requests, H200_LLAMA_8B)
         else:
-            records, elapsed = serve(engine_doc, requests, workload.max_tokens)
+            records, elapsed = serve(engine_doc, requests)
         assert all(r.finished for r in records), f"{name}: a request did not finish"
         summaries.append(summarize(name, records, elapsed, {}))
         print(row(summaries[-1], summaries[0] if len(summaries) > 1 else None), flush=True)
@@ -244,15 +289,29 @@ def main() -> None:
     parser.add_argument("--requests", type=int, help="number of requests (default: the config's)")
     parser.add_argument("--seeds", help="workload seeds, e.g. 0,1,2 (default: the config's)")
     parser.add_argument("--variants", help="comma-separated variant names to run (default: all)")
+    parser.add_argument("--policies", help="instead of the config's variants, its base engine under each "
+                                           "scheduling policy, e.g. fcfs,ttft,hrrn")
+    parser.add_argument("--reverse", action="store_true", help="run the variants in reverse order")
     parser.add_argument("--vary", help="also run the last variant with a scheduler key at each value, "
                                        "e.g. prefill_aging=0.05,0.2")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="set an engine key in every variant, e.g. scheduler.max_num_batched_tokens=8192")
+    parser.add_argument("--trace", help="replay this Mooncake JSONL trace (full-length prompts, real output "
+                                        "lengths) instead of the config's workload")
+    parser.add_argument("--fraction", type=float, help="with --trace: the share of its conversations replayed")
+    parser.add_argument("--start-s", type=float, help="with --trace: where the replayed window starts (s)")
+    parser.add_argument("--duration-s", type=float, help="with --trace: the replayed window's length (s)")
     parser.add_argument("--json", help="write every summary here")
     args = parser.parse_args()
     doc = read_yaml(args.config)
-    engines = engines_of(doc, args.variants, args.vary)
+    engines = engines_of(doc, args.variants, args.vary, args.policies, args.set)
+    if args.reverse:
+        engines.reverse()
+    window = {"fraction": args.fraction, "start_s": args.start_s, "duration_s": args.duration_s}
     results = []
     for rate in [float(r) for r in args.rates.split(",")] if args.rates else [None]:
-        points = [run_point(doc, engines, args.sim, rate=rate, requests=args.requests, seed=seed)
+        points = [run_point(doc, engines, args.sim, args.trace, rate=rate, requests=args.requests, seed=seed,
+                            **window)
                   for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])]
         if len(points) > 1:
             print_means(rate, points)

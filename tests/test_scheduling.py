@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 from tests.kv_factory import make_kv, make_scheduler, make_seq, run_step
 from tieredkv.config import EngineConfig
 from tieredkv.policy import CostModel
-from tieredkv.scheduling import PrefillCandidate, chunk_cost, chunk_tokens, prefill_order, share_budget
+from tieredkv.scheduling import (
+    PrefillCandidate,
+    chunk_cost,
+    chunk_tokens,
+    prefill_order,
+    response_ratio,
+    share_budget,
+)
 
 # ------------------------------------------------------------------ the policy, on numbers
 
@@ -41,6 +48,14 @@ def test_fewest_tokens_left_go_first_until_a_long_wait_outranks_them():
     assert prefill_order([short, PrefillCandidate(2_000, 0)], aging=0.5) == [0, 1]  # ties: given order
 
 
+def test_hrrn_ranks_by_wait_relative_to_size():
+    assert response_ratio(1_000, 3_000) == 4.0
+    long, short = PrefillCandidate(100_000, waited_tokens=50_000), PrefillCandidate(2_000, 0)
+    assert prefill_order([long, short], aging=0.5, policy="hrrn") == [0, 1]  # 1.5 against a fresh 1.0
+    assert prefill_order([long, PrefillCandidate(2_000, 2_000)], aging=0.5, policy="hrrn") == [1, 0]  # 2.0
+    assert prefill_order([long, short], aging=0.5, policy="ttft") == [1, 0]
+
+
 def test_a_chunk_deep_in_a_prompt_is_charged_for_its_attention():
     assert chunk_cost(0, 2048, 0.0) == 2048 and chunk_tokens(100_000, 2048, 0.0) == 2048
     weight = 6.78e-10 / 2.94e-5  # llama-3-8b on an H200: b / a
@@ -60,7 +75,7 @@ def test_chunk_tokens_is_the_most_that_fits(done, budget, weight):
 @pytest.mark.parametrize(
     "scheduler, message",
     [
-        ({"scheduling_policy": "sjf"}, "scheduling_policy: 'sjf' is not allowed; choose one of 'fcfs', 'ttft'"),
+        ({"scheduling_policy": "sjf"}, "scheduling_policy: 'sjf' is not allowed; choose one of 'fcfs', 'ttft', 'hrrn'"),
         ({"scheduling_policy": "ttft", "max_prefill_chunk_tokens": 0}, "max_prefill_chunk_tokens: expected an integer"),
         ({"scheduling_policy": "fcfs", "max_prefill_chunk_tokens": 512}, "set scheduling_policy: ttft or drop the cap"),
         ({"scheduling_policy": "ttft", "prefill_aging": -1}, "prefill_aging: expected a number >= 0"),
@@ -154,6 +169,32 @@ def test_aging_keeps_a_long_prompt_from_starving():
     # step 9 and takes 4 more; with aging 2, after 108 tokens (step 3)
     assert aging_scenario(0.5, steps=60) == 13
     assert aging_scenario(2.0, steps=60) == 7
+
+
+def long_under_stream(policy: str, shorts_per_step: int, steps: int = 80) -> int | None:
+    """A 256-token prompt, then `shorts_per_step` 40-token prompts every step, 64 tokens a step:
+    the step at which the long prompt got its first token (None: not within `steps`)."""
+    sim = make_kv(1024)
+    sched = make_scheduler(sim, max_num_seqs=64, max_num_batched_tokens=64, scheduling_policy=policy)
+    long = make_seq("long", range(5000, 5256), max_tokens=1)
+    sched.add(long)
+    for step in range(1, steps + 1):
+        for i in range(shorts_per_step):
+            sched.add(make_seq(f"s{step}.{i}", range(step * 100 + i * 50, step * 100 + i * 50 + 40), max_tokens=1))
+        run_step(sched, sim)
+        if long.num_output_tokens:
+            return step
+    return None
+
+
+@pytest.mark.parametrize("policy, within_load, overloaded", [("hrrn", 6, 31), ("ttft", 9, 47), ("fcfs", 4, 4)])
+def test_a_long_prompt_is_served_within_a_bound_under_a_stream_of_short_ones(policy, within_load, overloaded):
+    """Alone the long prompt needs 4 steps. Beside one short prompt a step (40 of the 64 tokens)
+    hrrn serves it in 6 steps; beside two (80 tokens wanted a step: the queue grows without
+    end) in 31, while ttft at its default aging takes 9 and 47 (fcfs serves it first, and
+    holds the short ones behind it)."""
+    assert long_under_stream(policy, 1) == within_load
+    assert long_under_stream(policy, 2) == overloaded
 
 
 def test_a_prompt_whose_kv_is_resident_goes_before_a_shorter_one_that_must_compute():

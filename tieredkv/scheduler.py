@@ -7,7 +7,7 @@ Each `schedule()`:
 2. if nothing was preempted, swap sequences back in, oldest first;
 3. if none is left swapped out, admit waiting sequences in order, reusing cached prefixes,
    while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow.
-That is `scheduling_policy: fcfs`. With `ttft` (`tieredkv.scheduling`), step 1 takes the decodes
+That is `scheduling_policy: fcfs`. With `ttft` or `hrrn` (`tieredkv.scheduling`), step 1 takes the decodes
 only, and after step 2 the partly-prefilled and the waiting sequences share what is left of the
 budget in the policy's order (`_schedule_prefills`).
 Before all that, the first waiting sequences start reading the later part of their NVMe prefix
@@ -89,7 +89,7 @@ class Scheduler:
         # waiting sequences found with nothing to compute before their loads land: not matched
         # again (O(prompt) each step, which starved the I/O threads of the GIL) until they have
         self._awaiting_loads: set[str] = set()
-        # aging (`ttft`): tokens scheduled so far, and that count when each sequence arrived
+        # waits (`ttft` aging, `hrrn` ratios): tokens scheduled so far, and that count when each sequence arrived
         self.num_scheduled_tokens = 0
         self._arrived_at: dict[str, int] = {}
         # `ttft`: resident prefix tokens of waiting sequences as last matched, oldest match first
@@ -105,8 +105,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._prefetch()
-        ttft = self.config.scheduling_policy == "ttft"
-        prefilling: list[Sequence] | None = [] if ttft else None  # ttft: decodes first, prefills later
+        ranked = self.config.scheduling_policy != "fcfs"
+        prefilling: list[Sequence] | None = [] if ranked else None  # decodes first, prefills later
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
         blocked = False
         if not out.preempted:
@@ -335,7 +335,7 @@ class Scheduler:
         return self._run(seq, n, got, out)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: float, prefilling: list[Sequence]) -> bool:
-        """`ttft`: the running sequences still prefilling and, unless a sequence was preempted or
+        """`ttft`, `hrrn`: the running sequences still prefilling and, unless a sequence was preempted or
         one not held is swapped out, the waiting ones (not held, not waiting for their NVMe
         loads) share `budget` in the policy's order, each chunk charged for its attention
         (`chunk_cost`) where the cost model says what that is. Whether a sequence could not
@@ -346,7 +346,7 @@ class Scheduler:
         if not seqs or budget <= 0:
             return False
         candidates = [PrefillCandidate(self._to_compute(s), self._waited(s), self._done(s)) for s in seqs]
-        order = prefill_order(candidates, self.config.prefill_aging)
+        order = prefill_order(candidates, self.config.prefill_aging, self.config.scheduling_policy)
         pairs = self._attention_weight() if out.scheduled else 0.0  # decodes ride in this step
         wants = [chunk_cost(candidates[i].computed_tokens, candidates[i].remaining_tokens, pairs) for i in order]
         cap = self.config.max_prefill_chunk_tokens
@@ -379,7 +379,7 @@ class Scheduler:
         return blocked
 
     def _prefill_candidates(self) -> list[Sequence]:
-        """`ttft`: the waiting sequences that may be admitted (not held, not waiting for their
+        """`ttft`, `hrrn`: the waiting sequences that may be admitted (not held, not waiting for their
         NVMe loads). One of them is matched again this step, the longest unmatched, unless its
         loads just landed (admitting it matches it again anyway)."""
         waiting, landed = [], set()

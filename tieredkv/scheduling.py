@@ -9,10 +9,15 @@ Policies (`scheduler.scheduling_policy`):
   to compute first (KV found resident in the GPU or CPU tier counts as computed), less an aging
   credit, so a long prompt is never starved; the budget is shared by `share_budget`, at most
   `max_prefill_chunk_tokens` each while others still want tokens.
+- `hrrn`: as `ttft`, but prefills go in order of highest response ratio next, (wait +
+  service) / service, both in tokens of work (`response_ratio`): a request's rank grows with
+  its wait relative to its size, so each waits in proportion to its size rather than behind
+  every shorter one. A fresh arrival (ratio 1) runs after everyone who has waited.
 
 Operations:
 - `prefill_priority(remaining_tokens, waited_tokens, aging) -> float`: lower runs first.
-- `prefill_order(candidates, aging) -> list[int]`: the order of the prefill candidates.
+- `response_ratio(remaining_tokens, waited_tokens) -> float`: higher runs first (`hrrn`).
+- `prefill_order(candidates, aging, policy) -> list[int]`: the order of the prefill candidates.
 - `share_budget(wants, budget, cap) -> list[int]`: tokens for each, in that order.
 
 Aging counts work, not seconds: `waited_tokens` are the tokens the engine scheduled (for anyone)
@@ -28,7 +33,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
-SchedulingPolicy = Literal["fcfs", "ttft"]
+SchedulingPolicy = Literal["fcfs", "ttft", "hrrn"]
 
 
 class PrefillCandidate(NamedTuple):
@@ -45,10 +50,18 @@ def prefill_priority(remaining_tokens: int, waited_tokens: int, aging: float) ->
     return remaining_tokens - aging * waited_tokens
 
 
-def prefill_order(candidates: Sequence[PrefillCandidate], aging: float) -> list[int]:
+def response_ratio(remaining_tokens: int, waited_tokens: int) -> float:
+    """(wait + service) / service, both in tokens of work (higher runs first)."""
+    return (waited_tokens + remaining_tokens) / max(remaining_tokens, 1)
+
+
+def prefill_order(candidates: Sequence[PrefillCandidate], aging: float, policy: SchedulingPolicy = "ttft") -> list[int]:
     """Indices of `candidates`, the one to run first first; ties keep the given order (give it
     oldest first)."""
-    keys = [prefill_priority(c.remaining_tokens, c.waited_tokens, aging) for c in candidates]
+    if policy == "hrrn":
+        keys = [-response_ratio(c.remaining_tokens, c.waited_tokens) for c in candidates]
+    else:
+        keys = [prefill_priority(c.remaining_tokens, c.waited_tokens, aging) for c in candidates]
     return sorted(range(len(candidates)), key=keys.__getitem__)
 
 
