@@ -5,11 +5,14 @@ Figures (one line each: name, value, peak, ratio):
 - decode attention, Llama-3-8B shape, batch 64, context 8192, scattered blocks: K/V bytes read
   (a read-only stream can beat the copy figure, which mixes reads and writes: ratio > 100%);
 - gather / scatter of 256 scattered Llama-3-8B blocks (2 MiB each): bytes read + written;
-- prefill attention (4 x 4096 new tokens; 8192 cached + 2048 new): causal TFLOP/s;
-- long-context prefill attention at 16k, 32k and 64k tokens: the whole prompt new, and its last
-  2048-token chunk on the rest cached (what a chunked prefill step computes).
+- prefill attention (causal TFLOP/s), Llama-3-8B heads, bf16: 16k, 32k and 64k tokens as a whole
+  prompt and as their last 2048-token chunk over the rest cached (what a chunked prefill step
+  computes), and 4 x 4k; the current kernel, the GQA-packed kernel over a config sweep, and torch
+  SDPA's flash and cuDNN backends side by side (`prefill_peers.py`), every variant first checked
+  against the reference (PASS/FAIL); warp-specialized configs last (`--no-warp-specialize` skips
+  them).
 
-    python benchmarks/bench_kernels.py [--json results/kernels.json]
+    python benchmarks/bench_kernels.py [--json results/kernels.json] [--no-warp-specialize]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import prefill_peers
 import torch
 from tieredkv.kernels import gather_blocks, paged_attention, scatter_blocks
 
@@ -115,19 +119,31 @@ def bench_decode(copy_peak: float, batch: int = 64, context: int = 8192) -> Figu
     return Figure(name, kv_bytes / ms / 1e6, "GB/s", copy_peak, "copy")
 
 
-def causal_flops(q_len: int, context: int) -> float:
-    """QK^T and PV flops of one sequence: 4 * head_dim per visible (row, key) pair, per head."""
-    prefix = context - q_len
-    pairs = q_len * prefix + q_len * (q_len + 1) / 2
-    return 4 * HEAD_DIM * Q_HEADS * pairs
-
-
-def bench_prefill(matmul_peak: float, q_lens: list[int], context_lens: list[int]) -> Figure:
-    args = attention_inputs(q_lens, context_lens)
-    ms = time_ms(lambda: paged_attention(*args, HEAD_DIM**-0.5), reps=5)
-    flops = sum(causal_flops(q, c) for q, c in zip(q_lens, context_lens, strict=True))
-    name = f"prefill attn {len(q_lens)}x{q_lens[0]} ctx={context_lens[0]}"
-    return Figure(name, flops / ms / 1e9, "TFLOP/s", matmul_peak, "bf16 mm")
+def bench_prefill(matmul_peak: float, warp_specialize: bool) -> list[dict]:
+    """The prefill comparison (see prefill_peers' module doc); returns JSON rows."""
+    scale = HEAD_DIM**-0.5
+    print("\nprefill attention: correctness of every variant (small batch, vs paged_attention_ref)")
+    variants = prefill_peers.check_variants(
+        prefill_peers.kernel_variants(DTYPE, HEAD_DIM, warp_specialized=False), attention_inputs, scale)
+    all_res = []
+    for shape in prefill_peers.shapes(LONG_CONTEXTS, CHUNK):
+        flops = prefill_peers.causal_flops(shape.q_lens, shape.ctx_lens, Q_HEADS, HEAD_DIM)
+        res = prefill_peers.measure_shape(shape, variants, attention_inputs, scale, flops, peers=True)
+        prefill_peers.print_shape(res, matmul_peak)
+        all_res.append(res)
+        torch.cuda.empty_cache()
+    prefill_peers.print_summary(all_res, matmul_peak)
+    if warp_specialize:
+        print("\nwarp-specialized gqa configs (tl.range(warp_specialize=True)); a crash here leaves the above intact")
+        ws = prefill_peers.check_variants(
+            prefill_peers.kernel_variants(DTYPE, HEAD_DIM, warp_specialized=True), attention_inputs, scale)
+        for res in all_res:
+            extra = prefill_peers.measure_shape(res.shape, ws, attention_inputs, scale, res.flops, peers=False)
+            res.results += extra.results
+            prefill_peers.print_shape(extra, matmul_peak)
+    return [{"shape": asdict(r.shape), "flops": r.flops,
+             "results": [{**asdict(x), "ratio_to_mm_peak": x.tflops / matmul_peak if x.tflops else None}
+                         for x in r.results]} for r in all_res]
 
 
 def bench_block_copy(copy_peak: float, num_ids: int = 256, num_blocks: int = 1024) -> list[Figure]:
@@ -149,28 +165,31 @@ def bench_block_copy(copy_peak: float, num_ids: int = 256, num_blocks: int = 102
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
+    parser.add_argument("--no-warp-specialize", action="store_true",
+                        help="skip the warp-specialized prefill configs (run last)")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA device; none found, nothing measured.")
         return 1
+    sys.stdout.reconfigure(line_buffering=True)  # a compiler crash late in the run keeps the lines before it
     torch.manual_seed(0)
     copy_peak, matmul_peak = copy_peak_gbs(), matmul_peak_tflops()
-    print(f"device {torch.cuda.get_device_name()}: copy peak {copy_peak:.1f} GB/s, "
-          f"bf16 matmul peak {matmul_peak:.1f} TFLOP/s")
+    device = f"{torch.cuda.get_device_name()} (cc {'.'.join(map(str, torch.cuda.get_device_capability()))})"
+    print(f"device {device}: copy peak {copy_peak:.1f} GB/s, bf16 matmul peak {matmul_peak:.1f} TFLOP/s")
     figures = [bench_decode(copy_peak), *bench_block_copy(copy_peak)]
-    figures.append(bench_prefill(matmul_peak, [4096] * 4, [4096] * 4))
-    figures.append(bench_prefill(matmul_peak, [2048], [8192 + 2048]))
-    for n in LONG_CONTEXTS:
-        figures.append(bench_prefill(matmul_peak, [n], [n]))
-        figures.append(bench_prefill(matmul_peak, [CHUNK], [n]))
     for figure in figures:
         print(figure.line())
-    if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        rows = [{**asdict(f), "ratio": f.ratio} for f in figures]
-        opts.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "figures": rows}, indent=2))
+    report = {"device": device, "figures": [{**asdict(f), "ratio": f.ratio} for f in figures]}
+    write_json(opts.json, report)
+    report["prefill"] = bench_prefill(matmul_peak, warp_specialize=not opts.no_warp_specialize)
+    write_json(opts.json, report)
     return 0
+
+
+def write_json(path: Path | None, report: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def _prefill_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
+def default_config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
     """Tile sizes and launch options (tuned on an H200 for bf16, head_dim 128; smaller tiles where
     float32 or a wide head would overflow shared memory)."""
     if dtype == torch.float32 or head_dim >= 256:
@@ -118,7 +118,7 @@ def prefill_attention(
         return
     _, block_size, kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
-    config = config or _config(query.dtype, head_dim)
+    config = config or default_config(query.dtype, head_dim)
     grid = (num_rows // config["BLOCK_M"] + num_seqs, num_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,

@@ -623,6 +623,16 @@ def test_paged_attention_rejects_bad_head_dim_and_window() -> None:
         pa.paged_attention(*_attention_args(), 0.2, sliding_window=0)
 
 
+def test_prefill_kernel_by_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HOPPER_PREFILL_KERNEL applies to compute capability 9.x only; other GPUs run "tiled"."""
+    from tieredkv.model import attention
+
+    assert attention.prefill_kernel((9, 0)) == attention.HOPPER_PREFILL_KERNEL
+    monkeypatch.setattr(attention, "HOPPER_PREFILL_KERNEL", "gqa")
+    picked = [attention.prefill_kernel(cc) for cc in ((8, 0), (8, 9), (9, 0), (10, 0), (12, 0))]
+    assert picked == ["tiled", "tiled", "gqa", "tiled", "tiled"]
+
+
 def test_paged_attention_rejects_unknown_prefill_kernel() -> None:
     with pytest.raises(ValueError, match="prefill must be one of"):
         pa.paged_attention(*_attention_args(), 0.25, prefill="flash")
@@ -864,3 +874,24 @@ def test_gpu_prefill_gqa_configs_llama3_8b(config: dict[str, int]) -> None:
     out = torch.full_like(args[0], float("nan"))
     pa_prefill_gqa.prefill_attention_gqa(*args, out, 128**-0.5, None, config=config)
     _assert_close(out, pa.paged_attention_ref(*args, 128**-0.5, None), torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_gpu_engine_with_gqa_prefill_matches_transformers(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine with the GQA prefill kernel (chunks of 24 tokens over blocks of 16) gives
+    transformers' greedy tokens (float32)."""
+    from tests.reference import hf_greedy, make_prompts
+    from tieredkv import LLM, SamplingParams
+    from tieredkv.model import attention
+    from tieredkv.model.presets import build_preset
+
+    monkeypatch.setattr(attention, "prefill_kernel", lambda capability: "gqa")
+    prompts = make_prompts(vocab_size=512)
+    model = build_preset(preset, seed=0)
+    with torch.inference_mode():
+        expected = [hf_greedy(model, p, 24) for p in prompts]
+    with LLM(model=preset, device="cuda", block_size=16, num_gpu_blocks=64, max_num_batched_tokens=24) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
