@@ -10,6 +10,7 @@ Operations:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -19,7 +20,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +57,10 @@ logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 256
 IO_WAIT_S = 0.0005  # a step with nothing to run sleeps this long (releases the GIL to the I/O threads)
+# where the engine loop's time goes, cumulative seconds in stats(): scheduling; tier bookkeeping
+# (retiring transfers, block tables, submitting demotions and spills); the model (block copies,
+# forward pass, sampling); waiting with nothing to run (lower-tier reads in flight)
+LOOP_STATS = ("loop_schedule_s", "loop_tiers_s", "loop_model_s", "loop_idle_s")
 
 
 class LLMEngine:
@@ -85,6 +90,7 @@ class LLMEngine:
         self.seqs: dict[str, Seq] = {}  # unfinished requests, by id: their first sequence
         self._ids = itertools.count()
         self._counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0}
+        self._loop_s = dict.fromkeys(LOOP_STATS, 0.0)
         self._closed = False
 
     @property
@@ -291,30 +297,47 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step and forward pass; outputs of the requests that got a token (a
         beam search: of those that ended)."""
-        self.kv.retire()
-        batch = self.scheduler.schedule()
+        with self._timed("loop_tiers_s"):
+            self.kv.retire()
+        with self._timed("loop_schedule_s"):
+            batch = self.scheduler.schedule()
         if not batch.scheduled:
             if self.has_unfinished():  # everything waits for NVMe reads: let their threads run
-                time.sleep(IO_WAIT_S)
+                with self._timed("loop_idle_s"):
+                    time.sleep(IO_WAIT_S)
             return []
-        tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
-        self.kv.before_forward()
-        self.runner.copy_blocks(self.kv.take_block_copies())  # copy-on-write, before the writes
-        if isinstance(self.runner, Workers):  # rank 0 samples where the logits are
-            tokens = self.runner.execute(batch.scheduled, tables, batch.sampling)
-            self._count(batch)
-            self.scheduler.advance(batch)
-            news = self.decoder.append(batch.sampling, tokens)
-        else:
-            logits = self.runner.execute(batch.scheduled, tables)
-            self._count(batch)  # before `advance` moves the sequences on
-            self.scheduler.advance(batch)
-            news = self.decoder.process(batch.sampling, logits)
+        with self._timed("loop_tiers_s"):
+            tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
+            self.kv.before_forward()
+        with self._timed("loop_model_s"):
+            news = self._forward(batch, tables)
         outputs = [self._output(seq) for seq in news]
         for out in outputs:
             if out.finished and self.seqs.pop(out.request_id, None) is not None:
                 self._counters["requests_finished"] += 1
         return outputs
+
+    def _forward(self, batch: SchedulerOutput, tables: list[list[int]]) -> list[Seq]:
+        """Run the batch's forward pass and sample; the sequences that got news."""
+        self.runner.copy_blocks(self.kv.take_block_copies())  # copy-on-write, before the writes
+        if isinstance(self.runner, Workers):  # rank 0 samples where the logits are
+            tokens = self.runner.execute(batch.scheduled, tables, batch.sampling)
+            self._count(batch)
+            self.scheduler.advance(batch)
+            return self.decoder.append(batch.sampling, tokens)
+        logits = self.runner.execute(batch.scheduled, tables)
+        self._count(batch)  # before `advance` moves the sequences on
+        self.scheduler.advance(batch)
+        return self.decoder.process(batch.sampling, logits)
+
+    @contextlib.contextmanager
+    def _timed(self, key: str) -> Iterator[None]:
+        """Add the time the block takes to the engine-loop figure `key` (`LOOP_STATS`)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._loop_s[key] += time.perf_counter() - start
 
     def _count(self, batch: SchedulerOutput) -> None:
         for item in batch.scheduled:
@@ -338,14 +361,16 @@ class LLMEngine:
             error=next((s.error for s in samples if s.error is not None), seq.error),
             text_delta=seq.text_delta if group is None else None,
             metrics=RequestMetrics(
-                seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_prompt_tokens, seq.num_cached_tokens
+                seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_prompt_tokens, seq.num_cached_tokens,
+                dict(seq.ttft_split.seconds) if seq.ttft_split.closed else None,
             ),
             outputs=outputs,
         )
 
     def stats(self) -> dict[str, Any]:
         """Blocks per tier, prefix-cache hits, preemptions by kind, NVMe prefix blocks by the cost
-        model's choice (load or compute), tokens computed, the remote tier's counters."""
+        model's choice (load or compute), tokens computed, where the loop's time went
+        (`LOOP_STATS`), the remote tier's counters."""
         stats = {
             **self.kv.stats(),
             "preemptions": dict(self.scheduler.num_preemptions),
@@ -356,6 +381,7 @@ class LLMEngine:
             "cpu_hits_recomputed": self.scheduler.cpu_hits_recomputed,
             **({"disk_read_bytes_per_s": self.scheduler.disk_rate.bytes_per_s} if self.scheduler.disk_rate else {}),
             **self._counters,
+            **self._loop_s,
             "requests_waiting": len(self.scheduler.waiting),
             "requests_running": len(self.scheduler.running),
             **(self.remote.stats() if self.remote is not None else {}),

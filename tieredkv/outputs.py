@@ -16,6 +16,9 @@ class RequestMetrics:
     finish_time: float | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # seconds of the TTFT by phase (queued, loading, prefill, preempted: they sum to it), once
+    # the first token is out
+    ttft_split: dict[str, float] | None = None
 
     @property
     def ttft(self) -> float | None:

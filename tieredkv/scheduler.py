@@ -35,6 +35,7 @@ The scheduler talks to blocks only through `KVCacheManager`.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -94,6 +95,7 @@ class Scheduler:
         self._arrived_at: dict[str, int] = {}
         # `ttft`: resident prefix tokens of waiting sequences as last matched, oldest match first
         self._resident_tokens: dict[str, int] = {}
+        self._loading: set[str] = set()  # this step: sequences with nothing to compute before loads land
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -118,6 +120,7 @@ class Scheduler:
         if blocked and not out.scheduled and not out.preempted:
             self._preempt_held(out)
         out.sampling = [s.seq for s in out.scheduled if s.samples]
+        self._mark_phases(out)
         return out
 
     def update(self, batch: SchedulerOutput, sampled_tokens: list[int]) -> list[Sequence]:
@@ -178,7 +181,7 @@ class Scheduler:
                 continue
             n = self._next_chunk(seq, budget)
             if n == 0:  # waiting for its NVMe blocks, or they are landing
-                self.nvme_load_waits += 1
+                self._wait_for_loads(seq)
                 i += 1
                 continue
             while self.kv.allocate(seq, n) is None:
@@ -302,7 +305,7 @@ class Scheduler:
         if seq.seq_id not in self._awaiting_loads:
             return False
         if self.kv.loading(seq):
-            self.nvme_load_waits += 1
+            self._wait_for_loads(seq)
             return True
         self._awaiting_loads.discard(seq.seq_id)
         return False
@@ -320,7 +323,7 @@ class Scheduler:
         prefix = self._worth_copying(found)
         n = self.kv.computable(seq, budget, prefix).num_new_tokens
         if n == 0:  # nothing to compute before its NVMe blocks arrive
-            self.nvme_load_waits += 1
+            self._wait_for_loads(seq)
             self._awaiting_loads.add(seq.seq_id)
             return 0
         got = self.kv.allocate(seq, n, prefix)
@@ -332,6 +335,8 @@ class Scheduler:
         seq.num_computed_tokens = got.num_cached_tokens
         if not seq.recomputing:  # a client's prompt hit, not its own blocks found again
             seq.num_cached_tokens = got.num_cached_tokens
+        if got.landing:  # its prefix is copied in from the CPU tier this step
+            self._loading.add(seq.seq_id)
         return self._run(seq, n, got, out)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: float, prefilling: list[Sequence]) -> bool:
@@ -405,7 +410,7 @@ class Scheduler:
             return 0
         n = self._next_chunk(seq, share)
         if n == 0:  # waiting for its NVMe blocks, or they are landing
-            self.nvme_load_waits += 1
+            self._wait_for_loads(seq)
             return 0
         while self.kv.allocate(seq, n) is None:
             while lower and lower[-1].status is not SequenceStatus.RUNNING:
@@ -445,6 +450,30 @@ class Scheduler:
     def _waited(self, seq: Sequence) -> int:
         """Tokens scheduled (for anyone) since the sequence arrived."""
         return self.num_scheduled_tokens - self._arrived_at.get(seq.seq_id, self.num_scheduled_tokens)
+
+    def _wait_for_loads(self, seq: Sequence) -> None:
+        """`seq` has nothing to compute this step before its KV lands from a lower tier."""
+        self.nvme_load_waits += 1
+        self._loading.add(seq.seq_id)
+
+    def _mark_phases(self, out: SchedulerOutput) -> None:
+        """Tell each sequence still before its first token which phase it is in from now on
+        (`TtftSplit`): prefill if scheduled, loading if it waits for its KV, preempted if
+        swapped out or requeued, queued otherwise."""
+        now = time.monotonic()
+        scheduled = {s.seq.seq_id for s in out.scheduled}
+        for seq in itertools.chain(self.running, self.waiting, self.swapped):
+            if seq.first_token_time is not None:
+                continue
+            if seq.seq_id in scheduled:
+                seq.ttft_split.enter("prefill", now)
+            elif seq.seq_id in self._loading:
+                seq.ttft_split.enter("loading", now)
+            elif seq.status is SequenceStatus.SWAPPED or seq.recomputing and seq.status is SequenceStatus.WAITING:
+                seq.ttft_split.enter("preempted", now)
+            else:
+                seq.ttft_split.enter("queued", now)
+        self._loading.clear()
 
     def _run(self, seq: Sequence, n: int, got: Allocation, out: SchedulerOutput) -> int:
         """Move `seq` to the running queue and schedule its `n` tokens, unless its KV is still

@@ -2,6 +2,9 @@
 
 A request is one `Sequence`, or several once it forks (parallel samples, beams): the forked
 sequences are ordinary sequences to the scheduler, tied together by their `SequenceGroup`.
+
+Where its time to first token went is its `TtftSplit`: the scheduler says which phase it is in
+after each `schedule()`, the first token closes it, so the phases sum to the TTFT exactly.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, get_args
 
 import torch
 
@@ -27,6 +30,40 @@ _seq_ids = itertools.count()
 
 def _next_seq_id() -> str:
     return f"s{next(_seq_ids)}"
+
+
+TtftPhase = Literal["queued", "loading", "prefill", "preempted"]
+TTFT_PHASES: tuple[TtftPhase, ...] = get_args(TtftPhase)
+
+
+class TtftSplit:
+    """A request's time from arrival to first token, by phase: `queued` (not scheduled, for want
+    of budget, blocks or slots), `loading` (its prefix arriving from a lower tier), `prefill`
+    (from a step that scheduled its tokens until the next decision), `preempted` (swapped out or
+    requeued for recompute). Each interval belongs to exactly one phase."""
+
+    def __init__(self, arrival_time: float) -> None:
+        self.phase: TtftPhase = "queued"
+        self.since = arrival_time
+        self.seconds: dict[TtftPhase, float] = dict.fromkeys(TTFT_PHASES, 0.0)
+        self.closed = False
+
+    def enter(self, phase: TtftPhase, now: float) -> None:
+        """From `now` on the request is in `phase` (nothing once its first token is out)."""
+        if self.closed:
+            return
+        self.seconds[self.phase] += now - self.since
+        self.phase, self.since = phase, now
+
+    def close(self, now: float) -> None:
+        """The first token came out at `now`."""
+        self.enter(self.phase, now)
+        self.closed = True
+
+    def copy(self) -> TtftSplit:
+        twin = copy.copy(self)
+        twin.seconds = dict(self.seconds)
+        return twin
 
 
 class SequenceStatus(enum.Enum):
@@ -67,8 +104,10 @@ class Sequence:
     held: bool = False  # all computed, its next token waits for its group (a beam)
     logprobs: list[TokenLogprobs] | None = None  # per output token, with `params.logprobs`
     cumulative_logprob: float | None = None
+    ttft_split: TtftSplit = field(init=False)
 
     def __post_init__(self) -> None:
+        self.ttft_split = TtftSplit(self.arrival_time)
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
@@ -107,6 +146,7 @@ class Sequence:
         child.generator = None
         child.token_ids = list(self.token_ids)
         child.block_hashes = list(self.block_hashes)
+        child.ttft_split = self.ttft_split.copy()
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.detokenizer = None if self.detokenizer is None else self.detokenizer.fork()
         return child
@@ -122,6 +162,7 @@ class Sequence:
             return
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+            self.ttft_split.close(self.first_token_time)
         self.token_ids.append(token_id)
         if logprobs is not None:
             if self.logprobs is not None:

@@ -3,6 +3,8 @@
 Operations:
 - `RequestRecord`: one request as its client saw it (monotonic seconds).
 - `summarize(name, records, elapsed_s, stats) -> Summary`: a run's figures.
+- `ttft_split_figures(records)`: the TTFT split by phase over a run's requests (mean and
+  percentiles of each phase, and the least share of a request's TTFT the phases account for).
 - `serving_metrics(summary, records)`: the figures under the names `vllm bench serve` gives
   them (`mean_ttft_ms`, `median_ttft_ms`, `std_ttft_ms`, `p90_ttft_ms`, `p99_ttft_ms`, and the
   same for `tpot`, `itl` and `e2el`; `request_throughput`, `output_throughput`, ...).
@@ -37,7 +39,8 @@ SLOW_ITL_FRACTION = 0.1  # slow ITL: the mean of this share of a request's gaps,
 @dataclass
 class RequestRecord:
     """What one client saw (monotonic seconds). `finished`: its stream ended (not cut short by
-    an interrupted run); `cached_tokens`: prompt tokens found cached at its first admission."""
+    an interrupted run); `cached_tokens`: prompt tokens found cached at its first admission;
+    `ttft_split`: the engine's seconds of its TTFT by phase (`tieredkv.sequence.TtftSplit`)."""
 
     tag: str
     arrival: float
@@ -49,10 +52,19 @@ class RequestRecord:
     finished: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
+    ttft_split: dict[str, float] | None = None
 
     @property
     def ttft(self) -> float | None:
         return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def ttft_phases(self) -> dict[str, float] | None:
+        """The TTFT by phase: the engine's (`ttft_split`) and `client`, the rest of what the
+        client saw (the way to the engine and back); they sum to `ttft`."""
+        if self.ttft_split is None or self.ttft is None:
+            return None
+        return {**self.ttft_split, "client": self.ttft - sum(self.ttft_split.values())}
 
     @property
     def itls(self) -> list[float]:
@@ -123,6 +135,7 @@ class Summary:
     cached_tokens: int = 0
     partial: bool = False
     restart: dict[str, Any] | None = None  # a warm restart's figures (experiment/restart.py)
+    ttft_split_s: dict[str, Any] = field(default_factory=dict)  # `ttft_split_figures`
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -152,7 +165,21 @@ def summarize(name: str, records: list[RequestRecord], elapsed_s: float, stats: 
         itl_s=percentiles(latencies(records, "itl")), stats=stats,
         tpot_s=percentiles(latencies(records, "tpot")), e2el_s=percentiles(latencies(records, "e2el")),
         cached_tokens=sum(r.cached_tokens for r in ok), partial=partial, restart=restart,
+        ttft_split_s=ttft_split_figures(ok),
     )
+
+
+def ttft_split_figures(records: list[RequestRecord]) -> dict[str, Any]:
+    """Over the requests with a TTFT split: each phase's mean and p50 / p90 / p99 (seconds,
+    `RequestRecord.ttft_phases`), and `accounted`: the least share of a request's TTFT that the
+    engine's phases sum to (the rest is `client`). Empty without splits."""
+    split = [(r, r.ttft_phases) for r in records if r.ttft_phases is not None and r.ttft]
+    if not split:
+        return {}
+    phases = {k: [p[k] for _, p in split] for k in split[0][1]}
+    figures: dict[str, Any] = {k: {"mean": statistics.fmean(v), **percentiles(v)} for k, v in phases.items()}
+    figures["accounted"] = min(1 - p["client"] / r.ttft for r, p in split)
+    return figures
 
 
 def serving_metrics(summary: Summary, records: list[RequestRecord]) -> dict[str, float | int | None]:
@@ -310,6 +337,7 @@ def format_summary(s: Summary) -> str:
         ("TPOT p50 / p90 / p99", _ms(s.tpot_s)),
         ("ITL p50 / p90 / p99", _ms(s.itl_s)),
         ("E2EL p50 / p90 / p99", _ms(s.e2el_s)),
+        _split_row(s.ttft_split_s),
         ("prefix hit rate", hit),
         ("  from GPU / CPU / NVMe", f"{s.stats.get('gpu_hit_blocks', 0)} / {s.stats.get('cpu_hit_blocks', 0)} / "
                                     f"{s.stats.get('nvme_loaded_blocks', 0)} blocks"),
@@ -327,12 +355,32 @@ def format_summary(s: Summary) -> str:
         ("NVMe prefix blocks: load / compute", f"{nvme_choice.get('load', 0)} / {nvme_choice.get('compute', 0)} "
                                                f"({nvme_choice.get('compute_for_queues', 0)} for the queues)"),
         ("steps waiting on NVMe loads", str(s.stats.get("nvme_load_waits", 0))),
+        _loop_row(s.stats),
         ("disk read observed", f"{s.stats['disk_read_bytes_per_s'] / 1e9:.2f} GB/s"
          if "disk_read_bytes_per_s" in s.stats else "n/a"),
         *_restart_rows(s),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"== {s.name} =="] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def _split_row(figures: dict[str, Any]) -> tuple[str, str]:
+    """The TTFT split's means by phase (the engine's `TtftSplit` phases, in its order)."""
+    phases = [k for k in figures if k != "accounted"]
+    if not phases:
+        return "TTFT split mean", "n/a"
+    means = " / ".join(f"{figures[k]['mean'] * 1e3:.1f}" for k in phases)
+    return (f"TTFT mean: {' / '.join(phases)}",
+            f"{means} ms ({figures['accounted']:.1%} of each TTFT at least)")
+
+
+def _loop_row(stats: dict[str, Any]) -> tuple[str, str]:
+    """Where the engine loop's time went (its `loop_*_s` stats)."""
+    keys = [k for k in stats if k.startswith("loop_") and k.endswith("_s")]
+    if not keys:
+        return "engine loop", "n/a"
+    return (f"engine loop: {' / '.join(k[5:-2] for k in keys)}",
+            " / ".join(f"{stats[k]:.2f}" for k in keys) + " s")
 
 
 def _restart_rows(s: Summary) -> list[tuple[str, str]]:

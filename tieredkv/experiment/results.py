@@ -134,7 +134,7 @@ def result_document(
 
 def _request(r: RequestRecord, start: float, keep_prompt_ids: bool) -> dict[str, Any]:
     doc = {**asdict(r), "arrival": r.arrival - start, "token_times": [t - start for t in r.token_times],
-           "ttft": r.ttft, "tpot": r.tpot, "e2el": r.e2el}
+           "ttft": r.ttft, "tpot": r.tpot, "e2el": r.e2el, "ttft_split": r.ttft_phases}
     if not keep_prompt_ids:
         doc.pop("prompt_token_ids")
     return doc

@@ -1,0 +1,100 @@
+"""Every figure explains itself: each request's TTFT split into queued, loading, prefill and
+preempted time (`tieredkv.sequence.TtftSplit`), summing to the TTFT by construction, through
+the scheduler with no model (tests/kv_factory.py) and through a run's result.json; and the
+engine loop's time by part in `stats()`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+
+from tests.kv_factory import make_kv, make_scheduler, make_seq, run_step
+from tieredkv.experiment.harness import run_experiment
+from tieredkv.experiment.results import validate
+from tieredkv.sequence import Sequence
+
+PAUSE_S = 0.002  # between steps, so that every phase a request goes through lasts
+
+
+def run_all(sched, sim) -> int:
+    """Run to the end, pausing between steps; how many sequences were preempted."""
+    preempted = 0
+    while sched.has_unfinished():
+        time.sleep(PAUSE_S)
+        preempted += len(run_step(sched, sim).preempted)
+    return preempted
+
+
+def split_ms(seq: Sequence) -> dict[str, float]:
+    """The split in ms, after checking that it sums to the TTFT."""
+    seconds = seq.ttft_split.seconds
+    assert sum(seconds.values()) == pytest.approx(seq.first_token_time - seq.arrival_time, abs=1e-9)
+    return {k: v * 1e3 for k, v in seconds.items()}
+
+
+def test_a_request_queued_behind_another_then_prefilled():
+    sim = make_kv(64)
+    sched = make_scheduler(sim, max_num_batched_tokens=16)
+    first, second = make_seq("first", range(100, 132), max_tokens=1), make_seq("second", range(200, 208), max_tokens=1)
+    sched.add(first)
+    sched.add(second)
+    assert run_all(sched, sim) == 0
+    got = split_ms(second)  # fcfs: waits the two steps of the first one's 32 tokens
+    assert got["queued"] >= 2 * PAUSE_S * 1e3 and got["prefill"] > 0 and got["loading"] == got["preempted"] == 0
+    assert split_ms(first)["queued"] < got["queued"]
+
+
+def test_a_request_preempted_before_its_first_token():
+    # 8 GPU blocks of 4 tokens: the decoding request's growth preempts the newer one's prefill
+    # (recompute) twice before it gets its first token
+    sim = make_kv(8)
+    sched = make_scheduler(sim, max_num_batched_tokens=8, max_num_seqs=4)
+    a, c = make_seq("a", range(100, 108), max_tokens=24), make_seq("c", range(300, 324), max_tokens=2)
+    sched.add(a)
+    sched.add(c)
+    assert run_all(sched, sim) == 2
+    got = split_ms(c)
+    assert got["preempted"] >= 2 * PAUSE_S * 1e3 and got["prefill"] > 0 and got["queued"] > 0
+    assert split_ms(a)["preempted"] == 0
+
+
+def test_a_request_whose_prefix_is_copied_in_from_the_cpu_tier_was_loading():
+    sim = make_kv(8, num_cpu_blocks=32)
+    sched = make_scheduler(sim, max_num_batched_tokens=32)
+    sched.add(make_seq("doc", range(1000, 1016), max_tokens=1))
+    run_all(sched, sim)
+    for i in range(3):  # push the document's blocks out of the GPU into the CPU tier
+        sched.add(make_seq(f"other{i}", range(2000 + 50 * i, 2024 + 50 * i), max_tokens=1))
+        run_all(sched, sim)
+    question = make_seq("q", [*range(1000, 1016), 7, 8, 9, 10], max_tokens=1)
+    sched.add(question)
+    run_all(sched, sim)
+    assert question.num_cached_tokens == 16 and sim.kv.stats()["cpu_hit_blocks"] == 4
+    got = split_ms(question)
+    assert got["loading"] >= PAUSE_S * 1e3 and got["prefill"] > 0 and got["preempted"] == 0
+
+
+def test_a_run_writes_each_split_and_the_engine_loop_in_a_valid_result(tmp_path):
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "exp", "model": "tiny-llama",
+        "cache": {"block_size": 4, "num_gpu_blocks": 64, "cpu_cache_bytes": "128KiB"},
+        "scheduler": {"max_num_batched_tokens": 32},
+        "workload": {"kind": "multi_turn", "users": 3, "turns": 2, "system_prompt_tokens": 16, "message_tokens": 8,
+                     "max_tokens": 3},
+    }))
+    run_experiment(str(config), str(tmp_path / "out"), use_tqdm=False)
+    result = json.loads((tmp_path / "out" / "exp" / "result.json").read_text())
+    validate(result)
+    for request in result["requests"]:
+        split = request["ttft_split"]
+        assert set(split) == {"queued", "loading", "prefill", "preempted", "client"} and split["prefill"] > 0
+        assert sum(split.values()) == pytest.approx(request["ttft"], abs=1e-9) and split["client"] >= 0
+    figures = result["summary"]["ttft_split_s"]
+    assert 0 < figures["accounted"] <= 1 and figures["prefill"]["mean"] > 0
+    stats = result["summary"]["stats"]
+    assert stats["loop_model_s"] > 0 and stats["loop_schedule_s"] > 0 and stats["loop_tiers_s"] > 0
+    assert stats["loop_model_s"] > stats["loop_schedule_s"]
