@@ -190,8 +190,9 @@ def measure_shape(shape: Shape, variants: list, make_inputs: Callable, scale: fl
     return res
 
 
-def print_shape(res: ShapeResults, peak: float) -> None:
-    cudnn = res.best("sdpa-cudnn")
+def print_shape(res: ShapeResults, peak: float, cudnn: Result | None = None) -> None:
+    """Each variant's line; ratios to `cudnn` (default: the cuDNN figure among `res`)."""
+    cudnn = cudnn or res.best("sdpa-cudnn")
     print(f"== {res.shape.name}: {res.flops / 1e12:.2f} TFLOP causal")
     for r in res.results:
         if r.tflops is None:

@@ -84,17 +84,19 @@ def attend_tiles(
             k = tl.load(k_ptr + kv_offset[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + kv_offset[:, None] + dims[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             keep = col_ok[None, :] & (cols[None, :] <= pos[:, None])
             if USE_WINDOW:
                 keep = keep & (cols[None, :] > pos[:, None] - window)
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        # Scores are scaled where they are used (scale_log2 > 0, so the max commutes with it):
+        # one fused multiply-add per score instead of a multiply and a subtract.
+        m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
         # A row that has seen no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
+        p = tl.math.exp2(s * scale_log2 - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_ptr + kv_offset[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
