@@ -13,6 +13,9 @@ Two clocks:
     python benchmarks/bench_scheduling.py --sim                       # CPU, ~1 min
     python benchmarks/bench_scheduling.py --sim --rates 1,1.5,2 --seeds 0,1,2 --requests 128
     python benchmarks/bench_scheduling.py --sim --vary prefill_aging=0.05,0.2   # a knob too
+    python benchmarks/bench_scheduling.py --sim --trace conversation_trace.jsonl --fraction 0.014 --seeds 1 \
+        --rates 0.6,0.8,1.0 --policies fcfs,ttft,hrrn --set scheduler.max_num_batched_tokens=8192 \
+        --set cache.num_gpu_blocks=8192           # a Mooncake slice, full-length prompts (BENCHMARKS.md)
     python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
 """
 
