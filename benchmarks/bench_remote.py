@@ -14,10 +14,14 @@ After an untimed warm-up of both (the server's memory and this process's are fau
 rounds alternate which goes first. Each store figure is divided by the raw figure of its own
 round; medians over rounds are
 printed with the range of the ratios (target: >= 80%). With `--redis-benchmark`, the C client's
-loopback peak for the same value size (`redis-benchmark -t set,get -d VALUE`) is printed too.
-Bytes counted are block payload bytes.
+loopback peak for the same value size (`redis-benchmark -t set,get -d VALUE -P 16`, as many
+clients as the store has reader threads) runs in every round too, and the store's reads are
+printed as a ratio to its GET (the issue's target: >= 80%). Bytes counted are block payload bytes.
+`--read-sweep` instead times the store's reads alone for several block sizes and `recv_into`
+piece sizes (`reader.RECV_CHUNK_BYTES`), the measurement its default comes from.
 
     python benchmarks/bench_remote.py --size 1GiB --block 2MiB --rounds 3 --redis-benchmark
+    python benchmarks/bench_remote.py --size 256MiB --read-sweep
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from common import start_redis_server
 from redis.asyncio import Redis
 
 from tieredkv.tiers.backend import BlockRef
-from tieredkv.tiers.remote.store import RemoteStore
+from tieredkv.tiers.remote import reader
+from tieredkv.tiers.remote.store import READ_THREADS, RemoteStore
 
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "": 1}
 FINGERPRINT = 0xBE7C4
@@ -80,8 +85,8 @@ def store_round(url: str, args: argparse.Namespace, src: torch.Tensor, dst: torc
     """(write, read) seconds for every block of `src` through a fresh RemoteStore."""
     n = src.shape[0]
     refs = [BlockRef(first_hash + i, first_hash + i - 1, tuple(range(16))) for i in range(n)]
-    with RemoteStore(url, args.block, FINGERPRINT, 16, max_in_flight=args.in_flight,
-                     pipeline_ops=args.pipeline) as store:
+    with RemoteStore(url, src.shape[1], FINGERPRINT, 16, max_in_flight=args.in_flight,
+                     pipeline_ops=args.pipeline, read_threads=args.read_threads) as store:
         t0 = time.perf_counter()
         jobs = [store.submit_write(ref, src[i]) for i, ref in enumerate(refs)]
         ok_w = None not in jobs and all(store.wait(jobs).values())
@@ -95,7 +100,7 @@ def store_round(url: str, args: argparse.Namespace, src: torch.Tensor, dst: torc
     return t1 - t0, t2 - t1
 
 
-def redis_benchmark(url: str, value_bytes: int, n: int, clients: int, pipeline: int) -> dict[str, float]:
+def redis_benchmark(url: str, value_bytes: int, n: int, clients: int, pipeline: int = 16) -> dict[str, float]:
     """GB/s of SET and GET of `value_bytes` values by the C client, `redis-benchmark`."""
     binary = shutil.which("redis-benchmark")
     if binary is None:
@@ -119,14 +124,16 @@ def main() -> None:
     parser.add_argument("--block", type=parse_bytes, default=parse_bytes("2MiB"), help="CPU block bytes")
     parser.add_argument("--in-flight", type=int, default=8, help="pipelines in flight (the tier's default)")
     parser.add_argument("--pipeline", type=int, default=8, help="commands per pipeline (the tier's default)")
+    parser.add_argument("--read-threads", type=int, default=READ_THREADS, help="the store's reader threads")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--read-sweep", action="store_true", help="reads only, over block and recv piece sizes")
     parser.add_argument("--redis-benchmark", action="store_true", help="also run the C client's peak")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
     proc, url = (None, args.url) if args.url else start_redis_server(args.server_bin)
     try:
-        run(args, url)
+        read_sweep(args, url) if args.read_sweep else run(args, url)
     finally:
         if proc is not None:
             proc.terminate()
@@ -144,6 +151,7 @@ def run(args: argparse.Namespace, url: str) -> None:
     value = bytes(torch.randint(0, 256, (value_bytes,), dtype=torch.uint8).numpy())
     client = redis.Redis.from_url(url)
     secs: dict[str, list[float]] = {k: [] for k in ("raw_set", "raw_get", "store_write", "store_read")}
+    c_gets: list[float] = []  # redis-benchmark's GET GB/s, each round
     # untimed warm-up: the server's and this process's memory for the values is faulted in
     asyncio.run(raw_round(url, value, n, args.in_flight, args.pipeline))
     store_round(url, args, src, dst, first_hash=1 << 62)
@@ -158,6 +166,9 @@ def run(args: argparse.Namespace, url: str) -> None:
             store = store_round(url, args, src, dst, first_hash=(r + 1) << 32)
         for key, s in zip(secs, (*raw, *store), strict=True):
             secs[key].append(s)
+        if args.redis_benchmark:
+            client.flushall()
+            c_gets.append(redis_benchmark(url, value_bytes, max(n, 256), args.read_threads).get("get", 0.0))
     gbs = {k: [n * args.block / s / 1e9 for s in v] for k, v in secs.items()}
     med = {k: statistics.median(v) for k, v in gbs.items()}
     print(f"{n * args.block / 2**30:.2f} GiB each way in {args.block >> 10} KiB blocks ({value_bytes} B values), "
@@ -168,15 +179,36 @@ def run(args: argparse.Namespace, url: str) -> None:
         ratios = [a / b for a, b in zip(gbs[key], gbs[peak], strict=True)]  # same round
         print(f"  store {name}:   {med[key]:5.2f} = {100 * statistics.median(ratios):3.0f}% "
               f"[{100 * min(ratios):.0f}..{100 * max(ratios):.0f}] of raw {peak[4:].upper()}")
-    c_client = {}
-    if args.redis_benchmark:
-        client.flushall()
-        c_client = redis_benchmark(url, value_bytes, max(n, 64), args.in_flight, args.pipeline)
-        print("  redis-benchmark (C): " + "  ".join(f"{k.upper()} {v:5.2f}" for k, v in c_client.items()))
+    if c_gets:
+        ratios = [a / b for a, b in zip(gbs["store_read"], c_gets, strict=True)]
+        print(f"  redis-benchmark (C) GET -P 16 -c {args.read_threads}: {statistics.median(c_gets):5.2f}; store read = "
+              f"{100 * statistics.median(ratios):3.0f}% [{100 * min(ratios):.0f}..{100 * max(ratios):.0f}] of it")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "value_bytes": value_bytes, "gb_per_s": gbs, "median": med,
-                       "redis_benchmark": c_client}, f, indent=1)
+                       "redis_benchmark_get": c_gets}, f, indent=1)
+
+
+SWEEP_BLOCKS = (256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
+SWEEP_CHUNKS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def read_sweep(args: argparse.Namespace, url: str) -> None:
+    """The store's read GB/s (median of rounds) for each block size and recv_into piece size."""
+    print(f"store reads, GB/s of payload (median of {args.rounds}), {args.read_threads} reader threads; "
+          f"rows: block bytes, columns: recv_into piece bytes")
+    print("block     " + "".join(f"{c >> 10:>8} K" for c in SWEEP_CHUNKS))
+    for block in SWEEP_BLOCKS:
+        n = args.size // block
+        src = torch.randint(0, 256, (n, block), dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        row = []
+        for chunk in SWEEP_CHUNKS:
+            reader.RECV_CHUNK_BYTES = chunk
+            reads = [store_round(url, args, src, dst, first_hash=(r + 1) << 32)[1] for r in range(args.rounds)]
+            row.append(n * block / statistics.median(reads) / 1e9)
+            redis.Redis.from_url(url).flushall()
+        print(f"{block >> 10:>6} K " + "".join(f"{g:10.2f}" for g in row), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@
     store.stats(); store.measure_read_bandwidth(); store.close()
 
 Jobs queue to an asyncio loop on a thread of its own (`connection.py`), which sends them in
-pipelines of up to `pipeline_ops` commands, with at most `max_in_flight` pipelines in flight
-(writes take at most half of them, so reads never wait behind a burst of writes). A write first
+pipelines of up to `pipeline_ops` commands. Writes go through redis-py's asyncio client, at most
+`max_in_flight // 2` pipelines at once; reads through `read_threads` reader threads, each with a
+connection of its own, receiving values straight into their blocks (`reader.py`), so reads never
+wait behind a burst of writes, nor behind one thread's parsing. A write first
 asks whether the key exists (another engine may have stored the block) and sends only the
 blocks the server lacks. A read verifies the value (`value_format.py`) before copying it into
 `dst`: a missing key (evicted, deleted, flushed) or a value that does not verify (truncated,
@@ -36,9 +38,19 @@ from typing import Literal
 import torch
 
 from tieredkv.tiers.backend import BlockRef
-from tieredkv.tiers.remote.connection import ANY_ERROR, LINK_ERRORS, LoopThread, ServerLink, describe
+from tieredkv.tiers.nvme.slot_format import byte_view
+from tieredkv.tiers.remote.connection import (
+    ANY_ERROR,
+    CONNECT_TIMEOUT_S,
+    LINK_ERRORS,
+    SOCKET_TIMEOUT_S,
+    LoopThread,
+    ServerLink,
+    describe,
+)
 from tieredkv.tiers.remote.index import BlockIndex
 from tieredkv.tiers.remote.jobs import JobBook
+from tieredkv.tiers.remote.reader import DirectReads
 from tieredkv.tiers.remote.value_format import ValueLayout, Verdict, block_key, epoch_key
 
 logger = logging.getLogger(__name__)
@@ -46,6 +58,8 @@ logger = logging.getLogger(__name__)
 LOOKUP_TIMEOUT_S = 2.0  # one EXISTS from the engine's thread (a hung server stalls a step once)
 CLOSE_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 30.0  # the start-up read bandwidth probe, each of its steps
+PROBE_S = 0.5  # the probe reads for about this long at most (a slow server is measured quickly)
+READ_THREADS = 4  # reader threads (and their connections) per server
 _COUNTERS = ("hit_blocks stored_blocks errors misses corrupt write_skipped evicted_blocks bytes_read "
              "bytes_written rejected_writes").split()
 
@@ -62,10 +76,12 @@ class RemoteStore:
     """A `BlockStore` on a Redis server (module docstring)."""
 
     def __init__(self, url: str, block_bytes: int, fingerprint: int, block_size: int, budget_bytes: int = 0,
-                 max_in_flight: int = 8, pipeline_ops: int = 8, connect_timeout_s: float = 2.0) -> None:
+                 max_in_flight: int = 8, pipeline_ops: int = 8, connect_timeout_s: float = 2.0,
+                 read_threads: int = READ_THREADS) -> None:
         """`fingerprint`: the engine's model fingerprint (blocks of other models are never
-        read); `budget_bytes`: the most this engine stores (0: no limit of its own). An
-        unreachable server is not an error: the store starts down and keeps trying."""
+        read); `budget_bytes`: the most this engine stores (0: no limit of its own);
+        `read_threads`: reader connections (at most `max_in_flight`). An unreachable server is
+        not an error: the store starts down and keeps trying."""
         self.layout = ValueLayout.for_block(block_bytes, block_size, fingerprint)
         if budget_bytes and budget_bytes < self.layout.value_bytes:
             raise ValueError(f"budget_bytes={budget_bytes} holds no block value of {self.layout.value_bytes} bytes")
@@ -83,6 +99,7 @@ class RemoteStore:
         self._loop = LoopThread("tieredkv-remote")
         try:
             self.link = ServerLink(url, epoch_key(fingerprint), self._loop, self._forget_all, max_in_flight + 2)
+            self.reads = DirectReads(url, min(read_threads, max_in_flight), SOCKET_TIMEOUT_S, CONNECT_TIMEOUT_S)
         except ValueError:
             self._loop.close()
             raise
@@ -90,7 +107,6 @@ class RemoteStore:
         self.link.start(connect_timeout_s)
 
     async def _make_semaphores(self) -> None:  # they belong to the loop: made on it
-        self._slots = asyncio.Semaphore(self.max_in_flight)
         self._write_slots = asyncio.Semaphore(max(1, self.max_in_flight // 2))
         self._tasks: set[asyncio.Task] = set()
 
@@ -166,6 +182,7 @@ class RemoteStore:
                 return
             self._closed = True
         self.jobs.drain()
+        self.reads.close()
         self._loop.call(self._aclose())
         self._loop.close()
 
@@ -180,38 +197,52 @@ class RemoteStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def measure_read_bandwidth(self, num_bytes: int = 64 << 20, max_blocks: int = 256) -> float | None:
+    def measure_read_bandwidth(self, num_bytes: int = 64 << 20, max_blocks: int = 256,
+                               max_s: float = PROBE_S) -> float | None:
         """Bytes/s of block reads through this store: a probe block written once and read back
-        (`num_bytes` worth, at most `max_blocks` reads) in pipelines, verified as jobs are; None
-        while the server is unreachable or if the probe failed."""
+        as blocks are (pipelines on every reader thread, verified), `num_bytes` worth or at most
+        `max_blocks` reads, stopping after about `max_s` seconds; None while the server is
+        unreachable or if the probe failed."""
         if not self.link.up:
             return None
         probe = BlockRef(0, 0, ())
         src = torch.zeros(self.layout.block_bytes, dtype=torch.uint8)
         key = f"{self._key(0)}:probe:{os.urandom(8).hex()}"  # engines starting together probe apart
-        count = min(max_blocks, max(self.max_in_flight * self.pipeline_ops, num_bytes // self.layout.value_bytes))
+        count = min(max_blocks, max(self.reads.threads * self.pipeline_ops, num_bytes // self.layout.value_bytes))
         try:
             self._loop.call(self.link.client.set(key, self.layout.pack(probe, src)), PROBE_TIMEOUT_S)
-            start = time.perf_counter()
-            verified = self._loop.call(self._probe_reads(key, count, probe), PROBE_TIMEOUT_S)
-            elapsed = time.perf_counter() - start
+            reads, elapsed = self._probe_reads(key, probe, count, max_s)
             self._loop.call(self.link.client.unlink(key), PROBE_TIMEOUT_S)
         except ANY_ERROR as err:
             logger.warning("remote tier: measuring its read bandwidth failed (%s)", describe(err))
             return None
-        return count * self.layout.block_bytes / elapsed if verified else None
+        return reads * self.layout.block_bytes / elapsed if reads else None
 
-    async def _probe_reads(self, key: str, count: int, probe: BlockRef) -> bool:
-        """Read the probe `count` times as jobs read blocks; whether every read verified."""
-        dst = torch.empty(self.layout.block_bytes, dtype=torch.uint8)
-        batches = [min(self.pipeline_ops, count - i) for i in range(0, count, self.pipeline_ops)]
+    def _probe_reads(self, key: str, probe: BlockRef, count: int, max_s: float) -> tuple[int, float]:
+        """Read the probe key in waves, each twice the last (one read per reader first), until
+        `count` reads or `max_s` seconds: (reads, seconds), (0, 0.0) if one did not verify."""
+        threads = self.reads.threads
+        dsts = [torch.empty(self.layout.block_bytes, dtype=torch.uint8) for _ in range(threads)]
+        start, done, wave = time.perf_counter(), 0, threads
+        while done < count and time.perf_counter() - start < max_s:
+            n = min(wave, count - done)
+            sizes = [n // threads + (i < n % threads) for i in range(threads)]
+            futures = [self.reads.submit(self._probe_batch, key, probe, dst, size)
+                       for dst, size in zip(dsts, sizes, strict=True) if size]
+            if not all(f.result(PROBE_TIMEOUT_S) for f in futures):
+                return 0, 0.0
+            done, wave = done + n, 2 * wave
+        return done, time.perf_counter() - start
 
-        async def one(n: int) -> bool:
-            async with self._slots:
-                values = await self._pipeline([("get", key)] * n)
-            return all(self.layout.verify(probe, value, dst) == "ok" for value in values)
-
-        return all(await asyncio.gather(*(one(n) for n in batches)))
+    def _probe_batch(self, key: str, probe: BlockRef, dst: torch.Tensor, count: int) -> bool:
+        """Read the probe `count` times into `dst`, in pipelines (reader thread); all verified?"""
+        head, body = memoryview(bytearray(self.layout.header_bytes)), byte_view(dst)
+        ok = True
+        for i in range(0, count, self.pipeline_ops):
+            n = min(self.pipeline_ops, count - i)
+            for got in self.reads.get([key] * n, [head] * n, [body] * n):
+                ok = ok and self.layout.verify(probe, got, head, body) == "ok"
+        return ok
 
     # ---------------------------------------------------------------- submitting
 
@@ -260,6 +291,7 @@ class RemoteStore:
         """The server's blocks are not the ones known (a new epoch): forget them all."""
         with self._lock:
             self.index.clear()
+        self.reads.reset()
 
     def _fault(self, err: BaseException) -> None:
         """Count a failed operation; a fault of the link takes the tier down (any thread)."""
@@ -276,13 +308,16 @@ class RemoteStore:
         task.add_done_callback(self._tasks.discard)
 
     def _dispatch(self) -> None:
-        """Send everything queued, in pipelines (loop thread)."""
+        """Send everything queued, in pipelines: reads spread over the reader threads (loop thread)."""
         with self._lock:
             ops, self._queue = self._queue, []
-        for kind, run in (("read", self._run_reads), ("write", self._run_writes)):
-            same = [op for op in ops if op.kind == kind]
-            for i in range(0, len(same), self.pipeline_ops):
-                self._spawn(run(same[i : i + self.pipeline_ops]))
+        reads = [op for op in ops if op.kind == "read"]
+        size = max(1, min(self.pipeline_ops, -(-len(reads) // self.reads.threads)))
+        for i in range(0, len(reads), size):
+            self.reads.submit(self._read_batch, reads[i : i + size])
+        writes = [op for op in ops if op.kind == "write"]
+        for i in range(0, len(writes), self.pipeline_ops):
+            self._spawn(self._run_writes(writes[i : i + self.pipeline_ops]))
 
     async def _pipeline(self, commands: list[tuple]) -> list:
         """Run commands in one pipeline; a refused command comes back as its exception."""
@@ -291,18 +326,25 @@ class RemoteStore:
                 getattr(pipe, name)(*args)
             return await pipe.execute(raise_on_error=False)
 
-    async def _run_reads(self, ops: list[_Op]) -> None:
-        async with self._slots:
-            if not self.link.up:
-                return self._fail(ops, ConnectionError("the tier is down"))
-            try:
-                values = await self._pipeline([("get", self._key(op.ref.block_hash)) for op in ops])
-            except ANY_ERROR as err:
-                return self._fail(ops, err)
-        verdicts = [self._book_read(op, value) for op, value in zip(ops, values, strict=True)]
-        damaged = [self._key(op.ref.block_hash) for op, v in zip(ops, verdicts, strict=True) if v == "corrupt"]
+    def _read_batch(self, ops: list[_Op]) -> None:
+        """Read blocks in one pipeline, each straight into its block, verified (reader thread)."""
+        if not self.link.up:
+            return self._fail(ops, ConnectionError("the tier is down"))
+        heads = [memoryview(bytearray(self.layout.header_bytes)) for _ in ops]
+        bodies = [byte_view(op.block) for op in ops]
+        keys = [self._key(op.ref.block_hash) for op in ops]
+        try:
+            received = list(self.reads.get(keys, heads, bodies))
+        except Exception as err:  # noqa: BLE001 (on a reader thread: failing its jobs is the way to tell)
+            if not isinstance(err, ANY_ERROR):
+                logger.exception("remote tier: a read failed unexpectedly")
+            self.reads.reset()  # the other readers' connections may be as dead as this one's
+            return self._fail(ops, err)
+        verdicts = [self._book_read(op, self.layout.verify(op.ref, got, head, body))
+                    for op, got, head, body in zip(ops, received, heads, bodies, strict=True)]
+        damaged = [key for key, verdict in zip(keys, verdicts, strict=True) if verdict == "corrupt"]
         if damaged:  # before the jobs are reported, so that no write of theirs finds them stored
-            await self._delete(damaged)
+            self._delete_now(damaged)
         self._reads_done(len(ops))
         for op, verdict in zip(ops, verdicts, strict=True):
             self.jobs.finish(op.job, verdict == "ok")
@@ -313,9 +355,8 @@ class RemoteStore:
             if not self._reads_in_flight:
                 self._read_busy_s += time.monotonic() - self._read_busy_since
 
-    def _book_read(self, op: _Op, value: object) -> Verdict:
-        """Verify one value into its block and count the outcome."""
-        verdict = "corrupt" if isinstance(value, Exception) else self.layout.verify(op.ref, value, op.block)
+    def _book_read(self, op: _Op, verdict: Verdict) -> Verdict:
+        """Count the outcome of one read."""
         with self._lock:
             if verdict == "ok":
                 self._counts["hit_blocks"] += 1
@@ -330,7 +371,7 @@ class RemoteStore:
         return verdict
 
     async def _run_writes(self, ops: list[_Op]) -> None:
-        async with self._write_slots, self._slots:
+        async with self._write_slots:
             if not self.link.up:
                 return self._fail(ops, ConnectionError("the tier is down"))
             keys = [self._key(op.ref.block_hash) for op in ops]
@@ -363,7 +404,7 @@ class RemoteStore:
         self.jobs.finish(op.job, stored is not False)
 
     def _fail(self, ops: list[_Op], err: BaseException) -> None:
-        """Fail every job of a pipeline that did not run (loop thread)."""
+        """Fail every job of a pipeline that did not run (loop or reader thread)."""
         if isinstance(err, LINK_ERRORS) and self.link.up:
             self.link.failed(err)
         with self._lock:
@@ -379,4 +420,11 @@ class RemoteStore:
         try:
             await self.link.client.unlink(*keys)
         except ANY_ERROR as err:  # a leftover is found bad again by the next reader
+            logger.debug("remote tier: deleting %d keys failed: %s", len(keys), describe(err))
+
+    def _delete_now(self, keys: list[str]) -> None:
+        """`_delete` on a reader thread, through its own connection."""
+        try:
+            self.reads.unlink(keys)
+        except ANY_ERROR as err:
             logger.debug("remote tier: deleting %d keys failed: %s", len(keys), describe(err))

@@ -7,7 +7,9 @@ The header is the NVMe slot header (`tiers/nvme/slot_format.py`): magic, format 
 fingerprint digest, chained hash, parent hash, token ids, payload length and payload xxh3, with
 its own checksum. A value is served only if every field is what the reader expects, the value is
 exactly header + block long and the payload checksum holds: anything else (a truncated value,
-garbage, another model's block) is a miss, never wrong KV.
+garbage, another model's block) is a miss, never wrong KV. Reads receive the header and the
+payload apart (`reader.py`: the payload straight into the destination block) and verify them in
+place.
 
 Operations: `ValueLayout.for_block`, `block_key`, `epoch_key`, `ValueLayout.pack`,
 `ValueLayout.verify`.
@@ -77,19 +79,18 @@ class ValueLayout:
         pack_header(view[: self.header_bytes], header)
         return view
 
-    def verify(self, ref: BlockRef, value: bytes | None, dst: torch.Tensor) -> Verdict:
-        """Check `value` against `ref` and copy its payload into `dst` (uint8) if it holds."""
-        if value is None:
+    def verify(self, ref: BlockRef, received: bool | None, head: memoryview, payload: memoryview) -> Verdict:
+        """Check a value received as `head` (its header) and `payload` (the block's bytes, in
+        place) against `ref`; `received`: whether a value of the right length came at all
+        (None: no such key)."""
+        if received is None:
             return "missing"
-        view = memoryview(value)
-        if len(view) != self.value_bytes:
+        if not received:
             return "corrupt"
-        header = parse_header(view[: self.header_bytes], self.block_size)
+        header = parse_header(head, self.block_size)
         expected = (ref.block_hash, ref.parent_hash, ref.token_ids, self.block_bytes)
         if not header_matches(header, self.fingerprint, *expected):
             return "corrupt"
-        payload = view[self.header_bytes :]
         if xxhash.xxh3_64_intdigest(payload) != header.payload_checksum:
             return "corrupt"
-        byte_view(dst)[:] = payload
         return "ok"
