@@ -167,8 +167,9 @@ class ModelConfig:
 class CacheConfig:
     """Sizes of the KV tiers. `num_gpu_blocks=None` sizes the GPU tier from
     `gpu_memory_utilization` (CUDA) or uses 256 blocks (CPU). `remote_url` names a Redis server
-    shared by engines (a tier below the CPU tier, beside or instead of NVMe); `remote_bytes` is
-    the most this engine stores there (0: no limit of its own, the server's `maxmemory` rules)."""
+    shared by engines (a tier below the CPU tier, beside or instead of NVMe), or a list of them
+    (each block on one of them); `remote_bytes` is the most this engine stores there (0: no
+    limit of its own, the servers' `maxmemory` rules)."""
 
     block_size: int = 16
     num_gpu_blocks: int | None = None
@@ -178,7 +179,7 @@ class CacheConfig:
     nvme_bytes: int = 0
     io_backend: IOBackend = "uring"
     cpu_policy: CPUPolicy = "adaptive"
-    remote_url: str | None = None
+    remote_url: str | tuple[str, ...] | None = None
     remote_bytes: int = 0
 
     def __post_init__(self) -> None:
@@ -204,7 +205,7 @@ class CacheConfig:
         if self.nvme_path and not self.nvme_bytes:
             raise ValueError("nvme_path: set nvme_bytes (the store's size, e.g. '64GiB') to use an NVMe tier")
         if self.remote_url is not None:
-            _set(self, "remote_url", check_remote_url(self.remote_url))
+            _set(self, "remote_url", check_remote_urls(self.remote_url))
         _set(self, "remote_bytes", parse_size(self.remote_bytes, "remote_bytes"))
         if self.remote_bytes and self.remote_url is None:
             raise ValueError("remote_bytes: set remote_url (e.g. 'redis://127.0.0.1:6379/0') to use a remote tier")
@@ -243,6 +244,21 @@ class SchedulerConfig:
 
 
 REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
+
+
+def check_remote_urls(value: Any) -> str | tuple[str, ...]:
+    """`remote_url`: one Redis URL, or a list of them (a tuple; one alone is kept as a string),
+    each checked by `check_remote_url`; ValueError for an empty list or a URL listed twice."""
+    if not isinstance(value, (list, tuple)):
+        return check_remote_url(value)
+    if not value:
+        raise ValueError("remote_url: an empty list names no server; give a Redis URL or a list of them, "
+                         "e.g. ['redis://10.0.0.1:6379/0', 'redis://10.0.0.2:6379/0']")
+    urls = tuple(check_remote_url(url) for url in value)
+    twice = [url for i, url in enumerate(urls) if url in urls[:i]]
+    if twice:
+        raise ValueError(f"remote_url: {twice[0]!r} is listed twice; list each server once")
+    return urls[0] if len(urls) == 1 else urls
 
 
 def check_remote_url(url: Any) -> str:

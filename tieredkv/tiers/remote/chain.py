@@ -1,4 +1,5 @@
-"""Two block stores below the CPU tier as one: a local one (NVMe, optional) and a remote one.
+"""Several block stores as one: `StoreSet` routes jobs to its stores and reports them as its own;
+`StorePair` is two block stores below the CPU tier: a local one (NVMe, optional) and a remote one.
 
     store = StorePair(local=nvme_store_or_None, remote=remote_store)
     store.contains(h)           # local first (no network), then remote
@@ -35,32 +36,17 @@ NVME_STORE_STATS = ("nvme_slots_total nvme_slots_used nvme_io_backend nvme_hits 
                     "nvme_bytes_written nvme_bytes_read").split()
 
 
-class StorePair:
-    """A `BlockStore` over a local and a remote store (module docstring)."""
+class StoreSet:
+    """The jobs of several stores as one store's: a job is parts in some of them, done when all
+    are, ok if any part is."""
 
-    def __init__(self, local: BlockStore | None, remote: BlockStore) -> None:
-        self.stores = [s for s in (local, remote) if s is not None]
-        self.local, self.remote = local, remote
+    def __init__(self, stores: list[BlockStore]) -> None:
+        self.stores = stores
         self._ids = itertools.count(1)
         self._parts: dict[int, set[tuple[int, int]]] = {}  # job -> (store index, inner job) left
         self._ok: dict[int, bool] = {}  # job -> whether a part succeeded
         self._owner: dict[tuple[int, int], int] = {}  # (store index, inner job) -> job
         self._done: list[tuple[int, bool]] = []  # finished jobs not reported yet
-
-    def contains(self, block_hash: int) -> bool:
-        return any(store.contains(block_hash) for store in self.stores)
-
-    def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
-        for i, store in enumerate(self.stores):
-            if store.contains(ref.block_hash):
-                inner = store.submit_read(ref, dst)
-                return None if inner is None else self._new_job([(i, inner)])
-        return None
-
-    def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
-        parts = [(i, store.submit_write(ref, src)) for i, store in enumerate(self.stores)]
-        started = [(i, inner) for i, inner in parts if inner is not None]
-        return self._new_job(started) if started else None
 
     def poll(self) -> list[tuple[int, bool]]:
         for i, store in enumerate(self.stores):
@@ -83,15 +69,6 @@ class StorePair:
         self._done = [(j, ok) for j, ok in self._done if j not in finished]
         return finished
 
-    def stats(self) -> dict[str, int | float | str | bool]:
-        """The local store's stats, with `bytes_read` and `read_busy_s` of both stores (reads
-        from either tier: the read bandwidth the loads get)."""
-        out = self.local.stats() if self.local is not None else dict(NO_LOCAL_STATS)
-        remote = self.remote.stats()
-        out["bytes_read"] += remote["remote_bytes_read"]
-        out["read_busy_s"] += remote["remote_read_busy_s"]
-        return out
-
     def close(self) -> None:
         for store in self.stores:
             store.close()
@@ -112,3 +89,35 @@ class StorePair:
         if not left:
             del self._parts[job]
             self._done.append((job, self._ok.pop(job)))
+
+
+class StorePair(StoreSet):
+    """A `BlockStore` over a local and a remote store (module docstring)."""
+
+    def __init__(self, local: BlockStore | None, remote: BlockStore) -> None:
+        super().__init__([s for s in (local, remote) if s is not None])
+        self.local, self.remote = local, remote
+
+    def contains(self, block_hash: int) -> bool:
+        return any(store.contains(block_hash) for store in self.stores)
+
+    def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
+        for i, store in enumerate(self.stores):
+            if store.contains(ref.block_hash):
+                inner = store.submit_read(ref, dst)
+                return None if inner is None else self._new_job([(i, inner)])
+        return None
+
+    def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
+        parts = [(i, store.submit_write(ref, src)) for i, store in enumerate(self.stores)]
+        started = [(i, inner) for i, inner in parts if inner is not None]
+        return self._new_job(started) if started else None
+
+    def stats(self) -> dict[str, int | float | str | bool]:
+        """The local store's stats, with `bytes_read` and `read_busy_s` of both stores (reads
+        from either tier: the read bandwidth the loads get)."""
+        out = self.local.stats() if self.local is not None else dict(NO_LOCAL_STATS)
+        remote = self.remote.stats()
+        out["bytes_read"] += remote["remote_bytes_read"]
+        out["read_busy_s"] += remote["remote_read_busy_s"]
+        return out

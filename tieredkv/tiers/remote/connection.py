@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import urllib.parse
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -46,8 +46,10 @@ CONNECT_TIMEOUT_S = 1.0
 HEALTH_S = 1.0
 
 
-def redacted(url: str) -> str:
-    """The URL without its password, for logs."""
+def redacted(url: str | Sequence[str]) -> str:
+    """The URL without its password, for logs (several: comma-separated)."""
+    if not isinstance(url, str):
+        return ", ".join(redacted(u) for u in url)
     parts = urllib.parse.urlsplit(url)
     if parts.password is None:
         return url
