@@ -94,6 +94,19 @@ def test_compare_prints_variants_side_by_side(tmp_path, capsys):
     assert (tmp_path / "out" / "exp" / "gpu+cpu" / "result.json").exists()
 
 
+def test_variants_selects_and_orders_a_comparison(tmp_path):
+    from tieredkv.experiment.spec import load_experiment
+
+    workload = {"kind": "multi_turn", "users": 1, "turns": 1}
+    variants = [{"name": n, "scheduler": {"max_num_seqs": 4}} for n in ("a", "b", "c")]
+    config = write_config(tmp_path, workload, variants=variants)
+    assert [r.variant for r in load_experiment(config, str(tmp_path), only=["c", "a"]).runs] == ["c", "a"]
+    with pytest.raises(ValueError, match="--variants: no variant named 'd'; the file has a, b, c"):
+        load_experiment(config, str(tmp_path), only=["a", "d"])
+    with pytest.raises(ValueError, match="named twice"):
+        load_experiment(config, str(tmp_path), only=["a", "a"])
+
+
 def test_prometheus_exposes_every_variant_while_it_runs(tmp_path):
     pytest.importorskip("prometheus_client")
     import urllib.request

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--compare", action="store_true",
                      help="run every entry of the file's `variants:` list, print them side by side and write "
                      "comparison.json and overlaid plots")
+    run.add_argument("--variants", metavar="NAME,NAME,...",
+                     help="compare only these variants, in this order (serving figures drift with the order: "
+                     "run a comparison both ways)")
     run.add_argument("--sweep", metavar="KEY=V1,V2,...",
                      help="run each variant at each load point of a workload key (e.g. rate=0.5,1,2,4; overrides "
                      "the file's sweep: section) and report goodput under the file's slo: section")
@@ -121,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
         outcome = run_experiment(
             find_config(args.config), args.out, args.compare, use_tqdm=not args.no_progress,
             on_summary=lambda s: print(format_summary(s), flush=True), exporter=exporter, sweep=args.sweep,
-            keep_prompt_ids=args.prompt_ids,
+            keep_prompt_ids=args.prompt_ids, only=args.variants.split(",") if args.variants else None,
         )
     finally:
         if exporter is not None:

@@ -158,12 +158,13 @@ class _Interrupt:
 def run_experiment(
     path: str, out_dir: str = "results", compare: bool = False, use_tqdm: bool = True,
     on_summary: Callable[[Summary], None] | None = None, exporter: PrometheusExporter | None = None,
-    sweep: str | None = None, keep_prompt_ids: bool = False,
+    sweep: str | None = None, keep_prompt_ids: bool = False, only: list[str] | None = None,
 ) -> Outcome:
     """Check the experiment and its results folder, then run it (module docstring). `sweep`:
-    `KEY=V1,V2,...` over the file's `sweep:`; `on_summary` sees each run's summary as it ends;
-    `exporter` publishes the engine's stats and the clients' latencies while it runs."""
-    experiment = load_experiment(path, out_dir, compare, sweep)
+    `KEY=V1,V2,...` over the file's `sweep:`; `only`: these variants, in this order;
+    `on_summary` sees each run's summary as it ends; `exporter` publishes the engine's stats and
+    the clients' latencies while it runs."""
+    experiment = load_experiment(path, out_dir, compare, sweep, only=only)
     preflight(experiment)
     options = Options(use_tqdm, on_summary, exporter, keep_prompt_ids)
     return asyncio.run(_run_all(experiment, options))

@@ -99,9 +99,11 @@ def shipped_config_dirs() -> list[Path]:
 
 
 def load_experiment(path: str, out_dir: str = "results", compare: bool = False,
-                    sweep: str | None = None, base_only: bool = False) -> Experiment:
+                    sweep: str | None = None, base_only: bool = False,
+                    only: list[str] | None = None) -> Experiment:
     """Read and check the experiment file (module docstring); `base_only`: one run of the base
-    config, whatever the file's variants and load points."""
+    config, whatever the file's variants and load points; `only`: these variants, in this order
+    (a compare; run it again reversed to see what the order did)."""
     doc = read_yaml(path)
     EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS)  # the base must be valid on its own
     name = _folder_name("name", str(doc.get("name", Path(path).stem)))
@@ -118,7 +120,10 @@ def load_experiment(path: str, out_dir: str = "results", compare: bool = False,
         _check_sweep_key(points[0], section)
     slo = Slo.from_dict(doc["slo"]) if doc.get("slo") is not None else None
     folder = os.path.join(out_dir, name)
+    compare = compare or only is not None
     listed = _variants(doc, compare or (points is not None and bool(doc.get("variants"))) and not base_only)
+    if only is not None and not base_only:
+        listed = _select(listed, only)
     runs = []
     for variant, override in listed:
         for value in points[1] if points else [None]:
@@ -173,6 +178,18 @@ def _variants(doc: dict[str, Any], compare: bool) -> list[tuple[str | None, dict
             raise ValueError(f"variants[{i}].name: {name!r} is used twice")
         runs.append((name, {k: v for k, v in variant.items() if k != "name"}))
     return runs
+
+
+def _select(listed: list[tuple[str | None, dict[str, Any]]],
+            only: list[str]) -> list[tuple[str | None, dict[str, Any]]]:
+    """The variants named in `only`, in that order."""
+    by_name = dict(listed)
+    if unknown := [name for name in only if name not in by_name]:
+        raise ValueError(f"--variants: no variant named {', '.join(map(repr, unknown))}; the file has "
+                         f"{', '.join(str(name) for name in by_name)}")
+    if len(set(only)) != len(only):
+        raise ValueError("--variants: a variant is named twice")
+    return [(name, by_name[name]) for name in only]
 
 
 def variants(doc: dict[str, Any], compare: bool) -> list[tuple[str, dict[str, Any]]]:
