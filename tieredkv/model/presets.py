@@ -40,6 +40,12 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
         rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False,
     )),
+    # the 70B layer shape with 8 of its 80 layers: its compute per KV byte on one GPU (~9B weights)
+    "llama-3-70b-8l": ("llama", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=8,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False,
+    )),
     "qwen3-8b": ("qwen3", dict(
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,

@@ -73,6 +73,12 @@ class StoreSet:
         for store in self.stores:
             store.close()
 
+    def __enter__(self) -> StoreSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _new_job(self, parts: list[tuple[int, int]]) -> int:
         job = next(self._ids)
         self._parts[job] = set(parts)
