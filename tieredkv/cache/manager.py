@@ -151,14 +151,19 @@ class KVCacheManager:
     # ------------------------------------------------------------------ prefix hits
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        refs = list(self._full_blocks(seq))
-        gpu = _run_of(refs, self.pool.lookup)
-        if self.offload is None:
+        """The sequence's prefix found in each tier, in order: GPU blocks, then CPU blocks, then
+        blocks on disk. Costs the blocks found, not the prompt (a waiting request is matched
+        again at each step it cannot be admitted)."""
+        refs = self._full_blocks(seq)
+        gpu, miss = _run_of(refs, self.pool.lookup)
+        if self.offload is None or miss is None:
             return PrefixMatch(tuple(gpu))
-        cpu = _run_of(refs[len(gpu) :], self.offload.lookup)
-        rest = refs[len(gpu) + len(cpu) :]
+        cpu, miss = _run_of(itertools.chain([miss], refs), self.offload.lookup)
+        if miss is None:
+            return PrefixMatch(tuple(gpu), tuple(cpu))
         # the store verifies parent and tokens when it reads the block
-        on_disk = itertools.takewhile(lambda ref: self.offload.nvme_contains(ref.block_hash), rest)
+        on_disk = itertools.takewhile(lambda ref: self.offload.nvme_contains(ref.block_hash),
+                                      itertools.chain([miss], refs))
         return PrefixMatch(tuple(gpu), tuple(cpu), tuple(on_disk))
 
     def _hit_candidates(self, seq: Sequence) -> list[int]:
@@ -246,7 +251,7 @@ class KVCacheManager:
         if seq.num_computed_tokens % bs:
             found = []
         else:
-            found = _run_of(list(self._full_blocks(seq, start)), self.offload.lookup)
+            found, _ = _run_of(self._full_blocks(seq, start), self.offload.lookup)
         skipped = self._copy_loaded(seq, start, found) if found else 0
         self.offload.release_loads(seq.seq_id)
         return skipped * bs, skipped > 0
@@ -519,12 +524,14 @@ class KVCacheManager:
             self.offload.close()
 
 
-def _run_of(refs: list[BlockRef], lookup: Callable[[int, int, tuple[int, ...]], Block | None]) -> list[Block]:
-    """The blocks `lookup` finds for the first of `refs`, up to the first miss."""
+def _run_of(refs: Iterator[BlockRef],
+            lookup: Callable[[int, int, tuple[int, ...]], Block | None]) -> tuple[list[Block], BlockRef | None]:
+    """The blocks `lookup` finds for the first of `refs`, up to the first miss, and that miss
+    (None: every ref was found); what follows the miss is left in `refs`."""
     found = []
     for ref in refs:
         block = lookup(ref.block_hash, ref.parent_hash, ref.token_ids)
         if block is None:
-            break
+            return found, ref
         found.append(block)
-    return found
+    return found, None
