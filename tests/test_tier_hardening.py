@@ -182,3 +182,4 @@ def test_an_idle_engine_uses_no_cpu_block_and_reports_its_staging_blocks(tmp_pat
         stats = llm.stats()
     assert stats["cpu_blocks_total"] == 32
     assert stats["cpu_blocks_used"] == 0 and stats["cpu_blocks_staging"] == 2  # 1/16 of the tier
+    assert stats["nvme_spills_dropped"] == 0

@@ -1,0 +1,203 @@
+"""A slow tier stays off the critical path: a disk that does not answer never holds back an
+engine step, a submit, or a read behind queued writes; and when the disk is behind, spills are
+dropped (counted), never queued.
+
+`StuckDisk` is a real backend whose writes block in `submit` until released (a disk whose queue
+is full); `BehindStore` a store whose writes never finish until released."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from tests.kv_factory import BLOCK_SHAPE, make_kv, make_scheduler, make_seq, run_until_done
+from tests.test_nvme_store import BLOCK_BYTES as STORE_BLOCK_BYTES
+from tests.test_nvme_store import BLOCK_SIZE, FP, cpu_pool, fill, parent_of, same_bytes, slots_capacity, tokens_of
+from tieredkv.cache.admission import AdmitAll
+from tieredkv.cache.block_pool import BlockPool
+from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, NVMeSpill
+from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.nvme.io_backends import IORequest, SyncBackend
+from tieredkv.tiers.nvme.store import NVMeStore
+
+WAIT_S = 30  # far longer than any step here takes: a step still running then waits for the disk
+
+
+class StuckDisk(SyncBackend):
+    """A sync backend whose write submits block while `stuck` is clear; records the order of
+    the requests it was given."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.stuck = threading.Event()
+        self.stuck.set()  # flowing
+        self.order: list[tuple[str, int]] = []
+
+    def submit(self, requests: Sequence[IORequest]) -> None:
+        for req in requests:
+            self.order.append((req.op, req.tag))
+            if req.op == "write":
+                self.stuck.wait()
+        super().submit(requests)
+
+
+def in_thread(work, *args) -> threading.Thread:
+    thread = threading.Thread(target=work, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def ref(h: int) -> BlockRef:
+    return BlockRef(h, parent_of(h), tuple(tokens_of(h)))
+
+
+# ------------------------------------------------------------------ the store
+
+
+def test_a_write_submit_returns_while_the_disk_is_stuck_and_does_no_work_on_the_caller(tmp_path, monkeypatch):
+    from tieredkv.tiers.nvme import slot_io
+
+    checksummed_on: set[int] = set()
+    real_xxh3 = slot_io.xxhash.xxh3_64_intdigest
+
+    def spy(data):
+        checksummed_on.add(threading.get_ident())
+        return real_xxh3(data)
+
+    monkeypatch.setattr(slot_io.xxhash, "xxh3_64_intdigest", spy)
+    disk = StuckDisk()
+    src, dst = cpu_pool(4), cpu_pool(1)
+    fill(src, [1, 2, 3, 4])
+    with NVMeStore(tmp_path, slots_capacity(8), STORE_BLOCK_BYTES, FP, BLOCK_SIZE, backend=disk) as store:
+        disk.stuck.clear()
+        checksummed_on.clear()  # (opening the store hashes its fingerprint)
+        jobs: list[int] = []
+        try:
+            submitting = in_thread(lambda: jobs.extend(store.submit_write(ref(h), src[h - 1]) for h in (1, 2, 3, 4)))
+            submitting.join(WAIT_S)
+            assert not submitting.is_alive() and len(jobs) == 4  # handed over, the disk still stuck
+            assert threading.get_ident() not in checksummed_on and submitting.ident not in checksummed_on
+        finally:
+            disk.stuck.set()
+        assert store.wait(jobs) == dict.fromkeys(jobs, True)
+        job = store.submit_read(ref(3), dst[0])
+        assert store.wait([job]) == {job: True} and same_bytes(dst[0], src[2])
+
+
+def test_a_read_goes_ahead_of_the_writes_queued_before_it(tmp_path):
+    disk = StuckDisk()
+    src, dst = cpu_pool(5), cpu_pool(1)
+    fill(src, [1, 2, 3, 4, 5])
+    with NVMeStore(tmp_path, slots_capacity(8), STORE_BLOCK_BYTES, FP, BLOCK_SIZE, backend=disk,
+                   queue_depth=1) as store:
+        first = store.submit_write(ref(1), src[0])
+        assert store.wait([first]) == {first: True}
+        disk.stuck.clear()
+        writes: list[int] = []
+        try:
+            submitting = in_thread(lambda: writes.extend(store.submit_write(ref(h), src[h - 1]) for h in (2, 3, 4, 5)))
+            submitting.join(WAIT_S)
+            assert not submitting.is_alive()
+            while len(disk.order) < 2:  # 2 is at the disk, stuck; 3, 4 and 5 queue behind it
+                time.sleep(0.001)
+            read = store.submit_read(ref(1), dst[0])
+        finally:
+            disk.stuck.set()
+        assert store.wait([*writes, read]) == dict.fromkeys([*writes, read], True)
+    assert disk.order == [("write", first), ("write", writes[0]), ("read", read)] + [("write", j) for j in writes[1:]]
+
+
+# ------------------------------------------------------------------ the engine loop
+
+
+def test_engine_steps_run_on_while_the_disk_is_stuck(tmp_path):
+    disk = StuckDisk()
+    sim = make_kv(4, num_cpu_blocks=16, nvme_path=str(tmp_path), cpu_policy="lru", backend=disk)
+    sched = make_scheduler(sim, "recompute")
+    disk.stuck.clear()
+
+    def serve() -> None:  # 12 prompts of 2 full blocks through a 4-block GPU tier: CPU and disk busy
+        for i in range(12):
+            sched.add(make_seq(f"p{i}", [i * 100 + j for j in range(9)], max_tokens=2))
+            run_until_done(sched, sim)
+
+    serving = in_thread(serve)
+    serving.join(WAIT_S)
+    stats = sim.kv.stats()
+    disk.stuck.set()
+    assert not serving.is_alive()  # every step and allocation ran with writes stuck at the disk
+    assert stats["nvme_write_backlog"] > 0 and stats["nvme_spilled_blocks"] == 0
+    assert disk.order and all(op == "write" for op, _ in disk.order)
+    sim.kv.close()
+
+
+# ------------------------------------------------------------------ dropped, not queued
+
+
+class BehindStore:
+    """A store whose writes finish only when `release()` is called; it holds nothing else."""
+
+    def __init__(self) -> None:
+        self.writes: list[int] = []
+        self._done: list[tuple[int, bool]] = []
+        self._stored: set[int] = set()
+
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self._stored
+
+    def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
+        self.writes.append(ref.block_hash)
+        return len(self.writes)
+
+    def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
+        return None
+
+    def release(self) -> None:
+        self._done = [(job, True) for job in range(1, len(self.writes) + 1)]
+        self._stored.update(self.writes)
+
+    def poll(self) -> list[tuple[int, bool]]:
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]:
+        raise AssertionError("the engine loop never waits for the store")
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def cached_pool(num_blocks: int, num_cached: int) -> BlockPool:
+    """A CPU pool whose first `num_cached` blocks hold cached prefix blocks nobody owns."""
+    pool = BlockPool(num_blocks)
+    blocks = pool.allocate(num_cached)
+    for i, block in enumerate(blocks):
+        pool.cache(block, 1000 + i, 0, (i,) * 4)
+    pool.release(blocks)
+    return pool
+
+
+def test_spills_are_dropped_not_queued_when_the_store_is_behind():
+    store = BehindStore()
+    pool = cached_pool(128, 64)  # 8 staging blocks, a write window of 32
+    spill = NVMeSpill(store, pool, torch.zeros((128, *BLOCK_SHAPE)), AdmitAll())
+    spill.spill_ahead(reads_in_flight=0)
+    assert store.writes == list(range(1000, 1000 + MAX_WRITES_IN_FLIGHT))  # the coldest, up to the bound
+    spill.spill_ahead(reads_in_flight=0)
+    assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # behind: nothing more is submitted
+    assert spill.stage(reads_in_flight=0) is None  # a demotion bound for disk is dropped
+    store.release()
+    assert spill.poll() == [] and spill.writes_in_flight == 0  # the writes were booked
+    staging = spill.stage(reads_in_flight=0)
+    assert staging is not None
+    spill.write_staged(staging, ref(7), reads_in_flight=1)  # a read came first: dropped
+    assert spill.stage(reads_in_flight=1) is None  # and no staging while reads are in flight
+    spill.spill_ahead(reads_in_flight=1)
+    assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # no write beside a read
+    assert (spill.dropped, spill.held_blocks, spill.writes_in_flight) == (3, 8, 0)  # 8: the staging blocks
