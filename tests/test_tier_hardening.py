@@ -92,7 +92,19 @@ def deleted_files_open(folder) -> list[str]:
     return out
 
 
-def test_a_store_deleted_on_a_full_disk_is_closed_and_made_again(tmp_path, reference_outputs):
+def short_back_offs(monkeypatch) -> None:
+    """Failed writes pause spilling, and a store that cannot make its file waits, 0.1, 0.2, then
+    0.4 s (not 1 s up to a minute)."""
+    from tieredkv.cache import spill
+    from tieredkv.tiers.nvme import store
+
+    for module, name in ((spill, "PAUSE"), (store, "REOPEN")):
+        monkeypatch.setattr(module, f"{name}_FIRST_S", 0.1, raising=False)
+        monkeypatch.setattr(module, f"{name}_MAX_S", 0.4, raising=False)
+
+
+def test_a_store_deleted_on_a_full_disk_is_closed_and_made_again(tmp_path, reference_outputs, monkeypatch):
+    short_back_offs(monkeypatch)
     prompts = make_prompts(vocab_size=512)
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     with small_disk(tmp_path / "disk", 4 << 20) as disk, tiny_llm(disk / "kv", 16) as llm:
@@ -104,9 +116,12 @@ def test_a_store_deleted_on_a_full_disk_is_closed_and_made_again(tmp_path, refer
         # the next submit notices; the lost file is closed once its jobs ended, which gives its
         # space back, and a new file takes it
         assert tokens(llm, prompts) == expected
-        deadline = time.monotonic() + 10
+        deadline, seed = time.monotonic() + 10, 1
         while not (disk / "kv" / STORE_FILE_NAME).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)  # made by the I/O side, for the first write after the loss
+            # made by the I/O side for a write after the loss (once the lost file's last job
+            # ended, else after a back-off): new prompts give new blocks to write
+            tokens(llm, make_prompts(vocab_size=512, seed=seed))
+            seed += 1
         assert deleted_files_open(disk) == []
         assert (disk / "kv" / STORE_FILE_NAME).exists()
         assert llm.kv.offload.nvme.store.sync()
@@ -118,12 +133,7 @@ def test_a_store_deleted_on_a_full_disk_is_closed_and_made_again(tmp_path, refer
 
 def test_a_store_that_cannot_be_made_again_backs_off_and_holds_nothing(tmp_path, reference_outputs, monkeypatch,
                                                                         caplog):
-    from tieredkv.cache import spill
-    from tieredkv.tiers.nvme import store
-
-    for module, name in ((spill, "PAUSE"), (store, "REOPEN")):  # waits of 0.1, 0.2, then 0.4 s
-        monkeypatch.setattr(module, f"{name}_FIRST_S", 0.1, raising=False)
-        monkeypatch.setattr(module, f"{name}_MAX_S", 0.4, raising=False)
+    short_back_offs(monkeypatch)
     prompts = make_prompts(vocab_size=512)
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     with tiny_llm(tmp_path / "kv", 16) as llm, caplog.at_level(logging.INFO, logger="tieredkv"):

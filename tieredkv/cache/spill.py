@@ -1,7 +1,8 @@
 """The NVMe tier as the CPU tier uses it.
 
-What is written: full prefix blocks worth reading back, i.e. asked for again since they were
-first computed (the admission policy's counts, `cache/admission.py`), each once:
+What is written: full prefix blocks worth reading back, each once: every one while the CPU
+tier's policy admits by recency, those asked for again since they were first computed while
+it admits by frequency (its counts, `cache/admission.py`):
 - `spill_ahead(reads_in_flight)`: write the coldest cached CPU blocks in the background, so
   that when the CPU tier evicts them they are safe on disk; a block being written is held
   (never evicted, so nothing ever waits for a write) and goes back to the front of the CPU
@@ -27,7 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
-from tieredkv.cache.admission import AdmitAll, FrequencyAdmission
+from tieredkv.cache.admission import AdaptiveAdmission, AdmitAll, FrequencyAdmission
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.tiers.backend import BlockRef, BlockStore
 
@@ -51,7 +52,8 @@ class NVMeSpill:
     """Spills worthwhile CPU blocks to `store` and reads prefix blocks back into CPU blocks."""
 
     def __init__(
-        self, store: BlockStore, cpu_pool: BlockPool, cpu_data: torch.Tensor, admission: AdmitAll | FrequencyAdmission
+        self, store: BlockStore, cpu_pool: BlockPool, cpu_data: torch.Tensor,
+        admission: AdmitAll | FrequencyAdmission | AdaptiveAdmission,
     ) -> None:
         self.store = store
         self.cpu_pool = cpu_pool
@@ -73,7 +75,9 @@ class NVMeSpill:
         self.dropped = 0  # demotions bound for disk dropped: the disk was behind (staging full included)
 
     def worth_writing(self, block_hash: int) -> bool:
-        return not isinstance(self.admission, FrequencyAdmission) or self.admission.count(block_hash) >= WORTH_WRITING
+        """Every block while the policy admits by recency; while it admits by frequency, those
+        asked for again."""
+        return not self.admission.selective or self.admission.count(block_hash) >= WORTH_WRITING
 
     def behind(self, reads_in_flight: int) -> bool:
         """True when a write now would queue: reads are in flight (they come first), the write
