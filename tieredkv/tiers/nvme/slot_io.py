@@ -1,14 +1,16 @@
 """Slot I/O of the NVMe store: a job moves one block between caller memory and one slot.
 
-`start(job)` only queues the job, so the caller (the engine loop) never waits for the disk nor
-spends time on a block's bytes. An issuing thread takes queued jobs, reads before writes, and
-keeps at most `queue_depth` of them in flight: a write waiting here never delays a read
-submitted after it. It prepares each job (a write's payload xxh3 and header; a copy into an
-aligned bounce buffer where the caller's memory does not suit O_DIRECT) and submits it as one
-vectored request, header then payload. A completion thread reaps the backend, verifies reads
-(every header field, the header checksum, the payload xxh3) and calls `on_done(job, fault)`:
-fault is None, or the name of the stats counter of what went wrong: a disk fault, or
-`internal_errors` for a bug met while handling a job (logged at ERROR; the test suite fails on it).
+`start(job)` only hands the job over, so the caller (the engine loop) never waits for the disk
+nor spends time on a block's bytes: a read of an open file, while fewer than `queue_depth` jobs
+are in flight, goes straight to the backend (which never waits for I/O); every other job queues
+for an issuing thread, which takes reads before writes and keeps at most `queue_depth` jobs in
+flight: a write waiting here never delays a read submitted after it. It prepares each job (a
+write's payload xxh3 and header; a copy into an aligned bounce buffer where the caller's memory
+does not suit O_DIRECT) and submits it as one vectored request, header then payload. A
+completion thread reaps the backend, verifies reads (every header field, the header checksum,
+the payload xxh3) and calls `on_done(job, fault)`: fault is None, or the name of the stats
+counter of what went wrong: a disk fault, or `internal_errors` for a bug met while handling a
+job (logged at ERROR; the test suite fails on it).
 
 Operations: `SlotJob`, `SlotIO.start`, `SlotIO.in_flight`, `SlotIO.close`.
 """
@@ -104,10 +106,16 @@ class SlotIO:
         return len(self._issued) + len(self._queued["read"]) + len(self._queued["write"])
 
     def start(self, job: SlotJob) -> None:
-        """Queue `job` (a write carries its `write_header`); returns at once."""
+        """Hand `job` over (a write carries its `write_header`); returns at once."""
         with self._cond:
-            self._queued[job.op].append(job)
-            self._cond.notify_all()
+            now = job.op == "read" and job.fd >= 0 and len(self._issued) < self.queue_depth
+            if now:
+                self._issued[job.id] = job
+            else:
+                self._queued[job.op].append(job)
+                self._cond.notify_all()
+        if now:  # buffers and a submit: no file I/O, nothing to wait for
+            self._issue(job)
 
     def close(self) -> None:
         """Stop the threads once every started job is done; close the backend."""
@@ -122,15 +130,18 @@ class SlotIO:
 
     def _issue_loop(self) -> None:
         while (job := self._next_job()) is not None:
-            try:
-                fault = self._prepare(job)
-            except Exception:  # a bug, not a disk fault: the job fails, the thread lives on
-                logger.exception("NVMe store: internal error while preparing job %d", job.id)
-                fault = "internal_errors"
-            if fault is not None:
-                self._done(job, fault)
-            else:
-                self._submit(job)
+            self._issue(job)
+
+    def _issue(self, job: SlotJob) -> None:
+        try:
+            fault = self._prepare(job)
+        except Exception:  # a bug, not a disk fault: the job fails, the thread lives on
+            logger.exception("NVMe store: internal error while preparing job %d", job.id)
+            fault = "internal_errors"
+        if fault is not None:
+            self._done(job, fault)
+        else:
+            self._submit(job)
 
     def _next_job(self) -> SlotJob | None:
         """The next job to issue, reads first, once fewer than `queue_depth` are in flight;
