@@ -7,12 +7,11 @@ Figures (one line each: name, value, peak, ratio):
 - gather / scatter of 256 scattered Llama-3-8B blocks (2 MiB each): bytes read + written;
 - prefill attention (causal TFLOP/s), Llama-3-8B heads, bf16: 16k, 32k and 64k tokens as a whole
   prompt and as their last 2048-token chunk over the rest cached (what a chunked prefill step
-  computes), and 4 x 4k; the current kernel, the GQA-packed kernel over a config sweep, and torch
-  SDPA's flash and cuDNN backends side by side (`prefill_peers.py`), every variant first checked
-  against the reference (PASS/FAIL); warp-specialized configs last (`--no-warp-specialize` skips
-  them).
+  computes), and 4 x 4k; our paged kernel and torch SDPA's flash and cuDNN backends (dense, KV
+  heads expanded) side by side (`prefill_peers.py`), our kernel first checked against the
+  reference (PASS/FAIL), each peer against ours.
 
-    python benchmarks/bench_kernels.py [--json results/kernels.json] [--no-warp-specialize]
+    python benchmarks/bench_kernels.py [--json results/kernels.json]
 """
 
 from __future__ import annotations
@@ -122,34 +121,19 @@ def bench_decode(copy_peak: float, batch: int = 64, context: int = 8192) -> Figu
 def bench_prefill(matmul_peak: float) -> list[prefill_peers.ShapeResults]:
     """The prefill comparison (see prefill_peers' module doc), printed shape by shape."""
     scale = HEAD_DIM**-0.5
-    print("\nprefill attention: correctness of every variant (small batch, vs paged_attention_ref)")
-    variants = prefill_peers.check_variants(
-        prefill_peers.kernel_variants(DTYPE, HEAD_DIM, warp_specialized=False), attention_inputs, scale)
+    print("\nprefill attention: correctness of our kernel (small batch, vs paged_attention_ref)")
+    if not prefill_peers.check_ours(attention_inputs, scale):
+        print("our prefill kernel disagrees with the reference: nothing timed")
+        return []
     all_res = []
     for shape in prefill_peers.shapes(LONG_CONTEXTS, CHUNK):
         flops = prefill_peers.causal_flops(shape.q_lens, shape.ctx_lens, Q_HEADS, HEAD_DIM)
-        res = prefill_peers.measure_shape(shape, variants, attention_inputs, scale, flops, peers=True)
+        res = prefill_peers.measure_shape(shape, attention_inputs, scale, flops)
         prefill_peers.print_shape(res, matmul_peak)
         all_res.append(res)
         torch.cuda.empty_cache()
     prefill_peers.print_summary(all_res, matmul_peak)
     return all_res
-
-
-def bench_prefill_warp_specialized(all_res: list[prefill_peers.ShapeResults], matmul_peak: float) -> None:
-    """Warp-specialized GQA configs on the same shapes, added to `all_res` (run last: a compiler
-    that cannot warp-specialize this loop may fail hard)."""
-    scale = HEAD_DIM**-0.5
-    print("\nwarp-specialized gqa configs (tl.range(warp_specialize=True))")
-    ws = prefill_peers.check_variants(
-        prefill_peers.kernel_variants(DTYPE, HEAD_DIM, warp_specialized=True), attention_inputs, scale)
-    if not ws:
-        return
-    for res in all_res:
-        extra = prefill_peers.measure_shape(res.shape, ws, attention_inputs, scale, res.flops, peers=False)
-        prefill_peers.print_shape(extra, matmul_peak, cudnn=res.best("sdpa-cudnn"))
-        res.results += extra.results
-    prefill_peers.print_summary(all_res, matmul_peak)
 
 
 def prefill_rows(all_res: list[prefill_peers.ShapeResults], matmul_peak: float) -> list[dict]:
@@ -177,13 +161,11 @@ def bench_block_copy(copy_peak: float, num_ids: int = 256, num_blocks: int = 102
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
-    parser.add_argument("--no-warp-specialize", action="store_true",
-                        help="skip the warp-specialized prefill configs (run last)")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA device; none found, nothing measured.")
         return 1
-    sys.stdout.reconfigure(line_buffering=True)  # a compiler crash late in the run keeps the lines before it
+    sys.stdout.reconfigure(line_buffering=True)  # a long run: each line shows as it is printed
     torch.manual_seed(0)
     copy_peak, matmul_peak = copy_peak_gbs(), matmul_peak_tflops()
     device = f"{torch.cuda.get_device_name()} (cc {'.'.join(map(str, torch.cuda.get_device_capability()))})"
@@ -196,10 +178,6 @@ def main() -> int:
     all_res = bench_prefill(matmul_peak)
     report["prefill"] = prefill_rows(all_res, matmul_peak)
     write_json(opts.json, report)
-    if not opts.no_warp_specialize:
-        bench_prefill_warp_specialized(all_res, matmul_peak)
-        report["prefill"] = prefill_rows(all_res, matmul_peak)
-        write_json(opts.json, report)
     return 0
 
 

@@ -1,16 +1,14 @@
 """Prefill attention side by side, on the same shapes and in the same run (needs CUDA):
 
-- `tiled`: the current paged kernel (one query head per tile), its default launch config;
-- `gqa`: the GQA-packed paged kernel over a sweep of launch configs (BLOCK_M tile rows, BLOCK_N
-  keys, warps, stages), each printed, the best kept per shape; warp-specialized configs last;
+- `paged (ours)`: our paged prefill kernel (one query head per tile), its default launch config;
 - `sdpa-flash`, `sdpa-cudnn`: torch SDPA restricted to one backend, dense, KV heads expanded
   with repeat_interleave (a 2k chunk over a cache: flash's causal is lower-right aligned; cuDNN
   gets a boolean lower-right mask).
 
 Every figure is causal TFLOP/s (4 * head_dim * q_heads per visible (row, key) pair), its share
-of the bf16 matmul peak measured in the run, and its ratio to cuDNN. Before any timing, every
-variant is checked against `paged_attention_ref` on a small batch (PASS/FAIL); a variant that
-fails is not timed.
+of the bf16 matmul peak measured in the run, and its ratio to cuDNN. Before any timing our kernel
+is checked against `paged_attention_ref` on a small batch (PASS/FAIL; on FAIL nothing is timed),
+and each peer against our kernel on the shape it is timed on.
 """
 
 from __future__ import annotations
@@ -22,18 +20,13 @@ from dataclasses import dataclass, field
 import torch
 import triton.testing
 from tieredkv.kernels import paged_attention_prefill as tiled
-from tieredkv.kernels import paged_attention_prefill_gqa as gqa
 from tieredkv.kernels.paged_attention import paged_attention_ref
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-Config = dict[str, int]
 Inputs = tuple[torch.Tensor, ...]
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M counts tile rows (query rows x group)
-GQA_SWEEP = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4),
-             (64, 128, 4, 3), (64, 64, 4, 4), (256, 64, 8, 2), (128, 32, 4, 4)]
-GQA_WARP_SPECIALIZED = [(128, 128, 8, 3), (128, 64, 4, 3)]
-PEER_TOLERANCE = 2e-2  # bf16: a variant or peer further than this from the reference is not timed
+OURS = "paged (ours)"
+PEER_TOLERANCE = 2e-2  # bf16: our kernel further than this from the reference, or a peer from ours, is not timed
 
 
 @dataclass(frozen=True)
@@ -76,46 +69,23 @@ def causal_flops(q_lens: list[int], ctx_lens: list[int], q_heads: int, head_dim:
     return 4 * head_dim * q_heads * pairs
 
 
-def config_name(cfg: Config) -> str:
-    ws = " ws" if cfg.get("WARP_SPECIALIZE") else ""
-    return f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}{ws}"
+def config_name(dtype: torch.dtype, head_dim: int) -> str:
+    """Our kernel's default launch config for this dtype and head size, in short."""
+    cfg = tiled.default_config(dtype, head_dim)
+    return f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
 
 
-def _as_config(t: tuple[int, int, int, int], warp_specialize: bool = False) -> Config:
-    cfg = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), t, strict=True))
-    return {**cfg, "WARP_SPECIALIZE": 1} if warp_specialize else cfg
-
-
-def kernel_variants(dtype: torch.dtype, head_dim: int, warp_specialized: bool) -> list[tuple[str, Config, Callable]]:
-    """(name, config, launcher) of our kernels: tiled default, then the GQA sweep."""
-    if warp_specialized:
-        return [("gqa", _as_config(t, True), gqa.prefill_attention_gqa) for t in GQA_WARP_SPECIALIZED]
-    default = gqa.default_config(dtype, head_dim)
-    sweep = [_as_config(t) for t in GQA_SWEEP]
-    return [("tiled (current)", tiled.default_config(dtype, head_dim), tiled.prefill_attention),
-            *(("gqa" + (" (default)" if c == default else ""), c, gqa.prefill_attention_gqa) for c in sweep)]
-
-
-def check_variants(variants: list, make_inputs: Callable[[list[int], list[int]], Inputs],
-                   scale: float) -> list:
-    """Run each variant on a small odd batch (decode rows, chunks starting inside a block)
-    against paged_attention_ref; print PASS/FAIL; return the variants that pass."""
+def check_ours(make_inputs: Callable[[list[int], list[int]], Inputs], scale: float) -> bool:
+    """Our kernel on a small odd batch (decode rows, chunks starting inside a block) against
+    paged_attention_ref; prints PASS/FAIL and returns whether it passed."""
     args = make_inputs([300, 1, 77, 1000], [1000, 500, 77, 1333])
-    ref = paged_attention_ref(*args, scale).float()
-    passed = []
-    for name, cfg, launch in variants:
-        out = torch.full_like(args[0], float("nan"))
-        try:
-            launch(*args, out, scale, None, config=cfg)
-            err = (out.float() - ref).abs().max().item()
-            ok = err <= PEER_TOLERANCE  # False for NaN
-            print(f"  check {name:<18} {config_name(cfg):<24} max|err| {err:.2e}  {'PASS' if ok else 'FAIL'}")
-        except Exception as exc:  # a config the compiler or the GPU cannot run (shared memory, ...)
-            ok = False
-            print(f"  check {name:<18} {config_name(cfg):<24} FAIL ({type(exc).__name__}: {str(exc)[:120]})")
-        if ok:
-            passed.append((name, cfg, launch))
-    return passed
+    out = torch.full_like(args[0], float("nan"))
+    tiled.prefill_attention(*args, out, scale, None)
+    err = (out.float() - paged_attention_ref(*args, scale).float()).abs().max().item()
+    ok = err <= PEER_TOLERANCE  # False for NaN
+    print(f"  check {OURS:<18} {config_name(args[0].dtype, args[0].shape[-1]):<24} max|err| {err:.2e}  "
+          f"{'PASS' if ok else 'FAIL'}")
+    return ok
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
@@ -159,22 +129,15 @@ def dense_peers(args: Inputs, shape: Shape, scale: float) -> dict[str, Callable[
     return {"sdpa-flash": flash, "sdpa-cudnn (is_causal)": cudnn(True), "sdpa-cudnn (bool mask)": cudnn(False)}
 
 
-def measure_shape(shape: Shape, variants: list, make_inputs: Callable, scale: float, flops: float,
-                  peers: bool) -> ShapeResults:
-    """Time our variants, then (with `peers`) the SDPA backends, checking each peer's output
-    against ours (max |diff| in the note)."""
+def measure_shape(shape: Shape, make_inputs: Callable, scale: float, flops: float) -> ShapeResults:
+    """Time our kernel, then the SDPA backends, checking each peer's output against ours
+    (max |diff| in the note)."""
     res = ShapeResults(shape, flops)
     args = make_inputs(shape.q_lens, shape.ctx_lens)
     out = torch.empty_like(args[0])
-    for name, cfg, launch in variants:
-        try:
-            ms = bench_ms(lambda launch=launch, cfg=cfg: launch(*args, out, scale, None, config=cfg))
-            res.results.append(Result(name, config_name(cfg), flops / ms / 1e9))
-        except Exception as exc:
-            res.results.append(Result(name, config_name(cfg), None, f"{type(exc).__name__}: {str(exc)[:80]}"))
-    if not peers:
-        return res
-    tiled.prefill_attention(*args, out, scale, None)  # the current kernel's output, to check the peers
+    ms = bench_ms(lambda: tiled.prefill_attention(*args, out, scale, None))
+    res.results.append(Result(OURS, config_name(args[0].dtype, args[0].shape[-1]), flops / ms / 1e9))
+    # every timed call wrote our output into `out`: the peers are checked against it
     ours = out.view(len(shape.q_lens), shape.q_lens[0], *out.shape[1:]).transpose(1, 2).float()
     for name, call in dense_peers(args, shape, scale).items():
         try:
@@ -190,9 +153,9 @@ def measure_shape(shape: Shape, variants: list, make_inputs: Callable, scale: fl
     return res
 
 
-def print_shape(res: ShapeResults, peak: float, cudnn: Result | None = None) -> None:
-    """Each variant's line; ratios to `cudnn` (default: the cuDNN figure among `res`)."""
-    cudnn = cudnn or res.best("sdpa-cudnn")
+def print_shape(res: ShapeResults, peak: float) -> None:
+    """Each variant's line: TFLOP/s, share of the matmul peak, ratio to the best cuDNN figure."""
+    cudnn = res.best("sdpa-cudnn")
     print(f"== {res.shape.name}: {res.flops / 1e12:.2f} TFLOP causal")
     for r in res.results:
         if r.tflops is None:
@@ -203,36 +166,13 @@ def print_shape(res: ShapeResults, peak: float, cudnn: Result | None = None) -> 
 
 
 def print_summary(all_res: list[ShapeResults], peak: float) -> None:
-    """One line per shape: current, default GQA config, best GQA config, peers (% of peak)."""
-    print(f"\nsummary (% of bf16 matmul peak {peak:.1f} TFLOP/s; x = ratio to cuDNN)")
-    print(f"{'shape':<24} {'tiled':>7} {'gqa dflt':>8} {'gqa best':>8}  {'best config':<26} {'flash':>6} "
-          f"{'cudnn':>6}  {'best/cudnn':>10} {'best/tiled':>10}")
+    """One line per shape: ours, flash, cuDNN (% of the matmul peak), ours / cuDNN."""
+    print(f"\nsummary (% of bf16 matmul peak {peak:.1f} TFLOP/s)")
+    print(f"{'shape':<24} {'ours':>6} {'flash':>6} {'cudnn':>6}  {'ours/cudnn':>10}")
     for res in all_res:
-        current, best = res.best("tiled"), res.best("gqa")
-        default, flash, cudnn = res.best("gqa (default)"), res.best("sdpa-flash"), res.best("sdpa-cudnn")
+        ours, flash, cudnn = res.best(OURS), res.best("sdpa-flash"), res.best("sdpa-cudnn")
 
         def pct(r: Result | None) -> str:
             return f"{r.tflops / peak:.1%}" if r else "-"
-
-        def ratio(a: Result | None, b: Result | None) -> str:
-            return f"{a.tflops / b.tflops:.2f}x" if a and b else "-"
-        print(f"{res.shape.name:<24} {pct(current):>7} {pct(default):>8} {pct(best):>8}  "
-              f"{best.config if best else '-':<26} {pct(flash):>6} {pct(cudnn):>6}  "
-              f"{ratio(best, cudnn):>10} {ratio(best, current):>10}")
-    _print_best_overall(all_res)
-
-
-def _print_best_overall(all_res: list[ShapeResults]) -> None:
-    """The GQA config with the best geometric mean over all shapes (what a default should be)."""
-    per_config: dict[str, list[float]] = {}
-    for res in all_res:
-        for r in res.results:
-            if r.variant.startswith("gqa") and r.tflops:
-                per_config.setdefault(r.config, []).append(r.tflops)
-    complete = {c: v for c, v in per_config.items() if len(v) == len(all_res)}
-    if not complete:
-        return
-    geo = {c: math.exp(sum(map(math.log, v)) / len(v)) for c, v in complete.items()}
-    ranked = sorted(geo.items(), key=lambda kv: -kv[1])
-    print("gqa configs by geometric mean TFLOP/s over all shapes: "
-          + ", ".join(f"{c} {t:.1f}" for c, t in ranked[:4]))
+        ratio = f"{ours.tflops / cudnn.tflops:.2f}x" if ours and cudnn else "-"
+        print(f"{res.shape.name:<24} {pct(ours):>6} {pct(flash):>6} {pct(cudnn):>6}  {ratio:>10}")

@@ -57,7 +57,6 @@ def attend_tiles(
     MASKED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """Fold keys [start, end) into the running softmax state (m, denom, acc) of rows `q`.
 
@@ -67,12 +66,9 @@ def attend_tiles(
 
         k_ptr + block_table[j // BLOCK_SIZE] * stride_kb + (j % BLOCK_SIZE) * stride_kt
               + head_offset + d
-
-    WARP_SPECIALIZE asks the compiler to split the loop into producer and consumer warps (where
-    the installed Triton and GPU support it).
     """
     dims = tl.arange(0, HEAD_DIM)
-    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for n0 in range(start, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         if MASKED:
             col_ok = cols < end

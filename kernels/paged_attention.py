@@ -13,17 +13,14 @@ A batch packs the new query rows of B sequences; their K/V are already in the ca
 
 `paged_attention` picks kernels from the shapes alone (no host-device sync): when there are at
 most as many query rows as sequences (a decode batch) `paged_attention_decode`'s split-K kernel
-takes every row; else a prefill kernel takes the sequences with several rows and the split-K
-kernel those with one (each reads q_len on the device and skips the others). The prefill kernel
-is `paged_attention_prefill`'s one-head tiles (`prefill="tiled"`, the portable default) or
-`paged_attention_prefill_gqa`'s tiles holding every query head of one KV head (`prefill="gqa"`).
-Every kernel is correct for any batch on its own.
+takes every row; else `paged_attention_prefill`'s tiled kernel takes the sequences with several
+rows and the split-K kernel those with one (each reads q_len on the device and skips the others).
+Both kernels are correct for any batch on their own.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
@@ -36,10 +33,6 @@ from ._checks import (
 )
 from .paged_attention_decode import decode_attention
 from .paged_attention_prefill import prefill_attention
-from .paged_attention_prefill_gqa import prefill_attention_gqa
-
-PrefillKernel = Literal["tiled", "gqa"]
-_PREFILL_KERNELS = {"tiled": prefill_attention, "gqa": prefill_attention_gqa}
 
 
 def _check_attention_args(
@@ -93,7 +86,6 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    prefill: PrefillKernel = "tiled",
 ) -> torch.Tensor:
     """Causal attention of packed query rows over their sequences' paged K/V.
 
@@ -104,11 +96,8 @@ def paged_attention(
     block_tables: [B, max_blocks] int32; cu_seqlens_q: [B + 1] int32 with cu_seqlens_q[0] == 0
     and cu_seqlens_q[B] == T; context_lens: [B] int32, context_lens[b] >= q_len_b.
     Values are not checked (that would sync); the reference checks them.
-    prefill: the kernel for sequences with several query rows (see module doc).
     Returns [T, num_heads, head_dim] in query's dtype; softmax in float32.
     """
-    if prefill not in _PREFILL_KERNELS:
-        raise ValueError(f"prefill must be one of {sorted(_PREFILL_KERNELS)}, got {prefill!r}")
     check_tensor("query", query, dtypes=FLOAT_DTYPES)
     _check_attention_args(
         query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sliding_window
@@ -126,7 +115,7 @@ def paged_attention(
         decode_attention(*args)
     else:
         # Mixed batch: each kernel reads q_len on the device and takes its own sequences.
-        _PREFILL_KERNELS[prefill](*args, skip_single_row_seqs=True)
+        prefill_attention(*args, skip_single_row_seqs=True)
         decode_attention(*args, single_row_seqs=True)
     return out
 

@@ -96,7 +96,6 @@ block_copy = importlib.import_module("tieredkv.kernels.block_copy")
 pa = importlib.import_module("tieredkv.kernels.paged_attention")
 pa_decode = importlib.import_module("tieredkv.kernels.paged_attention_decode")
 pa_prefill = importlib.import_module("tieredkv.kernels.paged_attention_prefill")
-pa_prefill_gqa = importlib.import_module("tieredkv.kernels.paged_attention_prefill_gqa")
 rms_norm = importlib.import_module("tieredkv.kernels.rms_norm")
 rotary = importlib.import_module("tieredkv.kernels.rotary")
 silu_mul = importlib.import_module("tieredkv.kernels.silu_mul")
@@ -306,36 +305,6 @@ def test_prefill_kernel_small_tiles_long_prefix() -> None:
     config = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     pa_prefill.prefill_attention(*args, out, 0.25, None, config=config)
     _assert_close(out, pa.paged_attention_ref(*args, 0.25, None), torch.float32)
-
-
-# tiles of 2 query rows x 8 heads or 4 rows x 4 heads: several tiles and key tiles per sequence
-GQA_SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-
-
-@pytest.mark.parametrize("config", [None, GQA_SMALL_TILES], ids=["default", "small_tiles"])
-@pytest.mark.parametrize("name", list(ATTENTION_CASES))
-def test_prefill_gqa_kernel_any_batch(name: str, config: dict[str, int] | None) -> None:
-    """The GQA-packed prefill kernel alone, on every batch (decode rows too), against the ref."""
-    args, _, _, scale, window = _case(name)
-    out = torch.full_like(args[0], float("nan"))
-    pa_prefill_gqa.prefill_attention_gqa(*args, out, scale, window, config=config)
-    _assert_close(out, pa.paged_attention_ref(*args, scale, window), args[0].dtype)
-
-
-@pytest.mark.parametrize(("heads", "kv_heads"), [(3, 3), (6, 2), (16, 2)])
-def test_prefill_gqa_kernel_groups_and_chunks(heads: int, kv_heads: int) -> None:
-    """Groups of 1, 3 (padded to 4 rows per query) and 8 heads; chunks that start inside a block
-    (prefix 29 and 50 with block_size 8), a decode row and a sequence of one full tile."""
-    args, _, _ = make_batch([37, 1, 20, 16], [66, 9, 70, 16], heads=heads, kv_heads=kv_heads,
-                            head_dim=16, block_size=8, dtype=torch.float32)
-    out = torch.full_like(args[0], float("nan"))
-    pa_prefill_gqa.prefill_attention_gqa(*args, out, 0.25, None, skip_single_row_seqs=True,
-                                         config=GQA_SMALL_TILES)
-    ref = pa.paged_attention_ref(*args, 0.25, None)
-    prefill_rows = torch.tensor([True] * 37 + [False] + [True] * 36)
-    _assert_close(out[prefill_rows], ref[prefill_rows], torch.float32)
-    assert out[~prefill_rows].isnan().all()
-    _assert_close(pa.paged_attention(*args, 0.25, prefill="gqa"), ref, torch.float32)
 
 
 def test_paged_attention_ref_any_head_dim() -> None:
@@ -623,21 +592,6 @@ def test_paged_attention_rejects_bad_head_dim_and_window() -> None:
         pa.paged_attention(*_attention_args(), 0.2, sliding_window=0)
 
 
-def test_prefill_kernel_by_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HOPPER_PREFILL_KERNEL applies to compute capability 9.x only; other GPUs run "tiled"."""
-    from tieredkv.model import attention
-
-    assert attention.prefill_kernel((9, 0)) == attention.HOPPER_PREFILL_KERNEL
-    monkeypatch.setattr(attention, "HOPPER_PREFILL_KERNEL", "gqa")
-    picked = [attention.prefill_kernel(cc) for cc in ((8, 0), (8, 9), (9, 0), (10, 0), (12, 0))]
-    assert picked == ["tiled", "tiled", "gqa", "tiled", "tiled"]
-
-
-def test_paged_attention_rejects_unknown_prefill_kernel() -> None:
-    with pytest.raises(ValueError, match="prefill must be one of"):
-        pa.paged_attention(*_attention_args(), 0.25, prefill="flash")
-
-
 def test_paged_attention_rejects_non_contiguous_cache() -> None:
     args = list(_attention_args())
     wide = torch.zeros(*args[1].shape[:3], 32, device=DEVICE)
@@ -841,57 +795,3 @@ def test_gpu_silu_mul_llama3_8b(dtype: torch.dtype) -> None:
     gate_up = (torch.randn(4096, 2 * 14336, device="cuda") * 4).to(dtype)
     gate, up = gate_up[:, :14336], gate_up[:, 14336:]
     _assert_bits(silu_mul.silu_mul(gate, up), F.silu(gate) * up)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_gpu_prefill_gqa(dtype: torch.dtype, head_dim: int, group: int) -> None:
-    """GQA-packed prefill: odd lengths, chunks starting inside a block (prefix 667, 2049, 5),
-    decode rows, a sequence shorter than a tile; through the entry point, with a window too."""
-    q_lens, ctxs = [1000, 1, 333, 2047, 17, 1], [1000, 4000, 1000, 4096, 22, 1]
-    args, _, _ = make_batch(q_lens, ctxs, heads=4 * group, kv_heads=4, head_dim=head_dim,
-                            block_size=16, dtype=dtype, device="cuda")
-    for window in (None, 700):
-        out = pa.paged_attention(*args, head_dim**-0.5, window, prefill="gqa")
-        _assert_close(out, pa.paged_attention_ref(*args, head_dim**-0.5, window), dtype)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("config", [
-    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-    {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-])
-def test_gpu_prefill_gqa_configs_llama3_8b(config: dict[str, int]) -> None:
-    """Other tile shapes the benchmark sweeps, on the Llama-3-8B head shape (32 heads, 8 kv)."""
-    q_lens, ctxs = [2048, 1, 1500, 300], [2048, 8000, 8192, 301]
-    args, _, _ = make_batch(q_lens, ctxs, heads=32, kv_heads=8, head_dim=128, block_size=16,
-                            dtype=torch.bfloat16, device="cuda")
-    out = torch.full_like(args[0], float("nan"))
-    pa_prefill_gqa.prefill_attention_gqa(*args, out, 128**-0.5, None, config=config)
-    _assert_close(out, pa.paged_attention_ref(*args, 128**-0.5, None), torch.bfloat16)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-def test_gpu_engine_with_gqa_prefill_matches_transformers(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine with the GQA prefill kernel (chunks of 24 tokens over blocks of 16) gives
-    transformers' greedy tokens (float32)."""
-    from tests.reference import hf_greedy, make_prompts
-    from tieredkv import LLM, SamplingParams
-    from tieredkv.model import attention
-    from tieredkv.model.presets import build_preset
-
-    monkeypatch.setattr(attention, "prefill_kernel", lambda capability: "gqa")
-    prompts = make_prompts(vocab_size=512)
-    model = build_preset(preset, seed=0)
-    with torch.inference_mode():
-        expected = [hf_greedy(model, p, 24) for p in prompts]
-    with LLM(model=preset, device="cuda", block_size=16, num_gpu_blocks=64, max_num_batched_tokens=24) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
-    assert [o.token_ids for o in outs] == expected

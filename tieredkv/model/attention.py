@@ -7,30 +7,21 @@ block tables. The metadata of the step travels in a `ForwardContext` set around 
 pass (`forward_context(ctx)`).
 
 Which ops run is decided in one place, `attention_ops(device)`: the Triton kernels on CUDA,
-their plain-torch references elsewhere; on CUDA, `prefill_kernel` picks the prefill attention
-kernel by compute capability.
+their plain-torch references elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
 
-if TYPE_CHECKING:
-    from tieredkv.kernels.paged_attention import PrefillKernel
-
 ATTN_IMPLEMENTATION = "tieredkv"
-# Prefill attention on Hopper (compute capability 9.x): "gqa" packs the query heads of one KV head
-# into each tile (kernels/paged_attention_prefill_gqa.py); "tiled" is the portable kernel that
-# every other GPU runs. Set to "gqa" where benchmarks/bench_kernels.py measures it ahead.
-HOPPER_PREFILL_KERNEL: PrefillKernel = "tiled"
 
 
 @dataclass(frozen=True)
@@ -58,11 +49,6 @@ class AttentionOps(NamedTuple):
     scatter_blocks: Callable[..., None]  # and staging -> cache
 
 
-def prefill_kernel(capability: tuple[int, int]) -> PrefillKernel:
-    """The prefill attention kernel for a GPU of this compute capability (major, minor)."""
-    return HOPPER_PREFILL_KERNEL if capability[0] == 9 else "tiled"
-
-
 def attention_ops(device: torch.device | str) -> AttentionOps:
     """Triton kernels on CUDA, plain-torch references elsewhere."""
     if torch.device(device).type == "cuda":
@@ -70,9 +56,7 @@ def attention_ops(device: torch.device | str) -> AttentionOps:
         from tieredkv.kernels.kv_store import store_kv
         from tieredkv.kernels.paged_attention import paged_attention
 
-        prefill = prefill_kernel(torch.cuda.get_device_capability(device))
-        attend = functools.partial(paged_attention, prefill=prefill)
-        return AttentionOps(store_kv, attend, gather_blocks, scatter_blocks)
+        return AttentionOps(store_kv, paged_attention, gather_blocks, scatter_blocks)
     from tieredkv.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
     from tieredkv.kernels.kv_store import store_kv_ref
     from tieredkv.kernels.paged_attention import paged_attention_ref
