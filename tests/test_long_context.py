@@ -106,11 +106,11 @@ def test_the_simulated_benchmark_serves_short_prompts_before_a_long_one(monkeypa
     monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
     engines = dict(variants(read_yaml(str(bench.DEFAULT_CONFIG)), compare=True))
-    requests = [(0.0, "long", list(range(60_000)), False)]
-    requests += [(0.1, f"short{i}", [i] * 2048, False) for i in range(3)]
+    requests = [(0.0, "long", list(range(60_000)), False, 4)]
+    requests += [(0.1, f"short{i}", [i] * 2048, False, 4) for i in range(3)]
     ttft, wall = {}, {}
     for name in ("long_context_8b/fcfs", "long_context_8b/ttft"):
-        records, wall[name] = bench.simulate(engines[name], requests, 4, bench.H200_LLAMA_8B)
+        records, wall[name] = bench.simulate(engines[name], requests, bench.H200_LLAMA_8B)
         ttft[name] = {r.tag: r.ttft for r in records}
     fcfs, new = ttft["long_context_8b/fcfs"], ttft["long_context_8b/ttft"]
     assert min(fcfs[f"short{i}"] for i in range(3)) > 3.0 and max(new[f"short{i}"] for i in range(3)) < 0.5
