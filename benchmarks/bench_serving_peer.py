@@ -52,6 +52,7 @@ from tieredkv.experiment.workloads import (
     Workload,
     describe_workload,
 )
+from tieredkv.model import locate
 from tieredkv.model.presets import PRESETS, build_preset
 from tieredkv.model.runner import KVSpec
 
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     [run] = load_experiment(find_config(args.config), base_only=True).runs
     config, workload = EngineConfig.from_dict(run.engine_doc), run.workload
-    config = dataclasses.replace(config, model=config.model.resolved())  # "auto" decided as ours decides it
+    config = dataclasses.replace(config, model=locate.resolve(config.model))  # "auto" decided as ours decides it
     name = f"{run.name}/transformers"
     if args.max_requests is not None and args.max_requests < 1:
         parser.error(f"--max-requests: expected a number of requests >= 1, got {args.max_requests}")

@@ -131,7 +131,7 @@ def _set(obj: Any, name: str, value: Any) -> None:
 class ModelConfig:
     """Which model runs where. `model`: a preset, a model directory (`~` expanded) or a model id
     downloaded to the Hugging Face cache; `device` / `dtype` "auto": CUDA when present / the
-    checkpoint's dtype (presets: float32), decided by `resolved()`. `enforce_eager` turns off
+    checkpoint's dtype (presets: float32), decided by `model.locate.resolve`. `enforce_eager` turns off
     the CUDA graphs of decode and mixed steps."""
 
     model: str = "tiny-llama"
@@ -152,15 +152,6 @@ class ModelConfig:
             _set(self, "max_model_len", as_int("max_model_len", self.max_model_len, 1))
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: expected true or false, got {self.enforce_eager!r}")
-
-    def resolved(self) -> ModelConfig:
-        """The same config with the model located and "auto" decided; ValueError if the model
-        is not found or the device is missing. Reads the model's config.json, no weights."""
-        from tieredkv.model.locate import checkpoint_dtype, locate_model, resolve_device
-
-        model = locate_model(self.model)
-        dtype = self.dtype if self.dtype != "auto" else checkpoint_dtype(model)
-        return dataclasses.replace(self, model=model, device=resolve_device(self.device), dtype=dtype)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from tieredkv.calibrate import DiskProbe, calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, RESULTS_VAR, EngineConfig, read_yaml, resolve_paths
 from tieredkv.decode import Decoder
 from tieredkv.memory import check_fits
+from tieredkv.model import locate
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tieredkv.parallel.limits import check_parallel_config, check_parallel_request
@@ -69,7 +70,7 @@ class LLMEngine:
     its share of the model and of every KV tier; everything else stays here."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config = dataclasses.replace(config, model=config.model.resolved())  # no "auto" left
+        self.config = config = dataclasses.replace(config, model=locate.resolve(config.model))  # no "auto" left
         check_parallel_config(config)
         parallel = config.parallel.tensor_parallel_size > 1
         self.runner: ModelRunner | Workers = Workers(config) if parallel else ModelRunner(config.model)

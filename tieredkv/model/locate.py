@@ -1,17 +1,28 @@
 """Where a model comes from and what "auto" means for it, decided before anything is loaded.
 
-Operations: `locate_model(name)` (a preset, a local directory, or the snapshot directory of a
-model id in the Hugging Face cache), `checkpoint_dtype(model)`, `resolve_device(device)`.
+Operations: `resolve(config)` (the model config with the model located and "auto" decided),
+`locate_model(name)` (a preset, a local directory, or the snapshot directory of a model id in the
+Hugging Face cache), `checkpoint_dtype(model)`, `resolve_device(device)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
+from tieredkv.config import ModelConfig
 from tieredkv.model.presets import PRESETS
 
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+def resolve(config: ModelConfig) -> ModelConfig:
+    """The same config with the model located and "auto" decided; ValueError if the model is
+    not found or the device is missing. Reads the model's config.json, no weights."""
+    model = locate_model(config.model)
+    dtype = config.dtype if config.dtype != "auto" else checkpoint_dtype(model)
+    return dataclasses.replace(config, model=model, device=resolve_device(config.device), dtype=dtype)
 
 
 def locate_model(name: str) -> str:

@@ -33,7 +33,7 @@ from transformers import (
 
 from tieredkv.config import CacheConfig, ModelConfig
 from tieredkv.memory import check_fits, fit_gpu_blocks
-from tieredkv.model import attention, fused
+from tieredkv.model import attention, fused, locate
 from tieredkv.model.cuda_graphs import MAX_MIXED_TOKENS, StepGraphs
 from tieredkv.model.presets import PRESETS, build_preset, build_preset_shard, preset_config
 from tieredkv.model.sharding import TPLayout, head_dim, num_kv_heads, shard_model
@@ -144,9 +144,9 @@ class ModelRunner:
     def __init__(
         self, config: ModelConfig, layout: TPLayout | None = None, group: torch.distributed.ProcessGroup | None = None
     ) -> None:
-        """`config` may hold "auto" and model ids; they are resolved here (`ModelConfig.resolved`).
+        """`config` may hold "auto" and model ids; they are resolved here (`locate.resolve`).
         With `layout`, this rank's share of the model (its collectives run over `group`)."""
-        self.config = config = config.resolved()
+        self.config = config = locate.resolve(config)
         self.device = torch.device(config.device)
         self.model, self.tokenizer = load_model(config, layout, group)
         # the whole model's architecture (a full-size preset's shard is built in its rank's shapes)
