@@ -2,8 +2,10 @@
 `tieredkv serve` (a subprocess on this host) with a streaming client over loopback HTTP.
 Same engine configuration, same requests (random token-id prompts, greedy, EOS ignored, so
 every request yields exactly `--new` tokens), `--concurrency` streams at a time. Prints output
-tokens/s and TTFT / ITL p50 of each, and the HTTP figures as ratios to the in-process ones
-(the peak of this measurement: the engine with no server in front of it).
+tokens/s, TTFT / ITL p50 and the CPU time per output token of the process that runs the engine
+(in-process: the engine with its clients; HTTP: the server, not the client) of each, and the
+HTTP figures as ratios to the in-process ones (the peak of this measurement: the engine with no
+server in front of it).
 
     python benchmarks/bench_serve.py [--model llama-3-8b] [--concurrency 64] [--requests 256]
         [--prompt 1024] [--new 128] [--json out.json]
@@ -19,6 +21,7 @@ import gc
 import os
 import random
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +50,7 @@ class Run:
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
     tokens: int = 0
+    cpu_s: float = 0.0  # CPU time of the process that ran the engine (in-process: with its clients)
 
     def add(self, start: float, times: list[float]) -> None:
         self.tokens += len(times)
@@ -82,11 +86,25 @@ def in_process(config: EngineConfig, warm: list[list[int]], prompts: list[list[i
                 yield time.perf_counter()
 
         await drive(stream, warm, args.concurrency, args.new)
+        start = _own_cpu_s()
         run = await drive(stream, prompts, args.concurrency, args.new)
+        run.cpu_s = _own_cpu_s() - start
         await allm.close()
         return run
 
     return asyncio.run(main())
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of another process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_server(config: EngineConfig, folder: str) -> tuple[subprocess.Popen, str]:
@@ -112,13 +130,13 @@ def over_http(config: EngineConfig, warm: list[list[int]], prompts: list[list[in
     with tempfile.TemporaryDirectory() as folder:
         proc, url = start_server(config, folder)
         try:
-            return asyncio.run(_http_runs(url, warm, prompts, args))
+            return asyncio.run(_http_runs(url, warm, prompts, args, proc.pid))
         finally:
             proc.terminate()
             proc.wait(timeout=60)
 
 
-async def _http_runs(url: str, warm: list[list[int]], prompts: list[list[int]], args) -> Run:
+async def _http_runs(url: str, warm: list[list[int]], prompts: list[list[int]], args, server_pid: int) -> Run:
     limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
 
@@ -132,21 +150,27 @@ async def _http_runs(url: str, warm: list[list[int]], prompts: list[list[int]], 
                         yield time.perf_counter()
 
         await drive(stream, warm, args.concurrency, args.new)
-        return await drive(stream, prompts, args.concurrency, args.new)
+        start = _process_cpu_s(server_pid)
+        run = await drive(stream, prompts, args.concurrency, args.new)
+        run.cpu_s = _process_cpu_s(server_pid) - start
+        return run
 
 
 def summarize(name: str, run: Run, base: Run | None) -> list[dict]:
     tok_s = run.tokens / run.elapsed_s
     ttft, itl = statistics.median(run.ttfts) * 1e3, statistics.median(run.itls) * 1e3
+    cpu_ms = run.cpu_s / run.tokens * 1e3
     if base is None:
         return [report(f"{name}: output tokens/s", tok_s, "tok/s"), report(f"{name}: TTFT p50", ttft, "ms"),
-                report(f"{name}: ITL p50", itl, "ms")]
+                report(f"{name}: ITL p50", itl, "ms"), report(f"{name}: engine process CPU per token", cpu_ms, "ms")]
     base_tok_s = base.tokens / base.elapsed_s
     records = [report(f"{name}: output tokens/s", tok_s, "tok/s", base_tok_s, "in-process")]
     for label, value, base_value in (("TTFT p50", ttft, statistics.median(base.ttfts) * 1e3),
                                      ("ITL p50", itl, statistics.median(base.itls) * 1e3)):
         records.append(report(f"{name}: {label} (+{value - base_value:.1f} ms)", value, "ms", base_value,
                               "in-process"))
+    records.append(report(f"{name}: engine process CPU per token", cpu_ms, "ms", base.cpu_s / base.tokens * 1e3,
+                          "in-process"))
     return records
 
 
