@@ -8,7 +8,7 @@ import pytest
 
 from tieredkv.policy import (
     CostModel,
-    ObservedRate,
+    ObservedLoads,
     TierPolicy,
     choose_preemption,
     promote_cpu_hits,
@@ -79,22 +79,20 @@ def test_loaded_blocks_arrive_before_the_gpu_would_have_computed_the_first_of_th
         assert loads_land <= gpu_reaches + 1e-9
 
 
-def test_the_observed_disk_rate_corrects_a_wrong_calibration_within_seconds():
-    rate = ObservedRate(prior=10e9)  # calibrated 10 GB/s; the disk gives 1 GB/s
-    busy = 0.0
-    while busy < 2.0:  # 2 s of reads, seen 50 ms at a time
-        busy += 0.05
-        rate.update(int(busy * 1e9), busy)
-    assert rate.bytes_per_s == pytest.approx(1e9, rel=0.1)
-    rate.update(int(busy * 1e9), busy + 1.0)  # idle counters change nothing; busy time with no bytes slows it
-    assert rate.bytes_per_s < 0.5e9
+def test_the_observed_read_rate_corrects_a_wrong_calibration_within_a_few_loads():
+    loads = ObservedLoads(rate=10e9)  # calibrated 10 GB/s; the tier gives 1 GB/s, no latency
+    for size in (10 << 20, 100 << 20) * 5:
+        loads.add(size, size / 1e9)
+    assert loads.bytes_per_s == pytest.approx(1e9, rel=0.1)
+    assert loads.latency_s < 0.005  # against loads of 10 to 100 ms
 
 
-def test_nvme_plans_use_the_observed_rate_over_the_calibrated_one():
+def test_nvme_plans_use_the_observed_loads_over_the_calibrated_ones():
     policy = TierPolicy("recompute", block_bytes=1, block_size=4, cost=BALANCED)
+    fast, slow = ObservedLoads(1e15), ObservedLoads(1 / 40e-3)
     assert policy.nvme_blocks_to_compute(10, 0) == 5
-    assert policy.nvme_blocks_to_compute(10, 0, disk_bytes_per_s=1e15) == 0
-    assert policy.nvme_blocks_to_compute(10, 0, disk_bytes_per_s=1 / 40e-3) == 10
+    assert policy.nvme_blocks_to_compute(10, 0, observed=fast) == 0
+    assert policy.nvme_blocks_to_compute(10, 0, observed=slow) == 10
 
 
 def test_cpu_hits_are_copied_in_unless_the_pcie_queue_makes_recompute_faster():

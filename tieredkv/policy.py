@@ -8,8 +8,9 @@ Preemption: what to do with a sequence that must leave the GPU.
 CPU-tier hits: copied in, unless the PCIe queue makes recomputing them faster
 (`promote_cpu_hits`).
 
-Slow-tier hits: prefix blocks found on NVMe are loaded, recomputed, or both at once
-(`split_nvme_prefix`), against the disk bandwidth the engine observes (`ObservedRate`).
+Slow-tier hits: prefix blocks found in the lower tier (disk or remote) are loaded, recomputed,
+or both at once (`split_nvme_prefix`); a load costs a fixed latency plus its bytes over the read
+rate, both as the engine observes them (`ObservedLoads`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 Preemption = Literal["auto", "swap", "recompute"]
+LOAD_MARGIN = 0.1  # a lower-tier load must save this share of the time computing its blocks takes
 PreemptionKind = Literal["recompute", "swap"]
 
 
@@ -30,13 +32,16 @@ def _is_number(value: object) -> bool:
 @dataclass(frozen=True)
 class CostModel:
     """Measured (or pinned) speeds: PCIe each way, and prefill time as a function of length
-    (`a*n + b*n^2`: the quadratic term is attention)."""
+    (`a*n + b*n^2`: the quadratic term is attention); the lower tier's (disk or remote) read
+    rate, and `read_latency_s`, the fixed time of one of its loads whatever its size (a round
+    trip, the step that takes the blocks in)."""
 
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     prefill_s_per_token: float
     prefill_s_per_token_sq: float = 0.0
     disk_read_bytes_per_s: float | None = None
+    read_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "disk_read_bytes_per_s"):
@@ -44,7 +49,7 @@ class CostModel:
                 continue
             if not _is_number(getattr(self, name)) or not getattr(self, name) > 0:
                 raise ValueError(f"cost_model.{name}: expected a positive number, got {getattr(self, name)!r}")
-        for name in ("prefill_s_per_token", "prefill_s_per_token_sq"):
+        for name in ("prefill_s_per_token", "prefill_s_per_token_sq", "read_latency_s"):
             if not _is_number(getattr(self, name)) or not getattr(self, name) >= 0:
                 raise ValueError(f"cost_model.{name}: expected a number >= 0, got {getattr(self, name)!r}")
 
@@ -75,30 +80,34 @@ def split_nvme_prefix(
     num_blocks: int, block_bytes: int, first_token: int, block_size: int, cost: CostModel | None,
     disk_queue_bytes: int = 0, gpu_queue_tokens: int = 0,
 ) -> int:
-    """How many of the `num_blocks` prefix blocks found on NVMe (from token `first_token` on)
-    to recompute; the rest, the later ones, are loaded at the same time.
+    """How many of the `num_blocks` prefix blocks found in the lower tier (disk or remote, from
+    token `first_token` on) to recompute; the rest, the later ones, are loaded at the same time.
 
         tokens:  [ hits | compute c blocks ──► | ◄── load num_blocks - c blocks | rest of prompt ]
 
-    The GPU computes forward from the hits while the disk reads the later blocks; c is chosen
-    so both finish together (the larger of the two times is smallest). Both start behind their
-    queues: the disk after the `disk_queue_bytes` already queued for reads, the GPU after the
-    `gpu_queue_tokens` of prefill already scheduled ahead of this request, so a disk shared by
-    many requests loads less for each. 0 loads everything, `num_blocks` recomputes everything.
-    Without a measured disk bandwidth, load everything.
+    The GPU computes forward from the hits while the tier reads the later blocks; c is the split
+    that finishes first (the larger of the two times is smallest). Loading k blocks costs
+    `read_latency_s` + k blocks over the read rate and over PCIe; both start behind their
+    queues: the tier after the `disk_queue_bytes` already queued for reads, the GPU after the
+    `gpu_queue_tokens` of prefill already scheduled ahead of this request. Loading must save at
+    least `LOAD_MARGIN` of the time computing the blocks takes, else they are all computed (when
+    the two are close, computing risks nothing). 0 loads everything, `num_blocks` recomputes
+    everything. Without a measured read rate, load everything.
     """
     if cost is None or cost.disk_read_bytes_per_s is None:
         return 0
     per_block_load = block_bytes / cost.disk_read_bytes_per_s + block_bytes / cost.h2d_bytes_per_s
-    disk_wait = disk_queue_bytes / cost.disk_read_bytes_per_s
+    load_wait = cost.read_latency_s + disk_queue_bytes / cost.disk_read_bytes_per_s
     gpu_wait = cost.recompute_s(gpu_queue_tokens)
 
     def finish_s(c: int) -> float:
         compute = gpu_wait + cost.recompute_s(first_token + c * block_size) - cost.recompute_s(first_token)
-        load = disk_wait + (num_blocks - c) * per_block_load if c < num_blocks else 0.0
+        load = load_wait + (num_blocks - c) * per_block_load if c < num_blocks else 0.0
         return max(compute, load)
 
-    return min(range(num_blocks + 1), key=finish_s)
+    best = min(range(num_blocks + 1), key=finish_s)
+    margin = LOAD_MARGIN * (cost.recompute_s(first_token + num_blocks * block_size) - cost.recompute_s(first_token))
+    return best if finish_s(best) <= finish_s(num_blocks) - margin else num_blocks
 
 
 def promote_cpu_hits(
@@ -114,30 +123,48 @@ def promote_cpu_hits(
     return copy_s <= cost.recompute_s(first_token + num_blocks * block_size) - cost.recompute_s(first_token)
 
 
-class ObservedRate:
-    """A bandwidth as the engine gets it: bytes moved over the seconds something was in flight,
-    recent seconds weighing most (what came `half_life_s` of busy time ago counts half). It
-    starts from the calibrated `prior`, worth `prior_s` busy seconds, so a disk slower (or
-    faster) than calibrated is corrected within a few seconds of use."""
+class ObservedLoads:
+    """How long a lower-tier load of some bytes takes as its request sees it: `latency_s` +
+    bytes / `bytes_per_s`, the line fitted (weighted least squares) to completed loads (bytes,
+    seconds from submission until the request could use them), the latest weighing most (a
+    load `half_life` loads ago counts half). The calibrated `rate` and `latency_s` hold until a
+    load is seen; from then on the calibrated rate stays in the fit as one point of its line,
+    where it reads for `PRIOR_S`, worth `prior_loads` loads (never less than `MIN_PRIOR_LOADS`)
+    and no more leverage than a load of the sizes seen: loads all of one size teach the latency
+    without making up a rate, loads of several sizes teach both."""
 
-    def __init__(self, prior: float, half_life_s: float = 0.5, prior_s: float = 0.1) -> None:
-        self.half_life_s = half_life_s
-        self._bytes, self._seconds = prior * prior_s, prior_s
-        self._seen = (0, 0.0)  # the cumulative counters at the last update
+    PRIOR_S = 0.1
+    MIN_PRIOR_LOADS = 0.05
 
-    @property
-    def bytes_per_s(self) -> float:
-        return self._bytes / self._seconds
+    def __init__(self, rate: float, latency_s: float = 0.0, half_life: float = 4.0, prior_loads: float = 1.0) -> None:
+        self._prior = (rate * self.PRIOR_S, latency_s + self.PRIOR_S)  # (bytes, seconds) on the calibrated line
+        self._keep = 0.5 ** (1 / half_life)
+        self._prior_weight = prior_loads
+        self._sums = [0.0] * 5  # weights, x, y, x*x, x*y of the loads seen (x bytes, y seconds)
+        self.bytes_per_s, self.latency_s = rate, latency_s
+        self._prior_rate = rate
 
-    def update(self, total_bytes: int, total_busy_s: float) -> None:
-        """Take in cumulative counters (bytes moved, seconds busy) read from the device."""
-        nbytes, seconds = total_bytes - self._seen[0], total_busy_s - self._seen[1]
-        self._seen = (total_bytes, total_busy_s)
-        if seconds <= 0:
-            return
-        keep = 0.5 ** (seconds / self.half_life_s)
-        self._bytes = self._bytes * keep + nbytes
-        self._seconds = self._seconds * keep + seconds
+    def add(self, num_bytes: int, seconds: float) -> None:
+        """Take in one completed load: `num_bytes` (with the reads queued ahead of it) landed
+        `seconds` after they were submitted."""
+        x, y = float(num_bytes), seconds
+        self._sums = [s * self._keep + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y), strict=True)]
+        self._prior_weight = max(self.MIN_PRIOR_LOADS, self._prior_weight * self._keep)
+        self.bytes_per_s, self.latency_s = self._fit()
+
+    def _fit(self) -> tuple[float, float]:
+        """(rate, latency) of the weighted least-squares line through the loads and the prior point."""
+        (px, py), (w, sx, sy, sxx, sxy) = self._prior, self._sums
+        pw = self._prior_weight * min(1.0, (sx / w / px) ** 2)  # no more leverage than the loads' sizes
+        w, sx, sy, sxx, sxy = w + pw, sx + pw * px, sy + pw * py, sxx + pw * px * px, sxy + pw * px * py
+        det = w * sxx - sx * sx
+        slope = (w * sxy - sx * sy) / det if det > 0 else 0.0
+        if slope <= 0:  # loads of one size only, or larger ones no slower (noise): the calibrated rate
+            slope = 1 / self._prior_rate
+        latency = (sy - slope * sx) / w
+        if latency < 0:  # the line through the origin instead
+            slope, latency = sxy / sxx, 0.0
+        return 1 / slope, latency
 
 
 @dataclass(frozen=True)
@@ -159,13 +186,13 @@ class TierPolicy:
 
     def nvme_blocks_to_compute(
         self, num_blocks: int, first_token: int, disk_queue_blocks: int = 0, gpu_queue_tokens: int = 0,
-        disk_bytes_per_s: float | None = None,
+        observed: ObservedLoads | None = None,
     ) -> int:
-        """`split_nvme_prefix` with the queues, at `disk_bytes_per_s` (the observed bandwidth)
-        where given, else the calibrated one."""
+        """`split_nvme_prefix` with the queues, at the `observed` read rate and latency of the
+        lower tier where given, else the calibrated ones."""
         cost = self.cost
-        if cost is not None and disk_bytes_per_s is not None:
-            cost = replace(cost, disk_read_bytes_per_s=disk_bytes_per_s)
+        if cost is not None and observed is not None:
+            cost = replace(cost, disk_read_bytes_per_s=observed.bytes_per_s, read_latency_s=observed.latency_s)
         return split_nvme_prefix(
             num_blocks, self.block_bytes, first_token, self.block_size, cost,
             disk_queue_blocks * self.block_bytes, gpu_queue_tokens,

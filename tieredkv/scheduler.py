@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, PrefixMatch
 from tieredkv.config import SchedulerConfig
 from tieredkv.logprobs import TokenLogprobs
-from tieredkv.policy import ObservedRate, TierPolicy
+from tieredkv.policy import ObservedLoads, TierPolicy
 from tieredkv.sampling import FailedSample
 from tieredkv.scheduling import PrefillCandidate, chunk_cost, chunk_tokens, prefill_order, share_budget
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
@@ -79,11 +79,14 @@ class Scheduler:
         # prefix blocks found on NVMe at planning, by what the cost model chose for them;
         # `compute_for_queues`: computed only because of the disk's and the GPU's queues
         self.nvme_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0, "compute_for_queues": 0}
-        # the disk's read bandwidth as the engine gets it, from the calibrated figure on (a
-        # cost model pinned in the config stays as pinned)
+        # the lower tier's read rate and latency as requests get them, from the calibrated figures
+        # on (a cost model pinned in the config stays as pinned)
         cost = policy.cost
         measured = config.cost_model is None and cost is not None and cost.disk_read_bytes_per_s is not None
-        self.disk_rate = ObservedRate(cost.disk_read_bytes_per_s) if measured else None
+        self.disk_rate = ObservedLoads(cost.disk_read_bytes_per_s, cost.read_latency_s) if measured else None
+        # sequences whose loads are in flight: (sequence, when submitted, bytes read until they land)
+        self._load_clocks: dict[str, tuple[Sequence, float, int]] = {}
+        self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
         self.nvme_skipped_tokens = 0  # prefill tokens jumped over: their KV came from NVMe
         self.cpu_hits_recomputed = 0  # CPU prefix blocks recomputed: copying them in was slower
         self.nvme_load_waits = 0  # steps a sequence had nothing to compute before its loads landed
@@ -106,6 +109,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._time_landed_loads()
         self._prefetch()
         ranked = self.config.scheduling_policy != "fcfs"
         prefilling: list[Sequence] | None = [] if ranked else None  # decodes first, prefills later
@@ -121,6 +125,7 @@ class Scheduler:
             self._preempt_held(out)
         out.sampling = [s.seq for s in out.scheduled if s.samples]
         self._mark_phases(out)
+        self._last_scheduled = {s.seq.seq_id for s in out.scheduled}
         return out
 
     def update(self, batch: SchedulerOutput, sampled_tokens: list[int]) -> list[Sequence]:
@@ -238,21 +243,38 @@ class Scheduler:
                    if s.num_computed_tokens < s.num_prompt_tokens)
 
     def _plan_loads(self, seq: Sequence, gpu_queue_tokens: int) -> None:
-        """Plan the sequence's NVMe prefix loads against the disk's and the GPU's queues: the
-        reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
+        """Plan the sequence's lower-tier prefix loads against the tier's and the GPU's queues:
+        the reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
+        queued = 0
 
         def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
-            rate = self._disk_bytes_per_s()
-            plan = self.policy.nvme_blocks_to_compute
-            compute = plan(num_blocks, first_token, self.kv.nvme_reads_in_flight(), gpu_queue_tokens, rate)
-            idle = plan(num_blocks, first_token, disk_bytes_per_s=rate)
+            nonlocal queued
+            queued, plan = self.kv.nvme_reads_in_flight(), self.policy.nvme_blocks_to_compute
+            compute = plan(num_blocks, first_token, queued, gpu_queue_tokens, self.disk_rate)
+            idle = plan(num_blocks, first_token, observed=self.disk_rate)
             self.nvme_prefix_blocks["compute_for_queues"] += max(0, compute - idle)
             return compute
 
         plan = self.kv.plan_loads(seq, split)
-        if plan is not None:
-            self.nvme_prefix_blocks["compute"] += plan.num_compute
-            self.nvme_prefix_blocks["load"] += plan.num_load
+        if plan is None:
+            return
+        self.nvme_prefix_blocks["compute"] += plan.num_compute
+        self.nvme_prefix_blocks["load"] += plan.num_load
+        if self.disk_rate is not None and self.kv.loading(seq):
+            read = (queued + plan.num_load) * self.policy.block_bytes
+            self._load_clocks[seq.seq_id] = (seq, time.monotonic(), read)
+
+    def _time_landed_loads(self) -> None:
+        """Teach the observed loads how long those that landed since the last step took, from
+        submission to now. A sequence that computed in the last step may have had its loads
+        land at any time of it: how long they took is not known, and not taught."""
+        now = time.monotonic()
+        for seq_id, (seq, since, num_bytes) in list(self._load_clocks.items()):
+            if self.kv.loading(seq):
+                continue
+            del self._load_clocks[seq_id]
+            if seq_id not in self._last_scheduled:
+                self.disk_rate.add(num_bytes, now - since)
 
     def _worth_copying(self, prefix: PrefixMatch) -> PrefixMatch:
         """The prefix without its CPU hits (and what follows them) when the PCIe queue makes
@@ -263,14 +285,6 @@ class Scheduler:
         if self.policy.promote(len(prefix.cpu_blocks), first, self.kv.h2d_queue_blocks()):
             return prefix
         return PrefixMatch(prefix.gpu_blocks)
-
-    def _disk_bytes_per_s(self) -> float | None:
-        """The observed disk read bandwidth (None: the calibrated one applies)."""
-        counters = self.kv.disk_read_counters()
-        if self.disk_rate is None or counters is None:
-            return None
-        self.disk_rate.update(*counters)
-        return self.disk_rate.bytes_per_s
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> bool:
         """Admit waiting sequences in order (held ones wait); whether one could not be admitted
@@ -526,6 +540,7 @@ class Scheduler:
                 queue.remove(seq)
                 break
         self._awaiting_loads.discard(seq.seq_id)
+        self._load_clocks.pop(seq.seq_id, None)
         self._arrived_at.pop(seq.seq_id, None)
         self._resident_tokens.pop(seq.seq_id, None)
         self.kv.free(seq)
