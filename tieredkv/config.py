@@ -293,7 +293,7 @@ class ParallelConfig:
 
 def cost_model_from_dict(doc: dict[str, Any]) -> CostModel:
     """A CostModel from a YAML mapping: every field a number (numeric strings too), the speeds
-    positive, the prefill terms not negative; errors name `cost_model.<field>`."""
+    positive, the prefill terms and the read latency not negative; errors name `cost_model.<field>`."""
     fields = {f.name: f for f in dataclasses.fields(CostModel)}
     for key in doc:
         if key not in fields:
@@ -307,7 +307,8 @@ def cost_model_from_dict(doc: dict[str, Any]) -> CostModel:
         if value is None and fields[key].default is None:
             values[key] = None
         else:
-            values[key] = as_float(f"cost_model.{key}", value, allow_minimum=key.startswith("prefill"))
+            at_least_zero = key.startswith("prefill") or key == "read_latency_s"
+            values[key] = as_float(f"cost_model.{key}", value, allow_minimum=at_least_zero)
     return CostModel(**values)
 
 
