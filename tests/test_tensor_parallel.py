@@ -17,7 +17,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from tests.reference import hf_greedy, make_prompts
-from tieredkv import LLM, BeamSearchParams, SamplingParams
+from tieredkv import LLM, SamplingParams
 from tieredkv.cache.spill import STAGING_FRACTION
 from tieredkv.config import EngineConfig
 from tieredkv.experiment.harness import run_experiment
@@ -236,30 +236,12 @@ def test_settings_the_model_or_the_ranks_cannot_take_are_refused():
         LLM(model="tiny-llama", device="cpu", block_size=4, num_gpu_blocks=10**9, tensor_parallel_size=2)
 
 
-def test_what_two_ranks_cannot_serve_yet_is_refused_by_name():
-    """Rank 0 samples one token per request: forks (n, best_of), logprobs and beam search are
-    refused per request, a remote tier at construction; the engine serves the rest as before."""
+def test_a_remote_tier_is_refused_at_two_ranks_by_name():
+    """The remote store takes one block tensor, not one slice per rank: refused at
+    construction (forks, logprobs and beam search are served: test_tensor_parallel_forks)."""
     with pytest.raises(ValueError, match=r"remote_url: not supported with tensor_parallel_size > 1 yet \(it is 2\)"):
         LLM(model="tiny-llama", device="cpu", tensor_parallel_size=2, cpu_cache_bytes="1MiB",
             remote_url="redis://127.0.0.1:6379/0")
-    refused = {
-        "n": SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=1),
-        "best_of": SamplingParams(max_tokens=4, best_of=3, temperature=1.0),
-        "logprobs": SamplingParams(max_tokens=4, logprobs=0),
-    }
-    with LLM(model="tiny-llama", device="cpu", dtype="float32", num_gpu_blocks=64, tensor_parallel_size=2) as llm:
-        for setting, params in refused.items():
-            with pytest.raises(ValueError, match=f"^{setting}: not supported with tensor_parallel_size > 1 yet"):
-                llm.add_request([1, 2, 3], params)
-        [beams] = llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=4), use_tqdm=False)
-        assert beams.error is not None and beams.error.startswith("beam_search: not supported with tensor_parallel")
-        assert not beams.sequences and not llm.seqs
-        plain = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, best_of=1)  # one sample: served
-        prompts = make_prompts(vocab_size=512)[:2]
-        assert [o.token_ids for o in llm.generate(prompts, plain, use_tqdm=False)] == [
-            o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)
-        ]
-        assert llm.stats()["cow_block_copies"] == 0
 
 
 def test_tensor_parallel_size_in_yaml_and_keywords():

@@ -3,7 +3,8 @@
 Operations:
 - `Decoder.process(sampling, logits)`: every sequence that sampled this step gets its next
   token; returns the requests that have news (their first sequence), in order.
-- `Decoder.append(sampling, tokens)`: the same for tokens sampled already (tensor parallelism).
+- `Decoder.draws(sampling)` / `Decoder.append(sampling, drawn)`: the same, with the tokens,
+  logprobs and beam candidates drawn by rank 0 of a tensor-parallel engine (`draws` says what).
 
 What that involves, per request:
 - one sequence: sample its row (and its logprobs, with `SamplingParams(logprobs=k)`);
@@ -18,14 +19,16 @@ Forks, drops and tokens all go through the scheduler, which owns every sequence'
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from tieredkv.beam_search import BeamGroup
-from tieredkv.logprobs import TokenLogprobs, token_logprobs
+from tieredkv.logprobs import TokenLogprobs, sampled_logprobs, top_logprobs
+from tieredkv.parallel.plan import Draw, Drawn
 from tieredkv.parallel_sampling import SampleGroup
-from tieredkv.sampling import FailedSample, Sampler
+from tieredkv.sampling import Sampler
 from tieredkv.scheduler import Scheduler
 from tieredkv.sequence import Sequence
 
@@ -44,16 +47,30 @@ class Decoder:
         rows, seqs, beams = self._rows(sampling)
         news = self._sample(logits, rows, seqs) if seqs else []
         if beams:
-            news += self._step_beams(logits, beams)
-        return list({id(s): s for s in (_first(seq) for seq in news)}.values())
+            news += self._step_beams(beams, *top_logprobs(logits[[i for i, _ in beams]], _beam_top(beams)))
+        return _requests(news)
 
-    def append(self, sampling: list[Sequence], tokens: list[int | FailedSample]) -> list[Sequence]:
-        """Tokens sampled elsewhere (rank 0 of a tensor-parallel engine), `tokens[i]` for
-        `sampling[i]`: sequences of their own only (no samples, no beams, no logprobs, which
-        `parallel/limits.py` refuses there). Returns the sequences, all with news."""
-        assert all(s.group is None and s.cumulative_logprob is None for s in sampling), "plain sequences only"
-        self.scheduler.append(sampling, tokens)
-        return list(sampling)
+    @staticmethod
+    def draws(sampling: list[Sequence]) -> tuple[Draw, ...]:
+        """What `process` would take from each row, for rank 0 of a tensor-parallel engine to
+        take it instead: a token for each sample the row stands for (all of a request's samples
+        where it forks at this token), or a beam's best log-probs."""
+        beam_top = _beam_top([(i, s) for i, s in enumerate(sampling) if isinstance(s.group, BeamGroup)])
+        return tuple(
+            Draw(seq.request_id, (), beam_top=beam_top) if isinstance(seq.group, BeamGroup)
+            else Draw(seq.request_id, tuple(range(seq.index, seq.index + seq.width)), seq.banned_token_ids,
+                      _num_top(seq))
+            for seq in sampling
+        )
+
+    def append(self, sampling: list[Sequence], drawn: Drawn) -> list[Sequence]:
+        """`process` for what rank 0 drew as `draws(sampling)` asked."""
+        _, seqs, beams = self._rows(sampling)
+        assert len(drawn.tokens) == len(seqs), "one token per sample"
+        if seqs:
+            self.scheduler.append(seqs, drawn.tokens, self._named(seqs, drawn.logprobs))
+        news = self._step_beams(beams, *map(torch.from_numpy, drawn.beam_top)) if beams else []
+        return _requests(seqs + news)
 
     def _rows(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence], list[tuple[int, Sequence]]]:
         """The logits row each sampling sequence draws from (requests with `n` samples fork at
@@ -79,30 +96,25 @@ class Decoder:
         chosen = logits if rows == list(range(logits.shape[0])) else logits[rows]
         tokens = self.sampler.sample(chosen, [s.params for s in seqs], [s.generator for s in seqs],
                                      [s.banned_token_ids for s in seqs])
-        self.scheduler.append(seqs, tokens, self._logprobs(chosen, seqs, tokens))
+        logprobs = sampled_logprobs(chosen, tokens, [_num_top(s) for s in seqs])
+        self.scheduler.append(seqs, tokens, self._named(seqs, logprobs))
         return seqs
 
-    def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence],
-                  tokens: list[int | FailedSample]) -> list[TokenLogprobs | None] | None:
-        """Logprobs of the rows whose sequences keep them (None: no row does)."""
-        wanted = [i for i, s in enumerate(seqs) if s.cumulative_logprob is not None and isinstance(tokens[i], int)]
-        if not wanted:
-            return None
-        num_top = [seqs[i].params.logprobs or 0 for i in wanted]
-        decode = self._decode_token if any(seqs[i].params.logprobs is not None for i in wanted) else None
-        found = token_logprobs(logits[wanted], [tokens[i] for i in wanted], num_top, decode)
-        out: list[TokenLogprobs | None] = [None] * len(seqs)
-        for i, entry in zip(wanted, found, strict=True):
-            out[i] = entry
-        return out
+    def _named(self, seqs: list[Sequence],
+               logprobs: list[TokenLogprobs | None] | None) -> list[TokenLogprobs | None] | None:
+        """`logprobs` with each token's text, where the sequence keeps them and there is a tokenizer."""
+        if logprobs is None or self._decode_token is None:
+            return logprobs
+        decode = self._decode_token
+        return [{t: dataclasses.replace(lp, decoded_token=decode(t)) for t, lp in entry.items()}
+                if entry is not None and seq.params.logprobs is not None else entry
+                for seq, entry in zip(seqs, logprobs, strict=True)]
 
-    def _step_beams(self, logits: torch.Tensor, beams: list[tuple[int, Sequence]]) -> list[Sequence]:
-        """Record each beam's best next tokens and hold it; step the requests all of whose
-        live beams have answered. Returns the beams of the requests that ended."""
-        logprobs = torch.log_softmax(logits[[i for i, _ in beams]].float(), dim=-1)
-        k = min(max(seq.group.num_candidates for _, seq in beams), logprobs.shape[1])
-        top = logprobs.topk(k, dim=1)
-        values, ids = top.values.cpu(), top.indices.cpu()
+    def _step_beams(self, beams: list[tuple[int, Sequence]], values: torch.Tensor,
+                    ids: torch.Tensor) -> list[Sequence]:
+        """Record each beam's best next tokens (row i of `values`, `ids`: beam i's, best
+        first) and hold it; step the requests all of whose live beams have answered. Returns
+        the beams of the requests that ended."""
         ready: list[BeamGroup] = []
         for row, (_, seq) in enumerate(beams):
             self.scheduler.hold(seq)
@@ -131,6 +143,21 @@ class Decoder:
         self.scheduler.append(taken, [c.token for c in live])
         group.advance([(seq, c.score) for seq, c in zip(taken, live, strict=True)])
         return done
+
+
+def _num_top(seq: Sequence) -> int | None:
+    """How many top logprobs a sequence keeps per token (0: its token's alone; None: none)."""
+    return (seq.params.logprobs or 0) if seq.cumulative_logprob is not None else None
+
+
+def _beam_top(beams: list[tuple[int, Sequence]]) -> int:
+    """The top-k each beam's row is read for: the most candidates any of their requests takes."""
+    return max((seq.group.num_candidates for _, seq in beams), default=0)
+
+
+def _requests(news: list[Sequence]) -> list[Sequence]:
+    """The first sequence of each request with news, once each, in order."""
+    return list({id(s): s for s in (_first(seq) for seq in news)}.values())
 
 
 def _first(seq: Sequence) -> Sequence:

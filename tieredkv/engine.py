@@ -37,7 +37,7 @@ from tieredkv.memory import check_fits
 from tieredkv.model import locate
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tieredkv.parallel.limits import check_parallel_config, check_parallel_request
+from tieredkv.parallel.limits import check_parallel_config
 from tieredkv.parallel.workers import Workers
 from tieredkv.parallel_sampling import SampleGroup
 from tieredkv.policy import CostModel, TierPolicy
@@ -181,7 +181,6 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
-        check_parallel_request(params, self.config.parallel.tensor_parallel_size)
         name = "best_of" if params.best_of is not None else "n"
         token_ids, request_id = self._new_request(prompt, request_id, params.max_tokens, name, params.num_samples)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
@@ -196,7 +195,6 @@ class LLMEngine:
         its result is `seq.group.result(...)` once it has finished."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
-        check_parallel_request(params, self.config.parallel.tensor_parallel_size)
         token_ids, request_id = self._new_request(prompt, request_id, params.max_tokens, "beam_width",
                                                   params.beam_width)
         # beams never stop by themselves: the beam search ends them
@@ -321,11 +319,11 @@ class LLMEngine:
     def _forward(self, batch: SchedulerOutput, tables: list[list[int]]) -> list[Seq]:
         """Run the batch's forward pass and sample; the sequences that got news."""
         self.runner.copy_blocks(self.kv.take_block_copies())  # copy-on-write, before the writes
-        if isinstance(self.runner, Workers):  # rank 0 samples where the logits are
-            tokens = self.runner.execute(batch.scheduled, tables, batch.sampling)
+        if isinstance(self.runner, Workers):  # rank 0 draws where the logits are, as the decoder would
+            drawn = self.runner.execute(batch.scheduled, tables, batch.sampling, self.decoder.draws(batch.sampling))
             self._count(batch)
             self.scheduler.advance(batch)
-            return self.decoder.append(batch.sampling, tokens)
+            return self.decoder.append(batch.sampling, drawn)
         logits = self.runner.execute(batch.scheduled, tables)
         self._count(batch)  # before `advance` moves the sequences on
         self.scheduler.advance(batch)

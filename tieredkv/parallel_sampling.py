@@ -16,13 +16,13 @@ from tieredkv.sequence import Sequence, SequenceGroup
 
 
 class SampleGroup(SequenceGroup):
-    """The samples of one request; `seqs[i]` is sample i. `generators[i]` is sample i's."""
+    """The samples of one request; `seqs[i]` is sample i, `generators[i]` its generator."""
 
     def __init__(self, first: Sequence, generators: list[torch.Generator | None]) -> None:
         super().__init__(first)
         self.params = first.params
         assert len(generators) == self.params.num_samples, "one generator per sample"
-        self._generators = generators
+        self.generators = generators
         first.generator = generators[0]
         if self.params.num_samples > self.params.n:  # best_of ranks the samples by it
             first.cumulative_logprob = first.cumulative_logprob or 0.0
@@ -38,7 +38,7 @@ class SampleGroup(SequenceGroup):
     def adopt(self, children: list[Sequence]) -> None:
         """The other samples, forked from the first: they take their index and generator."""
         for index, child in enumerate(children, start=1):
-            child.index, child.generator = index, self._generators[index]
+            child.index, child.generator = index, self.generators[index]
         self.seqs += children
         self.forked = True
 

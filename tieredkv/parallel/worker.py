@@ -1,6 +1,6 @@
 """A rank's process: its share of the model, its KV heads of every GPU block, its slice of the
 CPU tier (memory it shares with the driver, which does the NVMe I/O), its transfer engine;
-rank 0 also samples.
+rank 0 also draws each row's tokens, logprobs and beam candidates (as the one-rank decoder).
 
 `worker_main` joins torch.distributed (NCCL on CUDA, gloo on the CPU), loads the shard, then
 runs the driver's calls (`Worker.<method>(*args)`, one reply each) until the driver says stop or
@@ -28,10 +28,11 @@ import transformers.models.qwen3.modeling_qwen3  # noqa: F401
 
 from tieredkv.calibrate import measure_bandwidth
 from tieredkv.config import CacheConfig, EngineConfig
+from tieredkv.logprobs import sampled_logprobs, top_logprobs
 from tieredkv.model.runner import ModelRunner
 from tieredkv.model.sharding import TPLayout
-from tieredkv.parallel.plan import REPORTED_ERROR_EXIT, StepPlan, StepReply
-from tieredkv.sampling import FailedSample, Sampler, SamplingParams
+from tieredkv.parallel.plan import REPORTED_ERROR_EXIT, Drawn, StepPlan, StepReply
+from tieredkv.sampling import Sampler, SamplingParams
 from tieredkv.transfer.engine import TransferEngine
 
 
@@ -101,7 +102,8 @@ class Worker:
         self._cpu_memory: mmap.mmap | None = None
         self._job_ids: dict[int, int] = {}  # this rank's transfer job id -> the driver's
         self.sampler = Sampler()
-        self.requests: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}  # rank 0 samples them
+        # rank 0 samples them: their parameters, each sample's generator
+        self.requests: dict[str, tuple[SamplingParams, list[torch.Generator | None]]] = {}
 
     @staticmethod
     def _warm_up(device: torch.device) -> None:
@@ -151,12 +153,15 @@ class Worker:
         if plan.later is not None:
             local = {driver: mine for mine, driver in self._job_ids.items()}
             self.transfers.order_compute([local[j] for j in plan.later if j in local])
-        tokens = None
+        if plan.copies:  # copy-on-write, on the compute stream: after the ordering, before the writes
+            self.runner.copy_blocks(plan.copies)
+        drawn = None
         if plan.inputs is not None:
             logits = self.runner.run(plan.inputs)
             if self.rank == 0:
-                tokens = self._sample(logits, plan)
-        return self._reply(tokens)
+                self._learn(plan)
+                drawn = self._draw(logits, plan)
+        return self._reply(drawn)
 
     def wait(self, job_ids: list[int] | None) -> StepReply:
         """Wait for the driver's jobs `job_ids` (None: all) on this rank."""
@@ -168,27 +173,38 @@ class Worker:
                 self.transfers.wait([mine for mine, driver in self._job_ids.items() if driver in wanted])
         return self._reply(None)
 
-    def _reply(self, tokens: list[int | FailedSample] | None) -> StepReply:
+    def _reply(self, drawn: Drawn | None) -> StepReply:
         if self.transfers is None:
-            return StepReply(tokens, [], 0.0)
+            return StepReply(drawn, [], 0.0)
         finished = [self._job_ids.pop(mine) for mine in self.transfers.poll()]
-        return StepReply(tokens, finished, self.transfers.compute_wait_s)
+        return StepReply(drawn, finished, self.transfers.compute_wait_s)
 
-    def _sample(self, logits: torch.Tensor, plan: StepPlan) -> list[int | FailedSample]:
+    def _learn(self, plan: StepPlan) -> None:
         for request_id in plan.forget:
             self.requests.pop(request_id, None)
+        device = self.runner.device
         for new in plan.new_requests:
-            generator = None
-            if new.seed is not None:
-                generator = torch.Generator(device=self.runner.device).manual_seed(new.seed)
-            self.requests[new.request_id] = (new.params, generator)
-        if not plan.rows:  # every sequence computed a chunk short of its last token
-            return []
-        params, generators = zip(*(self.requests[rid] for rid in plan.rows), strict=True)
-        banned: list[tuple[int, ...]] = [()] * len(plan.rows)
-        for row, ids in plan.banned:
-            banned[row] = ids
-        return self.sampler.sample(logits, params, generators, banned)
+            generators = [None if seed is None else torch.Generator(device=device).manual_seed(seed)
+                          for seed in new.seeds]
+            self.requests[new.request_id] = (new.params, generators)
+
+    def _draw(self, logits: torch.Tensor, plan: StepPlan) -> Drawn:
+        """Each sampling row's tokens (and logprobs), each beam row's best log-probs, as the
+        one-rank decoder takes them (`Decoder.process`)."""
+        samples = [(row, d, i) for row, d in enumerate(plan.draws) for i in d.samples]
+        drawn = Drawn([])
+        if samples:
+            rows = [row for row, _, _ in samples]
+            chosen = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            params = [self.requests[d.request_id][0] for _, d, _ in samples]
+            generators = [self.requests[d.request_id][1][i] for _, d, i in samples]
+            tokens = self.sampler.sample(chosen, params, generators, [d.banned for _, d, _ in samples])
+            drawn = Drawn(tokens, sampled_logprobs(chosen, tokens, [d.num_top for _, d, _ in samples]))
+        beams = [row for row, d in enumerate(plan.draws) if d.beam_top]
+        if beams:
+            values, ids = top_logprobs(logits[beams], plan.draws[beams[0]].beam_top)
+            drawn = Drawn(drawn.tokens, drawn.logprobs, (values.numpy(), ids.numpy()))
+        return drawn
 
     def _synchronize(self) -> None:
         if self.runner.device.type == "cuda":

@@ -6,7 +6,9 @@ transfers, a forward pass), while each rank's process holds its share of the mod
 KV. The driver keeps the scheduler and every block table; block ids are the same on every rank.
 
 Operations (besides the `ModelRunner` ones):
-- `execute(scheduled, tables, sampling) -> tokens`: one step on every rank; rank 0 samples.
+- `copy_blocks(copies)`: copy-on-write block copies, run on every rank with the next step.
+- `execute(scheduled, tables, sampling) -> Drawn`: one step on every rank; rank 0 draws the
+  tokens, logprobs and beam candidates (`Decoder.draws` says what).
 - `open_store(cache, fingerprint)`: the NVMe tier, one store file per rank.
 - `calibrate(fingerprint, max_tokens, disk)`: the cost model, measured on the ranks.
 """
@@ -33,12 +35,12 @@ from tieredkv.model.runner import (
     weights_identity,
 )
 from tieredkv.model.sharding import TPLayout
-from tieredkv.parallel.plan import NewRequest, StepPlan
+from tieredkv.parallel.plan import Draw, Drawn, NewRequest, StepPlan
 from tieredkv.parallel.ranks import RankFailure, Ranks
 from tieredkv.parallel.sharded_tiers import ShardedCPUTier, ShardedStore, open_sharded_store
 from tieredkv.parallel.transfers import WorkerTransfers
+from tieredkv.parallel_sampling import SampleGroup
 from tieredkv.policy import CostModel
-from tieredkv.sampling import FailedSample
 from tieredkv.sequence import ScheduledSeq
 from tieredkv.sequence import Sequence as Seq
 
@@ -74,7 +76,8 @@ class Workers:
         self.kv_spec = dataclasses.replace(self.rank_kv_spec, num_kv_heads=self.rank_kv_spec.num_kv_heads * world)
         self.block_size = 0
         self.transfers: WorkerTransfers | None = None
-        self._known: dict[str, Seq] = {}  # requests rank 0 holds the parameters (and generator) of
+        self._known: dict[str, Seq] = {}  # requests rank 0 holds the parameters (and generators) of, by first seq
+        self._copies: tuple[tuple[int, int], ...] = ()  # copy-on-write copies for the next step
         self.ranks = Ranks(config, world)
         info = self.ranks.info
         assert all(i["kv_spec"] == self.rank_kv_spec for i in info), "the ranks hold the KV heads planned here"
@@ -121,31 +124,36 @@ class Workers:
     # ------------------------------------------------------------------ steps
 
     def execute(
-        self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[list[int]], sampling: Sequence[Seq]
-    ) -> list[int | FailedSample]:
+        self, scheduled: Sequence[ScheduledSeq], block_tables: Sequence[list[int]], sampling: Sequence[Seq],
+        draws: Sequence[Draw],
+    ) -> Drawn:
         """Run the scheduled tokens on every rank (after the transfers submitted since the last
-        step); the next token of each sequence in `sampling`, sampled by rank 0."""
+        step, and the block copies); rank 0 takes `draws[i]` from the row of `sampling[i]`."""
         inputs = StepInputs.build(scheduled, block_tables, self.block_size)
         forget = self._forget()
-        new = tuple(self._learn(seq) for seq in sampling if self._known.get(seq.request_id) is not seq)
-        banned = tuple((i, seq.banned_token_ids) for i, seq in enumerate(sampling) if seq.banned_token_ids)
-        step = dict(inputs=inputs, rows=tuple(seq.request_id for seq in sampling), banned=banned,
-                    new_requests=new, forget=forget)
+        requests = (s.group.first if s.group is not None else s for s in sampling)  # by their first sequences
+        firsts = {id(f): f for f in requests if self._known.get(f.request_id) is not f}
+        step = dict(copies=self._copies, inputs=inputs, draws=tuple(draws), forget=forget,
+                    new_requests=tuple(map(self._learn, firsts.values())))
+        self._copies = ()
         plan = StepPlan(**step) if self.transfers is None else self.transfers.plan(**step)
         replies = self.ranks.call("step", plan)
         if self.transfers is not None:
             self.transfers.record(replies)
-        return replies[0].tokens
+        return replies[0].drawn
 
-    def _learn(self, seq: Seq) -> NewRequest:
-        """A request rank 0 has not seen (or a new one under a finished one's id)."""
-        self._known[seq.request_id] = seq
-        seed = seq.generator.initial_seed() if seq.generator is not None else None
-        return NewRequest(seq.request_id, seq.params, seed)
+    def _learn(self, first: Seq) -> NewRequest:
+        """A request rank 0 has not seen (or a new one under a finished one's id), by its
+        first sequence: its parameters, and the seed of each sample's generator."""
+        self._known[first.request_id] = first
+        generators = first.group.generators if isinstance(first.group, SampleGroup) else [first.generator]
+        return NewRequest(first.request_id, first.params,
+                          tuple(None if g is None else g.initial_seed() for g in generators))
 
     def _forget(self) -> tuple[str, ...]:
         """Requests that finished since the last step: rank 0 drops what it holds of them."""
-        done = tuple(rid for rid, seq in self._known.items() if seq.is_finished)
+        done = tuple(rid for rid, first in self._known.items()
+                     if (first.group.finished if first.group is not None else first.is_finished))
         for rid in done:
             del self._known[rid]
         return done
@@ -169,12 +177,10 @@ class Workers:
         return calibrate(key, torch.device("cpu"), self.prefill_probe, max_tokens, disk, self.measure_bandwidth)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write block copies come from forks, which `parallel/limits.py` refuses."""
-        if copies:
-            raise RuntimeError(
-                f"{len(copies)} copy-on-write block copies: not supported with tensor_parallel_size > 1 yet "
-                "(no request may fork; parallel/limits.py)"
-            )
+        """Copy block `src` into `dst` for each `(src, dst)` on every rank (its KV heads), with
+        the next step's plan: after its transfers are ordered, before its forward pass."""
+        assert not self._copies, "block copies are taken once per step, before its forward pass"
+        self._copies = tuple(copies)
 
     def close(self) -> None:
         """Stop the ranks (idempotent)."""
