@@ -72,3 +72,28 @@ def test_beam_search_at_two_ranks_equals_one_rank(engines):
         assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in w.sequences],
                                                                      abs=TOLERANCE)
     assert two.stats()["gpu_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_forks_preempted_at_two_ranks_equal_one_rank(preemption):
+    """A GPU tier too small for every sample at once: samples and beams are preempted (their
+    shared blocks swapped once, or recomputed) and come back with one rank's tokens."""
+    kw = dict(model="tiny-llama", device="cpu", dtype="float32", block_size=4, num_gpu_blocks=24,
+              cpu_cache_bytes="256KiB", preemption=preemption)
+    params = [SamplingParams(max_tokens=16, n=4, temperature=1.0, seed=7, logprobs=1), PARAMS[1]]
+    beams = BeamSearchParams(beam_width=3, max_tokens=10)
+    with LLM(**kw) as one:
+        want = one.generate(PROMPTS[1:3], params, use_tqdm=False)
+        want_beams = one.beam_search(PROMPTS[2:4], beams, use_tqdm=False)
+    with LLM(**kw, tensor_parallel_size=2) as two:
+        got = two.generate(PROMPTS[1:3], params, use_tqdm=False)
+        got_beams = two.beam_search(PROMPTS[2:4], beams, use_tqdm=False)
+        stats = two.stats()
+    assert stats["preemptions"][preemption] > 0
+    for g, w in zip(got, want, strict=True):
+        assert g.error is None and len(g.outputs) == len(w.outputs)
+        for got_out, want_out in zip(g.outputs, w.outputs, strict=True):
+            assert_same_completion(got_out, want_out)
+    assert [[s.token_ids for s in o.sequences] for o in got_beams] == [
+        [s.token_ids for s in o.sequences] for o in want_beams
+    ]

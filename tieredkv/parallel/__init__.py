@@ -4,7 +4,7 @@ the driver (the engine's process).
     driver (engine process)                          rank r (worker process, one GPU or CPU)
     Scheduler, KVCacheManager, CPU/NVMe bookkeeping  model shard, its KV heads of every GPU block,
     Workers ──── StepPlan (batch, tables, ─────────► its CPU tier slice (shared memory), its
-           ◄──── transfers to start) / StepReply     transfer engine; rank 0 samples
+           ◄──── transfers to start) / StepReply     transfer engine; rank 0 draws tokens
 
 Modules: `plan` (the messages), `ranks` (starting the processes, calls, a rank dying), `worker`
 (a rank's process), `workers` (the driver's model runner), `transfers` (the driver's transfer
