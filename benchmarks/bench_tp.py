@@ -29,8 +29,9 @@ import torch.distributed as dist
 from common import GiB, hbm_copy_peak, report, require_cuda, time_cuda, write_json
 
 from tieredkv import LLM, SamplingParams
+from tieredkv.decode import Decoder
 from tieredkv.model.runner import KVSpec, StepInputs, load_hf_config
-from tieredkv.parallel.plan import NewRequest, StepPlan
+from tieredkv.parallel.plan import Draw, NewRequest, StepPlan
 from tieredkv.sequence import ScheduledSeq, Sequence
 from tieredkv.transfer.engine import TransferJob
 
@@ -151,7 +152,8 @@ def tp2_steps(llm: LLM, decode, prefill) -> tuple[float, float]:
 
     def run(step):
         scheduled, tables, _ = step
-        return workers.execute(scheduled, tables, [s.seq for s in scheduled])
+        seqs = [s.seq for s in scheduled]
+        return workers.execute(scheduled, tables, seqs, Decoder.draws(seqs))
 
     return wall_time(lambda: run(decode)), wall_time(lambda: run(prefill), reps=5)
 
@@ -159,8 +161,8 @@ def tp2_steps(llm: LLM, decode, prefill) -> tuple[float, float]:
 def plan_of(llm: LLM, step) -> StepPlan:
     scheduled, tables, _ = step
     ids = tuple(s.seq.request_id for s in scheduled)
-    return StepPlan(inputs=StepInputs.build(scheduled, tables, BLOCK_SIZE), rows=ids,
-                    new_requests=tuple(NewRequest(i, GREEDY, None) for i in ids))
+    return StepPlan(inputs=StepInputs.build(scheduled, tables, BLOCK_SIZE), draws=tuple(Draw(i, (0,)) for i in ids),
+                    new_requests=tuple(NewRequest(i, GREEDY, (None,)) for i in ids))
 
 
 def collectives(llm: LLM, decode, prefill, args, records: list, steps: dict) -> None:
