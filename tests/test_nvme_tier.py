@@ -148,7 +148,9 @@ def test_load_and_recompute_at_once_is_exact(tmp_path, reference_outputs):
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     with tiered_llm(tmp_path) as llm:
         llm.generate(prompts, GREEDY, use_tqdm=False)
-    with tiered_llm(tmp_path, cost_model=BALANCED) as llm:
+    # small steps: computing the blocks before the loaded ones takes several steps, time for
+    # the reads to land (a load that has not landed when compute reaches it is computed instead)
+    with tiered_llm(tmp_path, cost_model=BALANCED, max_num_batched_tokens=16) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = llm.stats()
     assert [o.token_ids for o in outs] == expected
