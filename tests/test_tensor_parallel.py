@@ -236,14 +236,6 @@ def test_settings_the_model_or_the_ranks_cannot_take_are_refused():
         LLM(model="tiny-llama", device="cpu", block_size=4, num_gpu_blocks=10**9, tensor_parallel_size=2)
 
 
-def test_a_remote_tier_is_refused_at_two_ranks_by_name():
-    """The remote store takes one block tensor, not one slice per rank: refused at
-    construction (forks, logprobs and beam search are served: test_tensor_parallel_forks)."""
-    with pytest.raises(ValueError, match=r"remote_url: not supported with tensor_parallel_size > 1 yet \(it is 2\)"):
-        LLM(model="tiny-llama", device="cpu", tensor_parallel_size=2, cpu_cache_bytes="1MiB",
-            remote_url="redis://127.0.0.1:6379/0")
-
-
 def test_tensor_parallel_size_in_yaml_and_keywords():
     assert EngineConfig.from_dict({"parallel": {"tensor_parallel_size": 2}}).parallel.tensor_parallel_size == 2
     assert EngineConfig.from_dict({"tensor_parallel_size": "2"}).parallel.tensor_parallel_size == 2

@@ -37,7 +37,7 @@ from tieredkv.memory import check_fits
 from tieredkv.model import locate
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tieredkv.parallel.limits import check_parallel_config
+from tieredkv.parallel.sharded_remote import ShardedRemote
 from tieredkv.parallel.workers import Workers
 from tieredkv.parallel_sampling import SampleGroup
 from tieredkv.policy import CostModel, TierPolicy
@@ -71,13 +71,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config = dataclasses.replace(config, model=locate.resolve(config.model))  # no "auto" left
-        check_parallel_config(config)
         parallel = config.parallel.tensor_parallel_size > 1
         self.runner: ModelRunner | Workers = Workers(config) if parallel else ModelRunner(config.model)
         block_size = config.cache.block_size
         num_blocks = self.runner.num_gpu_blocks(config.cache)
         self.runner.allocate_kv_cache(num_blocks, block_size)
-        self.remote: RemoteStore | None = None  # the remote tier's own store (its stats, its bandwidth)
+        self.remote: RemoteStore | ShardedRemote | None = None  # the remote tier's own store (its stats, bandwidth)
         hf_config = self.runner.hf_config.to_dict()
         self.fingerprint = model_fingerprint(
             hf_config, self.runner.weights_id, config.model.dtype, block_size, self.runner.tp_layout
@@ -121,7 +120,9 @@ class LLMEngine:
         that holds a block, writes to both)."""
         nvme = self._build_nvme()
         cache = self.config.cache
-        if cache.remote_url is not None:
+        if isinstance(self.runner, Workers) and cache.remote_url is not None:  # one key per rank and block
+            self.remote = self.runner.open_remote(cache, self.fingerprint)
+        elif cache.remote_url is not None:
             self.remote = open_remote(cache.remote_url, cache.remote_bytes, self.block_bytes, self.fingerprint,
                                       cache.block_size)
         return pair_stores(nvme, self.remote)
@@ -151,7 +152,7 @@ class LLMEngine:
         backend = self.kv.stats().get("nvme_io_backend", cache.io_backend)  # the store's: `sync` where uring fell back
         probe = DiskProbe(disk_dir, self.block_bytes, DEFAULT_QUEUE_DEPTH, backend) if disk_dir else None
         if isinstance(self.runner, Workers):  # the ranks measure; each call returns once they are done
-            return self.runner.calibrate(self.fingerprint, max_tokens, probe)
+            return self._with_remote_reads(self.runner.calibrate(self.fingerprint, max_tokens, probe))
         device = self.runner.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         key = f"{name}/{self.fingerprint:016x}"

@@ -8,5 +8,6 @@ the driver (the engine's process).
 
 Modules: `plan` (the messages), `ranks` (starting the processes, calls, a rank dying), `worker`
 (a rank's process), `workers` (the driver's model runner), `transfers` (the driver's transfer
-engine), `sharded_tiers` (the CPU tier in shared memory and one NVMe store per rank).
+engine), `sharded_tiers` (the CPU tier in shared memory and one NVMe store per rank),
+`sharded_remote` (the remote tier: one key per rank and block).
 """

@@ -7,11 +7,13 @@
 
       rank r's tier: [num_blocks, layers, 2, block_size, kv_heads of rank r, head_dim]
 
-- `ShardedStore`: one NVMe store per rank (a folder `tp<N>-rank<r>` under `nvme_path`, each with
-  its own file and a fingerprint naming its rank), behind the `BlockStore` interface with a
-  block's slices for `src`/`dst`. A block is stored only when every rank's store holds its
-  slice; a read that fails on one rank (I/O error, checksum) fails for the block, a miss for
-  every rank (the block is recomputed). Sizes are totals: `nvme_bytes` is split evenly.
+- `RankStores`: one block store per rank behind the `BlockStore` interface, with a block's
+  slices for `src`/`dst`. A block is stored only when every rank's store holds its slice; a
+  read that fails on one rank (I/O error, checksum, a missing value) fails for the block, a
+  miss for every rank (the block is recomputed).
+- `ShardedStore`: the NVMe tier, one store per rank (a folder `tp<N>-rank<r>` under
+  `nvme_path`, each with its own file and a fingerprint naming its rank). Sizes are totals:
+  `nvme_bytes` is split evenly. (`sharded_remote.py`: the remote tier, the same way.)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import xxhash
 
 from tieredkv.config import CacheConfig
-from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.nvme.opener import open_store
 from tieredkv.tiers.nvme.store import NVMeStore
 
@@ -131,17 +133,16 @@ _SUMMED = (
 ).split()
 
 
-class ShardedStore:
-    """A `BlockStore` over one store per rank; `src`/`dst` are a block's slices (`RankBlocks[i]`)."""
+class RankStores:
+    """A `BlockStore` over one store per rank; `src`/`dst` are a block's slices (`RankBlocks[i]`).
+    Counts blocks read back (`hits`) and written (`writes`) on every rank, and `misses`."""
 
-    def __init__(self, stores: list[NVMeStore]) -> None:
-        self.stores = stores
+    def __init__(self, stores: Sequence[BlockStore]) -> None:
+        self.stores = list(stores)
         self._ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}
         self._owner: dict[tuple[int, int], int] = {}  # (rank, its job) -> job
         self._counts: Counter[str] = Counter(hits=0, misses=0, writes=0)
-        on_all = set.intersection(*(set(s.index.stored_hashes()) for s in stores))
-        self._restored = len(on_all)
 
     def contains(self, block_hash: int) -> bool:
         return all(store.contains(block_hash) for store in self.stores)
@@ -214,6 +215,19 @@ class ShardedStore:
                     results[settled[0]] = settled[1]
         return results
 
+    def close(self) -> None:
+        for store in self.stores:
+            store.close()
+
+
+class ShardedStore(RankStores):
+    """The NVMe tier of a tensor-parallel engine: one `NVMeStore` per rank (module docstring)."""
+
+    def __init__(self, stores: list[NVMeStore]) -> None:
+        super().__init__(stores)
+        on_all = set.intersection(*(set(s.index.stored_hashes()) for s in stores))
+        self._restored = len(on_all)
+
     def stats(self) -> dict[str, int | float | str | bool]:
         """Blocks (on every rank) for hits, misses, writes, slots and restored blocks; faults
         and bytes summed over the ranks; `read_busy_s` the longest of any rank."""
@@ -234,7 +248,3 @@ class ShardedStore:
 
     def sync(self) -> bool:
         return all([store.sync() for store in self.stores])
-
-    def close(self) -> None:
-        for store in self.stores:
-            store.close()

@@ -10,6 +10,7 @@ Operations (besides the `ModelRunner` ones):
 - `execute(scheduled, tables, sampling) -> Drawn`: one step on every rank; rank 0 draws the
   tokens, logprobs and beam candidates (`Decoder.draws` says what).
 - `open_store(cache, fingerprint)`: the NVMe tier, one store file per rank.
+- `open_remote(cache, fingerprint)`: the remote tier, one key per rank and block.
 - `calibrate(fingerprint, max_tokens, disk)`: the cost model, measured on the ranks.
 """
 
@@ -37,6 +38,7 @@ from tieredkv.model.runner import (
 from tieredkv.model.sharding import TPLayout
 from tieredkv.parallel.plan import Draw, Drawn, NewRequest, StepPlan
 from tieredkv.parallel.ranks import RankFailure, Ranks
+from tieredkv.parallel.sharded_remote import ShardedRemote, open_sharded_remote
 from tieredkv.parallel.sharded_tiers import ShardedCPUTier, ShardedStore, open_sharded_store
 from tieredkv.parallel.transfers import WorkerTransfers
 from tieredkv.parallel_sampling import SampleGroup
@@ -117,6 +119,9 @@ class Workers:
 
     def open_store(self, cache: CacheConfig, fingerprint: int) -> ShardedStore:
         return open_sharded_store(cache, self.rank_kv_spec.block_bytes(cache.block_size), fingerprint, self.world)
+
+    def open_remote(self, cache: CacheConfig, fingerprint: int) -> ShardedRemote:
+        return open_sharded_remote(cache, self.rank_kv_spec.block_bytes(cache.block_size), fingerprint, self.world)
 
     def capture_graphs(self, max_batch: int) -> None:
         self.ranks.call("capture_graphs", max_batch)

@@ -15,11 +15,11 @@ __all__ = ["NVME_STORE_STATS", "StorePair", "open_remote", "pair_stores"]
 
 
 def open_remote(remote_url: str | tuple[str, ...], remote_bytes: int, block_bytes: int, fingerprint: int,
-                block_size: int):
+                block_size: int, key_suffix: str = ""):
     """The engine's remote store: a `RemoteStore` on one server, `RemoteShards` over several
     (`remote_bytes` shared evenly among them), with errors that name the config key to change
     (`remote_url`, `remote_bytes`) as ValueError. An unreachable server is no error: the store
-    starts without it, says so once, and connects when it can."""
+    starts without it, says so once, and connects when it can. `key_suffix`: see `RemoteStore`."""
     try:
         from tieredkv.tiers.remote.shards import RemoteShards
         from tieredkv.tiers.remote.store import RemoteStore
@@ -41,7 +41,8 @@ def open_remote(remote_url: str | tuple[str, ...], remote_bytes: int, block_byte
     try:
         budget = remote_bytes // len(urls)
         for url in urls:
-            stores.append(RemoteStore(url, block_bytes, fingerprint, block_size, budget_bytes=budget))
+            stores.append(RemoteStore(url, block_bytes, fingerprint, block_size, budget_bytes=budget,
+                                      key_suffix=key_suffix))
         return stores[0] if len(stores) == 1 else RemoteShards(stores)
     except ValueError as err:  # URL options redis-py refuses, a server listed twice
         for store in stores:

@@ -77,15 +77,17 @@ class RemoteStore:
 
     def __init__(self, url: str, block_bytes: int, fingerprint: int, block_size: int, budget_bytes: int = 0,
                  max_in_flight: int = 8, pipeline_ops: int = 8, connect_timeout_s: float = 2.0,
-                 read_threads: int = READ_THREADS) -> None:
+                 read_threads: int = READ_THREADS, key_suffix: str = "") -> None:
         """`fingerprint`: the engine's model fingerprint (blocks of other models are never
         read); `budget_bytes`: the most this engine stores (0: no limit of its own);
-        `read_threads`: reader connections (at most `max_in_flight`). An unreachable server is
-        not an error: the store starts down and keeps trying."""
+        `read_threads`: reader connections (at most `max_in_flight`); `key_suffix`: appended to
+        every block key (a tensor-parallel rank's share of a block, `:r<rank>of<world>`). An
+        unreachable server is not an error: the store starts down and keeps trying."""
         self.layout = ValueLayout.for_block(block_bytes, block_size, fingerprint)
         if budget_bytes and budget_bytes < self.layout.value_bytes:
             raise ValueError(f"budget_bytes={budget_bytes} holds no block value of {self.layout.value_bytes} bytes")
         self.url, self.budget_bytes, self._fingerprint = url, budget_bytes, fingerprint
+        self._key_suffix = key_suffix
         self.max_in_flight, self.pipeline_ops = max_in_flight, pipeline_ops
         self.jobs = JobBook()
         self._lock = threading.Lock()
@@ -247,7 +249,7 @@ class RemoteStore:
     # ---------------------------------------------------------------- submitting
 
     def _key(self, block_hash: int) -> str:
-        return block_key(self._fingerprint, block_hash)
+        return block_key(self._fingerprint, block_hash) + self._key_suffix
 
     def _check_block(self, block: torch.Tensor, name: str, ref: BlockRef) -> torch.Tensor:
         if block.device.type != "cpu" or not block.is_contiguous():
