@@ -79,6 +79,10 @@ class Allocation(NamedTuple):
 EXTENDED = Allocation()  # a running sequence got the blocks for its next tokens
 SWAPPED_IN = Allocation(landing=True)
 
+# match_prefix asks the tier below about this many blocks first, then twice as many each time
+FIRST_LOOKUP_BLOCKS = 64
+MAX_LOOKUP_BLOCKS = 1024
+
 
 class KVLost(NamedTuple):
     """A swapped-out sequence's KV did not come back: it must be recomputed."""
@@ -162,9 +166,23 @@ class KVCacheManager:
         if miss is None:
             return PrefixMatch(tuple(gpu), tuple(cpu))
         # the store verifies parent and tokens when it reads the block
-        on_disk = itertools.takewhile(lambda ref: self.offload.nvme_contains(ref.block_hash),
-                                      itertools.chain([miss], refs))
-        return PrefixMatch(tuple(gpu), tuple(cpu), tuple(on_disk))
+        return PrefixMatch(tuple(gpu), tuple(cpu), self._lower_tier_run(seq, len(gpu) + len(cpu)))
+
+    def _lower_tier_run(self, seq: Sequence, start: int) -> tuple[BlockRef, ...]:
+        """The sequence's blocks from block `start` on that the tier below holds. It is asked
+        about windows of blocks, the first `FIRST_LOOKUP_BLOCKS` long, each next one twice the
+        last (up to `MAX_LOOKUP_BLOCKS`), until one is not held to its end: a long prompt the
+        tier lacks costs one small question (for a remote tier, one round trip)."""
+        hashes = self._hit_candidates(seq)
+        stop, size = start, FIRST_LOOKUP_BLOCKS
+        while stop < len(hashes):
+            window = hashes[stop : stop + size]
+            held = self.offload.nvme_contains_run(window)
+            stop += held
+            if held < len(window):
+                break
+            size = min(2 * size, MAX_LOOKUP_BLOCKS)
+        return tuple(self._block_refs(seq, start, stop))
 
     def _hit_candidates(self, seq: Sequence) -> list[int]:
         """The hashes of the sequence's full blocks that a prefix hit may cover."""

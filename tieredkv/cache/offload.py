@@ -7,6 +7,7 @@ Operations:
 - `requested(hashes, num_gpu_hits)`: a request was admitted with these full prompt blocks,
   the first `num_gpu_hits` found on the GPU: counted for the admission policy (and the trace).
 - `lookup(hash, parent, tokens)`: a demoted prefix block in the CPU tier.
+- `nvme_contains_run(hashes) -> n`: the first n blocks are in the tier below (one question).
 - `copy_in(cpu_blocks, gpu_ids) -> job id`: promote or swap in (one H2D job); the CPU blocks
   stay reserved until the job has finished.
 - `copy_out(gpu_ids) -> cpu blocks | None`: swap out (one D2H job).
@@ -17,7 +18,7 @@ Operations:
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from tieredkv.cache.admission import CPUPolicy, make_admission
 from tieredkv.cache.block_pool import Block, BlockPool
@@ -185,8 +186,9 @@ class CPUOffload:
 
     # ------------------------------------------------------------------ NVMe loads
 
-    def nvme_contains(self, block_hash: int) -> bool:
-        return self.nvme is not None and self.nvme.contains(block_hash)
+    def nvme_contains_run(self, block_hashes: Sequence[int]) -> int:
+        """How many of the leading blocks the tier below holds (0 without one)."""
+        return self.nvme.contains_run(block_hashes) if self.nvme is not None else 0
 
     def start_loads(self, request_id: str, refs: list[BlockRef]) -> int:
         """Read `refs` from NVMe into CPU blocks held for the request; how many reads started."""

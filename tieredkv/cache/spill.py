@@ -16,7 +16,8 @@ Writes never wait and never crowd out reads: while reads are in flight, or `MAX_
 writes are, the disk is behind and a spill is dropped (counted), not queued; after repeated
 failed writes (a full or lost disk) spilling pauses, for longer each time, and says so once.
 
-What is read: `contains(hash)`, `start_read(...) -> job | None`, `poll() -> [(job, ok)]`.
+What is read: `contains(hash)`, `contains_run(hashes) -> leading ones stored`, `start_read(...) -> job | None`,
+`poll() -> [(job, ok)]`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -203,6 +204,9 @@ class NVMeSpill:
 
     def contains(self, block_hash: int) -> bool:
         return self.store.contains(block_hash)
+
+    def contains_run(self, block_hashes: Sequence[int]) -> int:
+        return self.store.contains_run(block_hashes)
 
     def start_read(self, ref: BlockRef, cpu_block: Block) -> int | None:
         """Read a stored block into `cpu_block` (held by the caller until the job is reported)."""

@@ -147,6 +147,10 @@ class RankStores:
     def contains(self, block_hash: int) -> bool:
         return all(store.contains(block_hash) for store in self.stores)
 
+    def contains_run(self, block_hashes: Sequence[int]) -> int:
+        """How many of the leading blocks every rank's store holds."""
+        return min(store.contains_run(block_hashes) for store in self.stores)
+
     def submit_write(self, ref: BlockRef, src: Sequence[torch.Tensor]) -> int | None:
         """Write every rank's slice; None if no rank's store started a write (each holds the
         block already, or has no room)."""

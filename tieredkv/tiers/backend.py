@@ -2,6 +2,7 @@
 
     ref = BlockRef(block_hash, parent_hash, token_ids)
     store.contains(ref.block_hash)
+    store.contains_run([h0, h1, ...]) -> n # the first n are stored: one question for a prefix
     job = store.submit_write(ref, src)     # None: nothing started (stored already, or no room)
     job = store.submit_read(ref, dst)      # None: not stored (a miss)
     store.poll() -> [(job, ok), ...]       # jobs finished since the last poll
@@ -15,7 +16,7 @@ implementation; a remote store is another.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -33,6 +34,11 @@ class BlockStore(Protocol):
     """A tier of KV blocks with two-phase reads and writes (see the module docstring)."""
 
     def contains(self, block_hash: int) -> bool: ...
+
+    def contains_run(self, block_hashes: Sequence[int]) -> int:
+        """How many of the leading `block_hashes` the store holds (the run up to its first
+        miss), asked at once: a remote store pays one round trip for them all."""
+        ...
 
     def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None: ...
 

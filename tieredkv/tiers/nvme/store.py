@@ -8,7 +8,7 @@ Two-phase API, one CPU block per job (a block is `block_bytes` contiguous bytes,
     job = store.submit_read(ref, dst)      # None: not stored (a miss)
     store.poll() -> [(job, ok), ...]       # jobs finished since the last poll, each reported once
     store.wait([job, ...]) -> {job: ok}    # blocks; `await store.wait_async(jobs)` under asyncio
-    store.contains(block_hash); store.stats()
+    store.contains(block_hash); store.contains_run(hashes) -> leading ones stored; store.stats()
     store.sync() -> ok                     # every job done, file fsynced
     store.close()                          # or `with NVMeStore(...) as store:`
 
@@ -153,6 +153,14 @@ class NVMeStore:
         """True if the block is stored (its write finished) and not evicted or discarded."""
         with self._cond:
             return self.index.lookup(block_hash) is not None
+
+    def contains_run(self, block_hashes: Sequence[int]) -> int:
+        """How many of the leading `block_hashes` are stored (as `contains` answers each)."""
+        with self._cond:
+            for count, block_hash in enumerate(block_hashes):
+                if self.index.lookup(block_hash) is None:
+                    return count
+            return len(block_hashes)
 
     def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
         """Start storing the block in `src`; a job id, or None if no I/O was started.

@@ -3,6 +3,7 @@
 
     store = StorePair(local=nvme_store_or_None, remote=remote_store)
     store.contains(h)           # local first (no network), then remote
+    store.contains_run(hashes)  # the leading blocks either holds: at most one round trip a run
     store.submit_read(ref, dst) # from the first store that holds the block
     store.submit_write(ref, src)  # to both; one job, done when both are, ok if either stored it
     store.poll(); store.wait(jobs); store.stats(); store.close()
@@ -15,7 +16,7 @@ and the time spent reading of both stores; the remote store reports its own (`re
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -106,6 +107,18 @@ class StorePair(StoreSet):
 
     def contains(self, block_hash: int) -> bool:
         return any(store.contains(block_hash) for store in self.stores)
+
+    def contains_run(self, block_hashes: Sequence[int]) -> int:
+        """How many of the leading blocks one store or the other holds: the runs of each in turn,
+        until neither goes further (the remote store remembers what it was asked about, so a
+        block the local store holds between remote ones costs no new round trip)."""
+        held, grew = 0, True
+        while grew and held < len(block_hashes):
+            grew = False
+            for store in self.stores:
+                run = store.contains_run(block_hashes[held:])
+                held, grew = held + run, grew or run > 0
+        return held
 
     def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
         for i, store in enumerate(self.stores):

@@ -2,6 +2,7 @@
 
     shards = RemoteShards([RemoteStore(url, ...) for url in urls])
     shards.server_of(block_hash)     # the index of the one server that holds a block
+    shards.contains_run(hashes)      # each server asked about its blocks, all servers at once
     (the `BlockStore` API; stats() summed; measure_read_bandwidth() of all servers at once)
 
 A block lives on one server: the one with the highest xxh3(server name ‖ block hash)
@@ -14,6 +15,7 @@ one restarted empty makes the engine forget only its blocks.
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -44,6 +46,7 @@ class RemoteShards(StoreSet):
             raise ValueError(f"the server {twice[0]} is listed twice; list each server once")
         super().__init__(list(stores))
         self._names = [name.encode() for name in names]
+        self._lookups = ThreadPoolExecutor(len(stores), thread_name_prefix="tieredkv-remote-lookup")
 
     def server_of(self, block_hash: int) -> int:
         key = block_hash.to_bytes(8, "little")
@@ -52,6 +55,17 @@ class RemoteShards(StoreSet):
 
     def contains(self, block_hash: int) -> bool:
         return self.stores[self.server_of(block_hash)].contains(block_hash)
+
+    def contains_run(self, block_hashes: Sequence[int]) -> int:
+        """How many of the leading blocks are stored: each server is asked about its own (one
+        round trip each, all at once); the run ends at the first block its server lacks."""
+        positions: list[list[int]] = [[] for _ in self.stores]
+        for pos, block_hash in enumerate(block_hashes):
+            positions[self.server_of(block_hash)].append(pos)
+        asked = [(store, pos) for store, pos in zip(self.stores, positions, strict=True) if pos]
+        runs = self._lookups.map(lambda each: each[0].contains_run([block_hashes[p] for p in each[1]]), asked)
+        misses = [pos[run] for (_, pos), run in zip(asked, runs, strict=True) if run < len(pos)]
+        return min(misses, default=len(block_hashes))
 
     def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
         i = self.server_of(ref.block_hash)
@@ -62,6 +76,10 @@ class RemoteShards(StoreSet):
         i = self.server_of(ref.block_hash)
         inner = self.stores[i].submit_write(ref, src)
         return None if inner is None else self._new_job([(i, inner)])
+
+    def close(self) -> None:
+        self._lookups.shutdown()
+        super().close()
 
     def stats(self) -> dict[str, int | float | str | bool]:
         """The servers' `remote_*` counters summed; `remote_connected` while all are reachable,

@@ -2,6 +2,7 @@
 
     store = RemoteStore(url, block_bytes, fingerprint, block_size, budget_bytes=0)
     store.contains(block_hash)             # known here, else one EXISTS (misses remembered briefly)
+    store.contains_run([h0, h1, ...]) -> n # the first n are stored: one pipeline of EXISTS at most
     job = store.submit_write(ref, src)     # None: stored already, over budget, or the tier is down
     job = store.submit_read(ref, dst)      # None: not stored (a miss)
     store.poll() -> [(job, ok), ...]; store.wait([job, ...]) -> {job: ok}
@@ -31,7 +32,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -116,19 +117,43 @@ class RemoteStore:
 
     def contains(self, block_hash: int) -> bool:
         """True if the block is stored, as far as this engine knows or the server says now."""
+        return self.contains_run([block_hash]) == 1
+
+    def contains_run(self, block_hashes: Sequence[int]) -> int:
+        """How many of the leading blocks are stored, as far as this engine knows or the server
+        says now. The blocks it does not know, up to the first it knows to be absent, are asked
+        about in one pipeline of EXISTS (one round trip); the answers are remembered (an absent
+        block for `MISS_MEMORY_S`)."""
         if not self.link.up or self._closed:
-            return False
+            return 0
         with self._lock:
-            if self.index.stored(block_hash) or self.index.absent(block_hash):
-                return self.index.stored(block_hash)
-        try:
-            found = self._loop.call(self.link.client.exists(self._key(block_hash)), LOOKUP_TIMEOUT_S)
-        except ANY_ERROR as err:
-            self._fault(err)
-            return False
+            candidates = []  # up to the first block known to be absent
+            for block_hash in block_hashes:
+                if self.index.absent(block_hash):
+                    break
+                candidates.append(block_hash)
+            stored = [self.index.stored(h) for h in candidates]
+        ask = [h for h, known in zip(candidates, stored, strict=True) if not known]
+        if ask:
+            try:
+                found = self._exists(ask)
+            except ANY_ERROR as err:
+                self._fault(err)
+                return 0
+            stored = [known or found[h] for h, known in zip(candidates, stored, strict=True)]
+        return stored.index(False) if False in stored else len(stored)
+
+    def _exists(self, block_hashes: list[int]) -> dict[int, bool]:
+        """Ask the server which blocks it holds (one pipeline) and remember the answers."""
+        replies = self._loop.call(self._pipeline([("exists", self._key(h)) for h in block_hashes]), LOOKUP_TIMEOUT_S)
+        refused = [r for r in replies if isinstance(r, Exception)]
+        if refused:
+            raise refused[0]
+        found = {h: r == 1 for h, r in zip(block_hashes, replies, strict=True)}
         with self._lock:
-            (self.index.remember if found else self.index.note_absent)(block_hash)
-        return bool(found)
+            for block_hash, there in found.items():
+                (self.index.remember if there else self.index.note_absent)(block_hash)
+        return found
 
     def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
         """Start storing the block in `src`; None if nothing was started (module docstring)."""
