@@ -128,7 +128,7 @@ def test_result_json_describes_what_produced_it(tmp_path):
     assert engine["tiers"]["cpu"]["blocks"] == 128 * 1024 // block_bytes
     assert engine["tiers"]["nvme"]["blocks"] > 0 and engine["tiers"]["nvme"]["path"] == str(folder / "nvme")
     assert engine["io_backend"] == "sync"
-    assert engine["cost_model"] == {**COST, "prefill_s_per_token_sq": 0.0, "source": "pinned"}
+    assert engine["cost_model"] == {**COST, "prefill_s_per_token_sq": 0.0, "read_latency_s": 0.0, "source": "pinned"}
     assert engine["config"]["cache"]["nvme_path"] == str(folder / "nvme") and engine["device"].startswith("cpu")
     env = result["environment"]
     assert env["versions"]["tieredkv"] and env["versions"]["torch"] and env["versions"]["transformers"]
@@ -173,7 +173,7 @@ def test_compare_writes_comparison_json_and_overlaid_plots(tmp_path):
 
 
 def test_sigint_mid_run_leaves_a_partial_result(tmp_path):
-    storm = {"kind": "preemption_storm", "requests": 400, "prompt_tokens": 16, "max_tokens": 32, "rate": 40.0}
+    storm = {"kind": "preemption_storm", "requests": 400, "prompt_tokens": 16, "max_tokens": 32, "rate": 100.0}
     config = write_config(tmp_path, storm)
     proc = subprocess.Popen([sys.executable, "-m", "tieredkv.cli", "run", config, "--out", str(tmp_path / "out"),
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
