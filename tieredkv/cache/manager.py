@@ -8,7 +8,7 @@ Operations:
 - `plan_loads(seq, split) -> NVMePlan | None`: once per stay in the waiting queue, start
   reading the later part of the sequence's NVMe prefix blocks into the CPU tier (`split`, the
   policy, says how many of the earlier ones to compute instead).
-- `nvme_reads_in_flight()` / `disk_read_counters()`: the disk's queue and its observed speed;
+- `nvme_reads_in_flight()`: the disk's queue;
   `h2d_queue_blocks()`: the PCIe queue of copies in.
 - `computable(seq, budget, prefix) -> Chunk`: the one question about those loads: how many
   tokens the sequence may compute now (0: wait for its loads), and how many prefix tokens that
@@ -231,12 +231,6 @@ class KVCacheManager:
     def h2d_queue_blocks(self) -> int:
         """Blocks queued for copying CPU → GPU and not finished: the PCIe queue."""
         return self.offload.h2d_queue_blocks if self.offload is not None else 0
-
-    def disk_read_counters(self) -> tuple[int, float] | None:
-        """(bytes read from NVMe, seconds with reads in flight), cumulative; None without NVMe."""
-        if self.offload is None or self.offload.nvme is None:
-            return None
-        return self.offload.nvme.read_counters()
 
     def computable(self, seq: Sequence, budget: int, prefix: PrefixMatch | None = None) -> Chunk:
         """Tokens the sequence may compute now, up to `budget`: a new sequence (with its

@@ -226,11 +226,6 @@ class NVMeSpill:
         self.spilled_blocks += ok
         self._wrote(*self._writes.pop(job), ok)
 
-    def read_counters(self) -> tuple[int, float]:
-        """(bytes read, seconds with reads in flight), cumulative: the read bandwidth observed."""
-        stats = self.store.stats()
-        return stats["bytes_read"], stats["read_busy_s"]
-
     def stats(self) -> dict[str, int | str]:
         store = self.store.stats()
         return {
