@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
@@ -49,3 +50,13 @@ def hf_beams(model: torch.nn.Module, prompt: list[int], width: int, max_new_toke
         end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
         beams.append((tokens[:end], score))
     return beams
+
+
+def settle_writes(llm, timeout_s: float = 30.0) -> dict:
+    """Step the idle engine `llm` until the lower-tier writes it has in flight are finished and
+    booked (they run on the store's I/O thread, so a run may end before they do); its stats."""
+    deadline = time.monotonic() + timeout_s
+    while llm.stats()["nvme_write_backlog"] and time.monotonic() < deadline:
+        llm.step()
+        time.sleep(0.005)
+    return llm.stats()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.reference import make_prompts
+from tests.reference import make_prompts, settle_writes
 from tieredkv import LLM, SamplingParams
 from tieredkv.tiers.nvme.store import STORE_FILE_NAME
 
@@ -38,9 +38,9 @@ def test_blocks_asked_for_again_are_written_and_served_after_restart(tmp_path, r
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     with tiered_llm(tmp_path, cpu_policy="tinylfu") as llm:
         llm.generate(prompts, GREEDY, use_tqdm=False)
-        first = llm.stats()["nvme_spilled_blocks"]
+        first = settle_writes(llm)["nvme_spilled_blocks"]
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
-        assert llm.stats()["nvme_spilled_blocks"] > first  # asked for again: now worth a write
+        assert settle_writes(llm)["nvme_spilled_blocks"] > first  # asked for again: now worth a write
     with tiered_llm(tmp_path, cpu_policy="tinylfu") as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
         assert llm.stats()["nvme_loaded_blocks"] > 0
@@ -52,7 +52,7 @@ def test_prefixes_come_back_from_nvme_after_restart(tmp_path, backend, reference
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     with tiered_llm(tmp_path, backend) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
-        assert llm.stats()["nvme_spilled_blocks"] > 0
+        assert settle_writes(llm)["nvme_spilled_blocks"] > 0
     # a new engine on the same path finds what the first one spilled
     with tiered_llm(tmp_path, backend) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
@@ -77,7 +77,7 @@ def test_another_model_never_reuses_the_store(tmp_path, reference_outputs):
     prompts = make_prompts(vocab_size=512)
     with tiered_llm(tmp_path) as llm:
         llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert llm.stats()["nvme_spilled_blocks"] > 0
+        assert settle_writes(llm)["nvme_spilled_blocks"] > 0
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     with tiered_llm(tmp_path, seed=1) as llm:  # other weights: another fingerprint
         assert llm.stats()["nvme_restored"] == 0  # none of the first model's blocks is findable
@@ -200,7 +200,9 @@ def test_queued_requests_load_prefixes_spilled_while_they_waited(tmp_path, refer
     docs = [[rng.randrange(512) for _ in range(64)] for _ in range(6)]
     prompts = [doc + [rng.randrange(512) for _ in range(3)] for _ in range(3) for doc in docs]
     expected = reference_outputs("tiny-llama", prompts, 4)
-    with tiered_llm(tmp_path, scheduler={"cost_model": LOAD_WINS, "scheduling_policy": "fcfs"}) as llm:
+    # (32-token steps: the store's I/O thread writes a document's blocks while its questions wait)
+    with tiered_llm(tmp_path, scheduler={"cost_model": LOAD_WINS, "scheduling_policy": "fcfs",
+                                         "max_num_batched_tokens": 32}) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
         stats = llm.stats()
     assert [o.token_ids for o in outs] == expected

@@ -126,6 +126,9 @@ def test_engine_steps_run_on_while_the_disk_is_stuck(tmp_path):
 
     serving = in_thread(serve)
     serving.join(WAIT_S)
+    deadline = time.monotonic() + WAIT_S  # the store's I/O thread hands the queued writes to the disk
+    while not disk.order and time.monotonic() < deadline:
+        time.sleep(0.01)
     stats = sim.kv.stats()
     disk.stuck.set()
     assert not serving.is_alive()  # every step and allocation ran with writes stuck at the disk
