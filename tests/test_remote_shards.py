@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from tests.redis_server import RedisServer
+from tests.reference import settle_writes
 from tests.remote_link import SlowLink
 from tests.remote_worker import GREEDY, LOAD_WINS, NEW_TOKENS, prompts, remote_llm
 from tests.test_remote_store import BLOCK_BYTES, BLOCK_SIZE, FINGERPRINT, block, ref
+from tieredkv.cache.hashing import extend_block_hashes
 from tieredkv.tiers.remote import open_remote
 from tieredkv.tiers.remote.shards import RemoteShards
 from tieredkv.tiers.remote.value_format import block_key
@@ -70,10 +72,17 @@ def test_one_server_killed_mid_run_costs_recomputes_and_no_wrong_token(two_serve
     fcfs = {"cost_model": LOAD_WINS, "scheduling_policy": "fcfs"}
     with remote_llm(urls, scheduler=fcfs) as llm:
         assert generate(llm) == expected
-        for _ in range(8):  # idle steps: the spill-ahead writes go out
-            llm.step()
+        settle_writes(llm)  # idle steps: the spill-ahead writes go out
         assert all(s.block_keys() for s in two_servers), "both servers hold blocks"
-        two_servers[0].kill()
+        # blocks go to servers by hashing (their ports change from run to run), and a prefix is
+        # read from its first block on: kill the server that does not hold a stored prompt's first
+        # block, so that prefix still comes back from the other
+        shards = llm.kv.offload.nvme.store.remote
+        assert isinstance(shards, RemoteShards)
+        stored = {key.decode() for server in two_servers for key in server.block_keys()}
+        heads = [extend_block_hashes([], p, llm.kv.block_size, llm.kv.root_hash)[:1] for p in prompts()]
+        head = next(h for [h] in filter(None, heads) if block_key(llm.fingerprint, h) in stored)
+        two_servers[1 - shards.server_of(head)].kill()
         llm.reset_prefix_cache()  # what the engine knows is on the servers, it reads from them
         assert generate(llm) == expected
         stats = llm.stats()
