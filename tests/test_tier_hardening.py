@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.reference import make_prompts
+from tests.reference import make_prompts, settle_writes
 from tests.test_nvme_hardening import file_size_limit
 from tieredkv import LLM, SamplingParams
 from tieredkv.tiers.nvme.store import STORE_FILE_NAME
@@ -114,7 +114,7 @@ def test_a_store_deleted_on_a_full_disk_is_closed_and_made_again(tmp_path, refer
     with small_disk(tmp_path / "disk", 4 << 20) as disk, tiny_llm(disk / "kv", 16) as llm:
         fill(disk / "filler")
         assert tokens(llm, prompts) == expected
-        written = llm.stats()["nvme_spilled_blocks"]
+        written = settle_writes(llm)["nvme_spilled_blocks"]
         assert written > 0
         os.remove(disk / "kv" / STORE_FILE_NAME)
         # the next submit notices; the lost file is closed once its jobs ended, which gives its
@@ -129,8 +129,7 @@ def test_a_store_deleted_on_a_full_disk_is_closed_and_made_again(tmp_path, refer
         assert deleted_files_open(disk) == []
         assert (disk / "kv" / STORE_FILE_NAME).exists()
         assert llm.kv.offload.nvme.store.sync()
-        llm.step()
-        stats = llm.stats()
+        stats = settle_writes(llm)
         assert stats["nvme_files_lost"] == 1 and stats["nvme_spilled_blocks"] > written
         assert stats["cpu_blocks_used"] == 0 and stats["nvme_write_backlog"] == 0
 
