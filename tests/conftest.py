@@ -67,3 +67,16 @@ def redis_server(tmp_path):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def two_servers(tmp_path):
+    """Two real redis-servers on free loopback ports, stopped at the end."""
+    from tests.redis_server import RedisServer
+
+    servers = [RedisServer(tmp_path / f"redis{i}") for i in range(2)]
+    for server in servers:
+        server.start()
+    yield servers
+    for server in servers:
+        server.stop()

@@ -10,9 +10,6 @@ import random
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.redis_server import RedisServer
 from tests.remote_link import SlowLink
 from tests.remote_worker import GREEDY, LOAD_WINS, NEW_TOKENS
 from tests.test_remote_store import BLOCK_BYTES, BLOCK_SIZE, FINGERPRINT, block, open_store, ref, write_all
@@ -67,16 +64,6 @@ def test_store_pair_runs_through_blocks_held_by_either_store(redis_server, tmp_p
         assert nvme.contains_run(hashes(range(8))) == 0 and nvme.contains_run(hashes([2, 5, 0])) == 2
         assert pair.contains_run(hashes(range(8))) == 6
         assert pair.contains_run(hashes([0, 1, 7, 2])) == 2
-
-
-@pytest.fixture
-def two_servers(tmp_path):
-    servers = [RedisServer(tmp_path / f"redis{i}") for i in range(2)]
-    for server in servers:
-        server.start()
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 def test_sharded_servers_are_asked_at_once_and_the_run_ends_at_the_first_block_lost(two_servers):

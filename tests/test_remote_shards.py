@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.redis_server import RedisServer
 from tests.reference import settle_writes
 from tests.remote_link import SlowLink
 from tests.remote_worker import GREEDY, LOAD_WINS, NEW_TOKENS, prompts, remote_llm
@@ -17,16 +16,6 @@ from tieredkv.cache.hashing import extend_block_hashes
 from tieredkv.tiers.remote import open_remote
 from tieredkv.tiers.remote.shards import RemoteShards
 from tieredkv.tiers.remote.value_format import block_key
-
-
-@pytest.fixture
-def two_servers(tmp_path):
-    servers = [RedisServer(tmp_path / f"redis{i}") for i in range(2)]
-    for server in servers:
-        server.start()
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 @pytest.fixture
