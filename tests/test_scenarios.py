@@ -226,7 +226,7 @@ def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more
         run_prompts(sched, sim, [doc])
         loads.append(sched.nvme_prefix_blocks["load"] - before["load"])
     assert loads[0] > 0 and loads[1] < loads[0]  # the first plan believed the calibration; the next the disk
-    observed = sched.disk_rate  # loads of one size: slower as a latency (or a rate), seen either way
+    observed = sched.observed_loads  # loads of one size: slower as a latency (or a rate), seen either way
     calibrated_s = 8 * BLOCK_BYTES / calibrated.disk_read_bytes_per_s
     assert observed.latency_s + 8 * BLOCK_BYTES / observed.bytes_per_s > 10 * calibrated_s
 

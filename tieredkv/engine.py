@@ -371,6 +371,7 @@ class LLMEngine:
         """Blocks per tier, prefix-cache hits, preemptions by kind, NVMe prefix blocks by the cost
         model's choice (load or compute), tokens computed, where the loop's time went
         (`LOOP_STATS`), the remote tier's counters."""
+        loads = self.scheduler.observed_loads
         stats = {
             **self.kv.stats(),
             "preemptions": dict(self.scheduler.num_preemptions),
@@ -379,7 +380,7 @@ class LLMEngine:
             "nvme_skipped_tokens": self.scheduler.nvme_skipped_tokens,
             "nvme_load_waits": self.scheduler.nvme_load_waits,
             "cpu_hits_recomputed": self.scheduler.cpu_hits_recomputed,
-            **({"disk_read_bytes_per_s": self.scheduler.disk_rate.bytes_per_s} if self.scheduler.disk_rate else {}),
+            **({"disk_read_bytes_per_s": loads.bytes_per_s} if loads else {}),
             **self._counters,
             **self._loop_s,
             "requests_waiting": len(self.scheduler.waiting),

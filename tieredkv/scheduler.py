@@ -83,7 +83,7 @@ class Scheduler:
         # on (a cost model pinned in the config stays as pinned)
         cost = policy.cost
         measured = config.cost_model is None and cost is not None and cost.disk_read_bytes_per_s is not None
-        self.disk_rate = ObservedLoads(cost.disk_read_bytes_per_s, cost.read_latency_s) if measured else None
+        self.observed_loads = ObservedLoads(cost.disk_read_bytes_per_s, cost.read_latency_s) if measured else None
         # sequences whose loads are in flight: (sequence, when submitted, bytes read until they land)
         self._load_clocks: dict[str, tuple[Sequence, float, int]] = {}
         self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
@@ -250,8 +250,8 @@ class Scheduler:
         def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
             nonlocal queued
             queued, plan = self.kv.nvme_reads_in_flight(), self.policy.nvme_blocks_to_compute
-            compute = plan(num_blocks, first_token, queued, gpu_queue_tokens, self.disk_rate)
-            idle = plan(num_blocks, first_token, observed=self.disk_rate)
+            compute = plan(num_blocks, first_token, queued, gpu_queue_tokens, self.observed_loads)
+            idle = plan(num_blocks, first_token, observed=self.observed_loads)
             self.nvme_prefix_blocks["compute_for_queues"] += max(0, compute - idle)
             return compute
 
@@ -260,7 +260,7 @@ class Scheduler:
             return
         self.nvme_prefix_blocks["compute"] += plan.num_compute
         self.nvme_prefix_blocks["load"] += plan.num_load
-        if self.disk_rate is not None and self.kv.loading(seq):
+        if self.observed_loads is not None and self.kv.loading(seq):
             read = (queued + plan.num_load) * self.policy.block_bytes
             self._load_clocks[seq.seq_id] = (seq, time.monotonic(), read)
 
@@ -274,7 +274,7 @@ class Scheduler:
                 continue
             del self._load_clocks[seq_id]
             if seq_id not in self._last_scheduled:
-                self.disk_rate.add(num_bytes, now - since)
+                self.observed_loads.add(num_bytes, now - since)
 
     def _worth_copying(self, prefix: PrefixMatch) -> PrefixMatch:
         """The prefix without its CPU hits (and what follows them) when the PCIe queue makes
