@@ -61,6 +61,11 @@ class CostModel:
         """Time to prefill `num_tokens` tokens again."""
         return self.prefill_s_per_token * num_tokens + self.prefill_s_per_token_sq * num_tokens**2
 
+    def extend_s(self, first_token: int, num_tokens: int) -> float:
+        """Time to prefill `num_tokens` tokens after the first `first_token` (their attention
+        covers those before them)."""
+        return self.recompute_s(first_token + num_tokens) - self.recompute_s(first_token)
+
 
 def choose_preemption(
     mode: Preemption, num_tokens: int, num_blocks: int, block_bytes: int, cpu_free_blocks: int, cost: CostModel | None
@@ -101,12 +106,12 @@ def split_nvme_prefix(
     gpu_wait = cost.recompute_s(gpu_queue_tokens)
 
     def finish_s(c: int) -> float:
-        compute = gpu_wait + cost.recompute_s(first_token + c * block_size) - cost.recompute_s(first_token)
+        compute = gpu_wait + cost.extend_s(first_token, c * block_size)
         load = load_wait + (num_blocks - c) * per_block_load if c < num_blocks else 0.0
         return max(compute, load)
 
     best = min(range(num_blocks + 1), key=finish_s)
-    margin = LOAD_MARGIN * (cost.recompute_s(first_token + num_blocks * block_size) - cost.recompute_s(first_token))
+    margin = LOAD_MARGIN * cost.extend_s(first_token, num_blocks * block_size)
     return best if finish_s(best) <= finish_s(num_blocks) - margin else num_blocks
 
 
@@ -120,7 +125,7 @@ def promote_cpu_hits(
     if cost is None:
         return True
     copy_s = (h2d_queue_bytes + num_blocks * block_bytes) / cost.h2d_bytes_per_s
-    return copy_s <= cost.recompute_s(first_token + num_blocks * block_size) - cost.recompute_s(first_token)
+    return copy_s <= cost.extend_s(first_token, num_blocks * block_size)
 
 
 class ObservedLoads:
