@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
-from tieredkv.experiment.harness import TIMELINE_KEYS, _slo
+from tieredkv.experiment.harness import TIMELINE_KEYS
 from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
 from tieredkv.experiment.plots import write_plots
 from tieredkv.experiment.results import result_document, write_json
@@ -168,7 +168,7 @@ async def _replay(experiment: Any, run: Any, base_url: str, model: str | None, t
               "cost_model": None, "device": f"the server at {base_url}",
               "server": {"base_url": base_url, "model": model}}
     result = result_document(name, engine, describe_workload(run.workload), summary, client.records, start, timeline,
-                             slo=_slo(experiment.slo, client.records, summary))
+                             slo=experiment.slo.report(client.records, summary) if experiment.slo else None)
     return summary, result
 
 

@@ -35,7 +35,6 @@ from tieredkv.cache.trace import BlockTrace, replay_all
 from tieredkv.config import EngineConfig
 from tieredkv.experiment.metrics import (
     RequestRecord,
-    Slo,
     Summary,
     format_comparison,
     format_summary,
@@ -243,7 +242,7 @@ async def _run(run: Run, experiment: Experiment, options: Options,
     summary = summarize(run.name, client.records, elapsed, stats, partial=interrupt.fired, restart=restart_doc)
     result = result_document(run.name, engine, describe_workload(run.workload), summary, client.records, start,
                              timeline, point=dict([run.point]) if run.point else None,
-                             slo=_slo(experiment.slo, client.records, summary),
+                             slo=experiment.slo.report(client.records, summary) if experiment.slo else None,
                              keep_prompt_ids=options.keep_prompt_ids)
     if trace is not None:
         result["cpu_tier_replay"] = replay_all(trace, offload.tier.num_blocks)
@@ -259,16 +258,6 @@ async def _stop_restart(restart: asyncio.Task | None, slot: EngineSlot) -> None:
     restart.cancel()
     await asyncio.gather(restart, return_exceptions=True)
     await slot.settle()
-
-
-def _slo(slo: Slo | None, records: list[RequestRecord], summary: Summary) -> dict[str, Any] | None:
-    """The targets, what the run measured for them, whether they held, and goodput (requests
-    per second within every per-request bound)."""
-    if slo is None:
-        return None
-    measured = slo.measure(records)
-    return {"targets": slo.targets, "measured": measured, "met": slo.holds(measured, summary),
-            "goodput_rps": slo.goodput_rps(records, summary.elapsed_s)}
 
 
 def startup_summary(name: str, engine: dict[str, Any]) -> str:

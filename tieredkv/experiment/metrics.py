@@ -283,6 +283,13 @@ class Slo:
             return None
         return sum(meets(r, self.per_request) for r in records) / elapsed_s
 
+    def report(self, records: list[RequestRecord], summary: Summary) -> dict[str, Any]:
+        """The targets, what the run measured for them, whether they held, and goodput (requests
+        per second within every per-request bound): result.json's `slo`."""
+        measured = self.measure(records)
+        return {"targets": self.targets, "measured": measured, "met": self.holds(measured, summary),
+                "goodput_rps": self.goodput_rps(records, summary.elapsed_s)}
+
 
 def meets(record: RequestRecord, bounds: dict[str, float]) -> bool:
     """Whether a request finished without error within every bound (ms, keys `<latency>_ms`);
