@@ -13,12 +13,12 @@ for the block, a miss on every rank (recomputed). `remote_bytes` is a total, spl
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from tieredkv.config import CacheConfig
 from tieredkv.parallel.sharded_tiers import RankStores
 from tieredkv.tiers.remote import open_remote
+from tieredkv.tiers.remote.shards import read_bandwidth_together
 
 if TYPE_CHECKING:  # they import redis, an optional dependency (open_remote says so by the config key)
     from tieredkv.tiers.remote.shards import RemoteShards
@@ -73,7 +73,4 @@ class ShardedRemote(RankStores):
     def measure_read_bandwidth(self, num_bytes: int = 64 << 20, max_blocks: int = 256) -> float | None:
         """Bytes/s of whole blocks: every rank's store probed at the same time (the ranks read
         their shares at once, so their bytes add up); None if no rank's could be measured."""
-        with ThreadPoolExecutor(len(self.stores)) as pool:
-            rates = list(pool.map(lambda s: s.measure_read_bandwidth(num_bytes, max_blocks), self.stores))
-        measured = [rate for rate in rates if rate is not None]
-        return sum(measured) if measured else None
+        return read_bandwidth_together(self.stores, num_bytes, max_blocks)

@@ -97,7 +97,13 @@ class RemoteShards(StoreSet):
     def measure_read_bandwidth(self, num_bytes: int = 64 << 20, max_blocks: int = 256) -> float | None:
         """Bytes/s of block reads from all servers at once (each probed as `RemoteStore` does,
         at the same time); None if no server could be measured."""
-        with ThreadPoolExecutor(len(self.stores)) as pool:
-            rates = list(pool.map(lambda s: s.measure_read_bandwidth(num_bytes, max_blocks), self.stores))
-        measured = [rate for rate in rates if rate is not None]
-        return sum(measured) if measured else None
+        return read_bandwidth_together(self.stores, num_bytes, max_blocks)
+
+
+def read_bandwidth_together(stores: Sequence[RemoteStore | RemoteShards], num_bytes: int, max_blocks: int) -> float | None:
+    """Bytes/s of block reads from `stores` probed at the same time (their bytes add up); None if
+    none could be measured."""
+    with ThreadPoolExecutor(len(stores)) as pool:
+        rates = list(pool.map(lambda s: s.measure_read_bandwidth(num_bytes, max_blocks), stores))
+    measured = [rate for rate in rates if rate is not None]
+    return sum(measured) if measured else None
