@@ -100,7 +100,8 @@ class RemoteShards(StoreSet):
         return read_bandwidth_together(self.stores, num_bytes, max_blocks)
 
 
-def read_bandwidth_together(stores: Sequence[RemoteStore | RemoteShards], num_bytes: int, max_blocks: int) -> float | None:
+def read_bandwidth_together(stores: Sequence[RemoteStore | RemoteShards], num_bytes: int,
+                            max_blocks: int) -> float | None:
     """Bytes/s of block reads from `stores` probed at the same time (their bytes add up); None if
     none could be measured."""
     with ThreadPoolExecutor(len(stores)) as pool:
