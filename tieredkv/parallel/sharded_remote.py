@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from tieredkv.config import CacheConfig
 from tieredkv.parallel.sharded_tiers import RankStores
 from tieredkv.tiers.remote import open_remote
-from tieredkv.tiers.remote.shards import read_bandwidth_together
 
 if TYPE_CHECKING:  # they import redis, an optional dependency (open_remote says so by the config key)
     from tieredkv.tiers.remote.shards import RemoteShards
@@ -73,4 +72,6 @@ class ShardedRemote(RankStores):
     def measure_read_bandwidth(self, num_bytes: int = 64 << 20, max_blocks: int = 256) -> float | None:
         """Bytes/s of whole blocks: every rank's store probed at the same time (the ranks read
         their shares at once, so their bytes add up); None if no rank's could be measured."""
+        from tieredkv.tiers.remote.shards import read_bandwidth_together  # needs redis-py: imported in use
+
         return read_bandwidth_together(self.stores, num_bytes, max_blocks)
