@@ -104,6 +104,14 @@ def rank_all_reduce_time(worker, tokens: int, reps: int) -> float:
     return time_cuda(lambda: dist.all_reduce(x), reps=reps, warmup=3)
 
 
+def rank_bus_bandwidth(worker, num_bytes: int) -> float:
+    """NCCL's own all-reduce bus bandwidth (GB/s) for `num_bytes` of bf16, as nccl-tests counts
+    it: 2 (n - 1) / n of the bytes per second."""
+    x = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    world = dist.get_world_size()
+    return 2 * (world - 1) / world * num_bytes / time_cuda(lambda: dist.all_reduce(x), reps=10, warmup=3) / 1e9
+
+
 def rank_pinned_peaks(worker, rank: int | None) -> tuple[float, float] | None:
     """(D2H, H2D) GB/s of a 1 GiB pinned copy on this rank, if it is `rank` (None: every rank
     at once)."""
@@ -166,15 +174,25 @@ def plan_of(llm: LLM, step) -> StepPlan:
 
 
 def collectives(llm: LLM, decode, prefill, args, records: list, steps: dict) -> None:
+    """Per step: the GPU time of its NCCL kernels, the same all-reduces timed alone (NCCL's own
+    time for that size: in-step efficiency is alone / in-step), and the bus bandwidth both reach
+    beside NCCL's peak on a 1 GiB all-reduce."""
     ranks = llm.runner.ranks
     layers = llm.runner.hf_config.num_hidden_layers
+    hidden = llm.runner.hf_config.hidden_size
+    peak = min(ranks.call("apply", rank_bus_bandwidth, GiB))
+    records.append(report("NCCL all-reduce bus bandwidth, 1 GiB", peak, "GB/s"))
     for name, step, tokens in (("decode", decode, args.batch), ("prefill", prefill, args.prefill_seqs * args.context)):
         nccl = max(ranks.call("apply", rank_nccl_time, plan_of(llm, step), 5))
         alone = 2 * layers * max(ranks.call("apply", rank_all_reduce_time, tokens, 10))
         records.append(report(f"TP=2 {name} step: NCCL kernel time (profiler, eager)", nccl * 1e3, "ms",
                               steps[name] * 1e3, f"{name} step"))
         records.append(report(f"TP=2 {name} step: {2 * layers} all-reduces of {tokens} tokens, alone",
-                              alone * 1e3, "ms", steps[name] * 1e3, f"{name} step"))
+                              alone * 1e3, "ms", nccl * 1e3, "in-step NCCL time"))
+        step_bytes = 2 * layers * tokens * hidden * 2
+        bus = 2 * (ranks.world - 1) / ranks.world * step_bytes / nccl / 1e9
+        records.append(report(f"TP=2 {name} step: all-reduce bus bandwidth in the step", bus, "GB/s",
+                              peak, "NCCL, 1 GiB"))
 
 
 def swap_bandwidth(llm: LLM, swap_bytes: int, records: list) -> None:

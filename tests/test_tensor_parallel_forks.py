@@ -5,6 +5,7 @@ forks' copy-on-write block copies run on both ranks."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.reference import make_prompts
 from tieredkv import LLM, BeamSearchParams, SamplingParams
@@ -90,6 +91,28 @@ def test_forks_preempted_at_two_ranks_equal_one_rank(preemption):
         got_beams = two.beam_search(PROMPTS[2:4], beams, use_tqdm=False)
         stats = two.stats()
     assert stats["preemptions"][preemption] > 0
+    for g, w in zip(got, want, strict=True):
+        assert g.error is None and len(g.outputs) == len(w.outputs)
+        for got_out, want_out in zip(g.outputs, w.outputs, strict=True):
+            assert_same_completion(got_out, want_out)
+    assert [[s.token_ids for s in o.sequences] for o in got_beams] == [
+        [s.token_ids for s in o.sequences] for o in want_beams
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_forks_on_two_gpus_equal_one_gpu():
+    """NCCL, CUDA graphs: samples, best_of, logprobs and beams at two ranks give one GPU's."""
+    kw = dict(model="tiny-llama", device="cuda", dtype="float32", block_size=16, num_gpu_blocks=96)
+    beams = BeamSearchParams(beam_width=3, max_tokens=6)
+    with LLM(**kw) as one:
+        want = one.generate(PROMPTS, PARAMS, use_tqdm=False)
+        want_beams = one.beam_search(PROMPTS[:3], beams, use_tqdm=False)
+    with LLM(**kw, tensor_parallel_size=2) as two:
+        got = two.generate(PROMPTS, PARAMS, use_tqdm=False)
+        got_beams = two.beam_search(PROMPTS[:3], beams, use_tqdm=False)
+        assert two.stats()["cow_block_copies"] > 0
     for g, w in zip(got, want, strict=True):
         assert g.error is None and len(g.outputs) == len(w.outputs)
         for got_out, want_out in zip(g.outputs, w.outputs, strict=True):

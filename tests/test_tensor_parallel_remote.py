@@ -6,6 +6,7 @@ on one rank is a miss on both (recomputed), whether the lookup or the read finds
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.remote_worker import GREEDY, NEW_TOKENS, prompts, remote_llm
 from tests.test_remote_tier import settled_stats
@@ -13,9 +14,13 @@ from tieredkv import LLM
 from tieredkv.parallel.sharded_remote import rank_key_suffix
 
 
-def tp_remote_llm(url: str) -> LLM:
+def tp_remote_llm(url: str, device: str = "cpu") -> LLM:
     """Two ranks; GPU and CPU tiers so small that most prefixes end up on the server."""
-    return remote_llm(url, device="cpu", dtype="float32", tensor_parallel_size=2)
+    return remote_llm(url, device=device, dtype="float32", tensor_parallel_size=2)
+
+
+TWO_GPUS = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")])
 
 
 def generate(llm: LLM) -> list[list[int]]:
@@ -32,8 +37,9 @@ def expected(reference_outputs):
     return reference_outputs("tiny-llama", prompts(), NEW_TOKENS)
 
 
-def test_two_ranks_store_their_shares_and_a_second_engine_reads_them(redis_server, expected):
-    with tp_remote_llm(redis_server.url) as llm:
+@pytest.mark.parametrize("device", ["cpu", TWO_GPUS])
+def test_two_ranks_store_their_shares_and_a_second_engine_reads_them(redis_server, expected, device):
+    with tp_remote_llm(redis_server.url, device) as llm:
         assert generate(llm) == expected
         fingerprint = llm.fingerprint
     stats = llm.stats()  # closed: every write done
@@ -47,7 +53,7 @@ def test_two_ranks_store_their_shares_and_a_second_engine_reads_them(redis_serve
     value = redis_server.client().get(rank0[0])
     assert len(value) - 2048 // 2 == len(redis_server.client().get(rank1[0])) - 2048 // 2 > 0  # half a block each
 
-    with tp_remote_llm(redis_server.url) as llm:
+    with tp_remote_llm(redis_server.url, device) as llm:
         assert generate(llm) == expected
         stats = llm.stats()
     assert stats["remote_hit_blocks"] > 0 and stats["remote_errors"] == 0
