@@ -11,23 +11,29 @@ server in front of it).
         [--prompt 1024] [--new 128] [--json out.json]
     python benchmarks/bench_serve.py --model tiny-llama --device cpu --concurrency 8 \\
         --requests 32 --prompt 32 --new 16     # a smoke run anywhere
+
+`--py-spy DIR` samples the processes during each measured drive (py-spy, every thread, idle
+ones too, collapsed stacks): `in-process.txt` (the engine with its clients), `http-server.txt`
+and `http-client.txt`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import random
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -51,6 +57,7 @@ class Run:
     itls: list[float] = field(default_factory=list)
     tokens: int = 0
     cpu_s: float = 0.0  # CPU time of the process that ran the engine (in-process: with its clients)
+    client_cpu_s: float = 0.0  # HTTP: CPU time of the client process (this one)
 
     def add(self, start: float, times: list[float]) -> None:
         self.tokens += len(times)
@@ -75,6 +82,23 @@ async def drive(stream: Stream, prompts: list[list[int]], concurrency: int, new_
     return run
 
 
+@contextlib.contextmanager
+def sampled(folder: str | None, name: str, pid: int) -> Iterator[None]:
+    """py-spy samples process `pid` while the block runs; its collapsed stacks go to
+    `folder/name.txt` (nothing without a folder)."""
+    if folder is None:
+        yield
+        return
+    out = os.path.join(folder, f"{name}.txt")
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "100", "--threads", "--idle",
+                            "--format", "raw", "--output", out, "--nonblocking"], stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file when interrupted
+        spy.wait(timeout=60)
+
+
 def in_process(config: EngineConfig, warm: list[list[int]], prompts: list[list[int]], args) -> Run:
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
 
@@ -87,7 +111,8 @@ def in_process(config: EngineConfig, warm: list[list[int]], prompts: list[list[i
 
         await drive(stream, warm, args.concurrency, args.new)
         start = _own_cpu_s()
-        run = await drive(stream, prompts, args.concurrency, args.new)
+        with sampled(args.py_spy, "in-process", os.getpid()):
+            run = await drive(stream, prompts, args.concurrency, args.new)
         run.cpu_s = _own_cpu_s() - start
         await allm.close()
         return run
@@ -150,9 +175,10 @@ async def _http_runs(url: str, warm: list[list[int]], prompts: list[list[int]], 
                         yield time.perf_counter()
 
         await drive(stream, warm, args.concurrency, args.new)
-        start = _process_cpu_s(server_pid)
-        run = await drive(stream, prompts, args.concurrency, args.new)
-        run.cpu_s = _process_cpu_s(server_pid) - start
+        start, client_start = _process_cpu_s(server_pid), _own_cpu_s()
+        with sampled(args.py_spy, "http-server", server_pid), sampled(args.py_spy, "http-client", os.getpid()):
+            run = await drive(stream, prompts, args.concurrency, args.new)
+        run.cpu_s, run.client_cpu_s = _process_cpu_s(server_pid) - start, _own_cpu_s() - client_start
         return run
 
 
@@ -171,6 +197,8 @@ def summarize(name: str, run: Run, base: Run | None) -> list[dict]:
                               "in-process"))
     records.append(report(f"{name}: engine process CPU per token", cpu_ms, "ms", base.cpu_s / base.tokens * 1e3,
                           "in-process"))
+    records.append(report(f"{name}: client process CPU (of its wall time)", run.client_cpu_s / run.elapsed_s * 100,
+                          "%", 100.0, "one core"))
     return records
 
 
@@ -185,6 +213,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128, help="output tokens per request")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--py-spy", metavar="DIR", help="sample the processes of each measured drive into DIR")
     args = parser.parse_args()
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     config = EngineConfig.from_kwargs(
