@@ -50,7 +50,7 @@ QUESTION = 64
 def spill_prompt_blocks(llm: LLM, prompt: list[int]) -> int:
     """Write the prompt's cached GPU blocks to the NVMe store (as a long-idle engine would
     have spilled them); returns how many were written."""
-    kv, store = llm.kv, llm.kv.offload.nvme.store
+    kv, store = llm.kv, llm.kv.offload.lower.store
     block = kv.offload.tier.data[0]
     staging = aligned_empty(block.numel() * block.element_size()).view(block.dtype).view(block.shape)
     hashes = extend_block_hashes([], prompt, kv.block_size, kv.root_hash)
@@ -129,7 +129,7 @@ MOVED = ("nvme_loaded_blocks", "nvme_failed_loads", "nvme_corrupt", "nvme_io_err
 def load_only_read_rate(llm: LLM, prompt: list[int], cost: CostModel, args: argparse.Namespace) -> dict:
     """The load-only request's TTFT and read rate, beside the disk's O_DIRECT read peak measured
     just before it (same directory, the engine's block size, the store's queue depth)."""
-    store = llm.kv.offload.nvme.store
+    store = llm.kv.offload.lower.store
     depth, block_bytes = store_queue_depth(store), llm.block_bytes
     size = args.peak_bytes // block_bytes * block_bytes
     _, peak = sequential_peak(args.dir, size, block_bytes, depth)
@@ -177,7 +177,7 @@ def main() -> None:
         prefix = [rng.randrange(1000, 120000) for _ in range(length)]
         llm.generate(prefix + [5] * QUESTION, FIRST_TOKEN, use_tqdm=False)  # computes the prefix KV
         written = spill_prompt_blocks(llm, prefix + [5] * QUESTION)
-        print(f"{length} prefix: {written} blocks written to NVMe; store {llm.kv.offload.nvme.store.stats()}")
+        print(f"{length} prefix: {written} blocks written to NVMe; store {llm.kv.offload.lower.store.stats()}")
         prompt = prefix + [rng.randrange(1000, 120000) for _ in range(QUESTION)]
         row = {"prefix_tokens": length, "blocks_on_nvme": written}
         for name, cost in (("load-only", load_only), ("recompute-only", recompute_only),

@@ -25,7 +25,7 @@ def test_load_only_reads_are_timed_against_the_disk_peak(tmp_path, monkeypatch):
         prefix = list(range(10, 50))
         llm.generate(prefix + [5] * 4, bench.FIRST_TOKEN, use_tqdm=False)
         assert bench.spill_prompt_blocks(llm, prefix + [5] * 4) == 11
-        store = llm.kv.offload.nvme.store
+        store = llm.kv.offload.lower.store
         assert bench.store_queue_depth(store) == 32
         args = argparse.Namespace(dir=str(tmp_path), peak_bytes=8 << 20)
         load_only = dataclasses.replace(COST, prefill_s_per_token=1e3)

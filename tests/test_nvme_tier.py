@@ -106,7 +106,7 @@ def test_a_damaged_store_costs_recompute_not_wrong_tokens(tmp_path, damage, refe
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     with tiered_llm(tmp_path) as llm:
         llm.generate(prompts, GREEDY, use_tqdm=False)
-        geometry = llm.kv.offload.nvme.store.geometry
+        geometry = llm.kv.offload.lower.store.geometry
     file = os.path.join(tmp_path, STORE_FILE_NAME)
     if damage == "flip":
         assert damage_payloads(tmp_path, geometry) > 0

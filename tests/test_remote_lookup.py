@@ -14,7 +14,7 @@ from tests.remote_link import SlowLink
 from tests.remote_worker import GREEDY, LOAD_WINS, NEW_TOKENS
 from tests.test_remote_store import BLOCK_BYTES, BLOCK_SIZE, FINGERPRINT, block, open_store, ref, write_all
 from tieredkv import LLM, SamplingParams
-from tieredkv.cache.manager import FIRST_LOOKUP_BLOCKS
+from tieredkv.cache.lower_tier import FIRST_LOOKUP_BLOCKS
 from tieredkv.sequence import Sequence
 from tieredkv.tiers.remote import StorePair, open_remote
 from tieredkv.tiers.remote.value_format import block_key
@@ -95,7 +95,7 @@ def test_a_distant_prefix_is_matched_in_one_round_trip_and_tokens_are_exact(redi
             assert not llm.remote.contains(1)  # the connection is warm
             seq = Sequence("probe", prompt, GREEDY)
             match, elapsed = timed(llm.kv.match_prefix, seq)
-            assert len(match.nvme_refs) == 64 and not match.gpu_blocks and not match.cpu_blocks
+            assert len(match.lower_refs) == 64 and not match.gpu_blocks and not match.cpu_blocks
             assert elapsed < 5 * LATENCY_S  # one block at a time took 64 round trips (1.28 s)
             tokens = [o.token_ids for o in llm.generate([prompt], GREEDY, use_tqdm=False)]
             stats = llm.stats()

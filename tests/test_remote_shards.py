@@ -66,7 +66,7 @@ def test_one_server_killed_mid_run_costs_recomputes_and_no_wrong_token(two_serve
         # blocks go to servers by hashing (their ports change from run to run), and a prefix is
         # read from its first block on: kill the server that does not hold a stored prompt's first
         # block, so that prefix still comes back from the other
-        shards = llm.kv.offload.nvme.store.remote
+        shards = llm.kv.offload.lower.store.remote
         assert isinstance(shards, RemoteShards)
         stored = {key.decode() for server in two_servers for key in server.block_keys()}
         heads = [extend_block_hashes([], p, llm.kv.block_size, llm.kv.root_hash)[:1] for p in prompts()]
@@ -89,6 +89,6 @@ def test_a_remote_tier_slower_than_recomputing_is_not_waited_for(redis_server, e
     with SlowLink(redis_server.port, bytes_per_s=100_000) as link, remote_llm(link.url, scheduler={}) as llm:
         assert llm.scheduler.policy.cost.disk_read_bytes_per_s < 300_000  # measured through the link
         assert generate(llm) == expected
-        stats, planned = llm.stats(), dict(llm.scheduler.nvme_prefix_blocks)
+        stats, planned = llm.stats(), dict(llm.scheduler.lower_prefix_blocks)
     assert planned["compute"] > 0 and planned["load"] == 0
     assert stats["remote_hit_blocks"] == 0

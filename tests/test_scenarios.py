@@ -129,7 +129,7 @@ def test_spill_writes_each_worthwhile_block_once_and_never_evicts_one_being_writ
     sched = make_scheduler(sim, "recompute")
     users = [[u * 100 + j for j in range(9)] for u in range(6)]  # 2 full blocks each
     run_prompts(sched, sim, users)
-    store = sim.kv.offload.nvme.store
+    store = sim.kv.offload.lower.store
     assert store.stats()["writes"] == 0  # each asked for once: not worth a write yet
     written = []
     submit_write = store.submit_write
@@ -161,7 +161,7 @@ def test_a_prefix_on_nvme_is_split_between_computing_and_loading(tmp_path):
     sim = make_kv(8, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
     sched = make_scheduler(sim, "recompute", balanced)
     seq = make_seq("q", list(range(9)), max_tokens=2)
-    assert len(sim.kv.match_prefix(seq).nvme_refs) == 2
+    assert len(sim.kv.match_prefix(seq).lower_refs) == 2
     sched.add(seq)
     steps = run_until_done(sched, sim)
     # equal speeds: compute the first block while the second is read, then jump over it (a
@@ -169,8 +169,8 @@ def test_a_prefix_on_nvme_is_split_between_computing_and_loading(tmp_path):
     chunks = [[(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] for out in steps]
     assert chunks[0] == [("q", 4)] and chunks[1] == []
     assert [c for c in chunks if c] == [[("q", 4)], [("q", 1)], [("q", 1)]]
-    assert sched.nvme_prefix_blocks == {"load": 1, "compute": 1, "compute_for_queues": 0}
-    assert sched.nvme_skipped_tokens == 4
+    assert sched.lower_prefix_blocks == {"load": 1, "compute": 1, "compute_for_queues": 0}
+    assert sched.loaded_skipped_tokens == 4
     assert sim.kv.stats()["nvme_loaded_blocks"] == 1
 
 
@@ -209,7 +209,7 @@ def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more
     first = make_kv(10, num_cpu_blocks=64, nvme_path=str(tmp_path), cpu_policy="lru")
     run_prompts(make_scheduler(first, "recompute"), first, docs)
     first.kv.reset_prefix_cache()  # demote every GPU block
-    store = first.kv.offload.nvme.store
+    store = first.kv.offload.lower.store
     for _ in range(2000):  # spill-ahead writes the coldest (docs 0 and 1), a few at a time
         first.kv.retire()
         if store.stats()["writes"] >= 2 * 8:
@@ -222,9 +222,9 @@ def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more
     sched = make_scheduler(sim, "recompute", calibrated)
     loads = []
     for doc in docs:
-        before = dict(sched.nvme_prefix_blocks)
+        before = dict(sched.lower_prefix_blocks)
         run_prompts(sched, sim, [doc])
-        loads.append(sched.nvme_prefix_blocks["load"] - before["load"])
+        loads.append(sched.lower_prefix_blocks["load"] - before["load"])
     assert loads[0] > 0 and loads[1] < loads[0]  # the first plan believed the calibration; the next the disk
     observed = sched.observed_loads  # loads of one size: slower as a latency (or a rate), seen either way
     calibrated_s = 8 * BLOCK_BYTES / calibrated.disk_read_bytes_per_s

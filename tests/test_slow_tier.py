@@ -18,7 +18,7 @@ from tests.test_nvme_store import BLOCK_BYTES as STORE_BLOCK_BYTES
 from tests.test_nvme_store import BLOCK_SIZE, FP, cpu_pool, fill, parent_of, same_bytes, slots_capacity, tokens_of
 from tieredkv.cache.admission import AdmitAll
 from tieredkv.cache.block_pool import BlockPool
-from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, NVMeSpill
+from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, Spill
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme.io_backends import IORequest, SyncBackend
 from tieredkv.tiers.nvme.store import NVMeStore
@@ -189,7 +189,7 @@ def cached_pool(num_blocks: int, num_cached: int) -> BlockPool:
 def test_spills_are_dropped_not_queued_when_the_store_is_behind():
     store = BehindStore()
     pool = cached_pool(128, 64)  # 8 staging blocks, a write window of 32
-    spill = NVMeSpill(store, pool, torch.zeros((128, *BLOCK_SHAPE)), AdmitAll())
+    spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)), AdmitAll())
     spill.spill_ahead(reads_in_flight=0)
     assert store.writes == list(range(1000, 1000 + MAX_WRITES_IN_FLIGHT))  # the coldest, up to the bound
     spill.spill_ahead(reads_in_flight=0)

@@ -107,7 +107,7 @@ def test_a_damaged_slice_on_one_rank_is_a_miss_for_the_block_on_both(tmp_path, r
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     with tp_llm("tiny-llama", tmp_path, "recompute", LOAD_WINS) as llm:
         llm.generate(prompts, GREEDY, use_tqdm=False)
-        geometry = llm.kv.offload.nvme.store.stores[1].geometry
+        geometry = llm.kv.offload.lower.store.stores[1].geometry
     flip_payloads(tmp_path / "tp2-rank1" / STORE_FILE_NAME, geometry)  # rank 0's file is intact
     with tp_llm("tiny-llama", tmp_path, "recompute", LOAD_WINS) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected

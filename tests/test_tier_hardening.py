@@ -128,7 +128,7 @@ def test_a_store_deleted_on_a_full_disk_is_closed_and_made_again(tmp_path, refer
             seed += 1
         assert deleted_files_open(disk) == []
         assert (disk / "kv" / STORE_FILE_NAME).exists()
-        assert llm.kv.offload.nvme.store.sync()
+        assert llm.kv.offload.lower.store.sync()
         stats = settle_writes(llm)
         assert stats["nvme_files_lost"] == 1 and stats["nvme_spilled_blocks"] > written
         assert stats["cpu_blocks_used"] == 0 and stats["nvme_write_backlog"] == 0
@@ -158,7 +158,7 @@ def test_a_store_that_cannot_be_made_again_backs_off_and_holds_nothing(tmp_path,
         assert len(failures) == 1 and len(pauses) <= 1  # said once, however often retried
         time.sleep(0.5)  # the limit is gone: after the back-off, the store is made again
         assert tokens(llm, prompts) == expected
-        llm.kv.offload.nvme.store.sync()
+        llm.kv.offload.lower.store.sync()
         llm.step()
         assert (tmp_path / "kv" / STORE_FILE_NAME).exists()
         assert llm.stats()["nvme_slots_used"] > 0

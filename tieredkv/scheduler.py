@@ -10,9 +10,11 @@ Each `schedule()`:
 That is `scheduling_policy: fcfs`. With `ttft` or `hrrn` (`tieredkv.scheduling`), step 1 takes the decodes
 only, and after step 2 the partly-prefilled and the waiting sequences share what is left of the
 budget in the policy's order (`_schedule_prefills`).
-Before all that, the first waiting sequences start reading the later part of their NVMe prefix
-blocks (as much as the policy says), so the reads overlap other work and the computation of
-the earlier part; how far a sequence may compute is the KV manager's answer (`computable`).
+Before all that, the first waiting sequences start reading the later part of their prefix blocks
+found in the lower tier (disk, remote; as much as the policy says), so the reads overlap other
+work and the computation of the earlier part. The load state is the lower tier's: how far a
+sequence may compute is the KV manager's answer (`computable`), and whether a waiting sequence
+still waits for its loads too (`load_wait`).
 
 After the forward pass, `update(batch, sampled_tokens)` advances the scheduled sequences,
 commits their new full blocks, appends the sampled tokens and retires finished sequences (in
@@ -26,7 +28,7 @@ running sequence is preempted, so that a beam's siblings are never locked out by
 only wait.
 
 A sequence whose KV is copied in from the CPU tier this step (swap-in, promoted prefix, loaded
-NVMe blocks) joins the running queue but computes from the next step on: the copy overlaps
+lower-tier blocks) joins the running queue but computes from the next step on: the copy overlaps
 this step's forward pass instead of stalling it.
 
 The scheduler talks to blocks only through `KVCacheManager`.
@@ -39,7 +41,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, PrefixMatch
+from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, LoadWait, PrefixMatch
 from tieredkv.config import SchedulerConfig
 from tieredkv.logprobs import TokenLogprobs
 from tieredkv.policy import ObservedLoads, TierPolicy
@@ -47,7 +49,7 @@ from tieredkv.sampling import FailedSample
 from tieredkv.scheduling import PrefillCandidate, chunk_cost, chunk_tokens, prefill_order, share_budget
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
 
-PREFETCH_DEPTH = 8  # waiting sequences whose NVMe prefix loads start ahead of their turn
+PREFETCH_DEPTH = 8  # waiting sequences whose lower-tier prefix loads start ahead of their turn
 
 
 @dataclass
@@ -76,29 +78,27 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
         self.num_swap_fallbacks = 0
-        # prefix blocks found on NVMe at planning, by what the cost model chose for them;
-        # `compute_for_queues`: computed only because of the disk's and the GPU's queues
-        self.nvme_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0, "compute_for_queues": 0}
+        # prefix blocks found in the lower tier at planning, by what the cost model chose for them;
+        # `compute_for_queues`: computed only because of the lower tier's and the GPU's queues
+        self.lower_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0, "compute_for_queues": 0}
         # the lower tier's read rate and latency as requests get them, from the calibrated figures
         # on (a cost model pinned in the config stays as pinned)
         cost = policy.cost
         measured = config.cost_model is None and cost is not None and cost.disk_read_bytes_per_s is not None
         self.observed_loads = ObservedLoads(cost.disk_read_bytes_per_s, cost.read_latency_s) if measured else None
-        # sequences whose loads are in flight: (sequence, when submitted, bytes read until they land)
-        self._load_clocks: dict[str, tuple[Sequence, float, int]] = {}
         self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
-        self.nvme_skipped_tokens = 0  # prefill tokens jumped over: their KV came from NVMe
+        self.loaded_skipped_tokens = 0  # prefill tokens jumped over: their KV came from the lower tier
         self.cpu_hits_recomputed = 0  # CPU prefix blocks recomputed: copying them in was slower
-        self.nvme_load_waits = 0  # steps a sequence had nothing to compute before its loads landed
-        # waiting sequences found with nothing to compute before their loads land: not matched
-        # again (O(prompt) each step, which starved the I/O threads of the GIL) until they have
-        self._awaiting_loads: set[str] = set()
+        self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed
         # waits (`ttft` aging, `hrrn` ratios): tokens scheduled so far, and that count when each sequence arrived
         self.num_scheduled_tokens = 0
         self._arrived_at: dict[str, int] = {}
         # `ttft`: resident prefix tokens of waiting sequences as last matched, oldest match first
         self._resident_tokens: dict[str, int] = {}
-        self._loading: set[str] = set()  # this step: sequences with nothing to compute before loads land
+        # this step's phase marks for the TTFT split (`_mark_phases`): sequences with nothing to
+        # compute before their KV lands, from the lower tier or copied in from the CPU tier. A
+        # scheduling fact of this step, cleared at its end; the load state itself is the lower tier's
+        self._loading: set[str] = set()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -185,7 +185,7 @@ class Scheduler:
                 i += 1
                 continue
             n = self._next_chunk(seq, budget)
-            if n == 0:  # waiting for its NVMe blocks, or they are landing
+            if n == 0:  # waiting for its lower-tier blocks, or they are landing
                 self._wait_for_loads(seq)
                 i += 1
                 continue
@@ -204,7 +204,7 @@ class Scheduler:
         chunk = self.kv.computable(seq, budget)
         if chunk.num_skipped_tokens:
             seq.num_computed_tokens += chunk.num_skipped_tokens
-            self.nvme_skipped_tokens += chunk.num_skipped_tokens
+            self.loaded_skipped_tokens += chunk.num_skipped_tokens
             if not seq.recomputing:
                 seq.num_cached_tokens += chunk.num_skipped_tokens
         return chunk.num_new_tokens
@@ -245,36 +245,28 @@ class Scheduler:
     def _plan_loads(self, seq: Sequence, gpu_queue_tokens: int) -> None:
         """Plan the sequence's lower-tier prefix loads against the tier's and the GPU's queues:
         the reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
-        queued = 0
 
         def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
-            nonlocal queued
-            queued, plan = self.kv.nvme_reads_in_flight(), self.policy.nvme_blocks_to_compute
+            queued, plan = self.kv.lower_reads_in_flight(), self.policy.nvme_blocks_to_compute
             compute = plan(num_blocks, first_token, queued, gpu_queue_tokens, self.observed_loads)
             idle = plan(num_blocks, first_token, observed=self.observed_loads)
-            self.nvme_prefix_blocks["compute_for_queues"] += max(0, compute - idle)
+            self.lower_prefix_blocks["compute_for_queues"] += max(0, compute - idle)
             return compute
 
         plan = self.kv.plan_loads(seq, split)
         if plan is None:
             return
-        self.nvme_prefix_blocks["compute"] += plan.num_compute
-        self.nvme_prefix_blocks["load"] += plan.num_load
-        if self.observed_loads is not None and self.kv.loading(seq):
-            read = (queued + plan.num_load) * self.policy.block_bytes
-            self._load_clocks[seq.seq_id] = (seq, time.monotonic(), read)
+        self.lower_prefix_blocks["compute"] += plan.num_compute
+        self.lower_prefix_blocks["load"] += plan.num_load
 
     def _time_landed_loads(self) -> None:
-        """Teach the observed loads how long those that landed since the last step took, from
-        submission to now. A sequence that computed in the last step may have had its loads
-        land at any time of it: how long they took is not known, and not taught."""
-        now = time.monotonic()
-        for seq_id, (seq, since, num_bytes) in list(self._load_clocks.items()):
-            if self.kv.loading(seq):
-                continue
-            del self._load_clocks[seq_id]
-            if seq_id not in self._last_scheduled:
-                self.observed_loads.add(num_bytes, now - since)
+        """Teach the observed loads how long those that landed since the last step took (with
+        the reads queued ahead of them), from submission. A sequence that computed in the last
+        step may have had its loads land at any time of it: how long they took is not known,
+        and not taught."""
+        for load in self.kv.landed_loads():
+            if self.observed_loads is not None and load.request_id not in self._last_scheduled:
+                self.observed_loads.add(load.num_blocks * self.policy.block_bytes, load.seconds)
 
     def _worth_copying(self, prefix: PrefixMatch) -> PrefixMatch:
         """The prefix without its CPU hits (and what follows them) when the PCIe queue makes
@@ -300,7 +292,7 @@ class Scheduler:
                 return False
             if slots + seq.width > self.config.max_num_seqs:
                 return True
-            if self._loads_pending(seq):
+            if self._load_wait(seq) is LoadWait.ARRIVING:
                 continue
             n = self._admit(out, seq, budget, backlog)
             if n is None:
@@ -313,16 +305,13 @@ class Scheduler:
         """Sequence slots the running sequences hold: a request not forked yet holds its width."""
         return sum(seq.width for seq in self.running)
 
-    def _loads_pending(self, seq: Sequence) -> bool:
-        """Whether a waiting sequence found with nothing to compute before its NVMe loads land
-        still waits for them (it is not matched again until they have)."""
-        if seq.seq_id not in self._awaiting_loads:
-            return False
-        if self.kv.loading(seq):
+    def _load_wait(self, seq: Sequence) -> LoadWait:
+        """Whether a waiting sequence found with nothing to compute before its loads land still
+        waits for them (it is not matched again until they have); a step waited is counted."""
+        wait = self.kv.load_wait(seq)
+        if wait is LoadWait.ARRIVING:
             self._wait_for_loads(seq)
-            return True
-        self._awaiting_loads.discard(seq.seq_id)
-        return False
+        return wait
 
     def _swapped_ready(self) -> bool:
         """Whether a swapped-out sequence is left that is not held (waiting ones come after it)."""
@@ -330,15 +319,14 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, seq: Sequence, budget: int, backlog: int) -> int | None:
         """Admit a waiting sequence with up to `budget` tokens, reusing its cached prefix (less
-        the CPU hits not worth copying in); the tokens scheduled (0: it waits for its NVMe
+        the CPU hits not worth copying in); the tokens scheduled (0: it waits for its lower-tier
         blocks, or its KV is landing), None if the GPU pool is short."""
         self._plan_loads(seq, backlog)
         found = self.kv.match_prefix(seq)
         prefix = self._worth_copying(found)
         n = self.kv.computable(seq, budget, prefix).num_new_tokens
-        if n == 0:  # nothing to compute before its NVMe blocks arrive
+        if n == 0:  # nothing to compute before its lower-tier blocks arrive (`load_wait` tells when)
             self._wait_for_loads(seq)
-            self._awaiting_loads.add(seq.seq_id)
             return 0
         got = self.kv.allocate(seq, n, prefix)
         if got is None:
@@ -355,7 +343,7 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: float, prefilling: list[Sequence]) -> bool:
         """`ttft`, `hrrn`: the running sequences still prefilling and, unless a sequence was preempted or
-        one not held is swapped out, the waiting ones (not held, not waiting for their NVMe
+        one not held is swapped out, the waiting ones (not held, not waiting for their
         loads) share `budget` in the policy's order, each chunk charged for its attention
         (`chunk_cost`) where the cost model says what that is. Whether a sequence could not
         run for want of blocks or sequence slots."""
@@ -399,17 +387,17 @@ class Scheduler:
 
     def _prefill_candidates(self) -> list[Sequence]:
         """`ttft`, `hrrn`: the waiting sequences that may be admitted (not held, not waiting for their
-        NVMe loads). One of them is matched again this step, the longest unmatched, unless its
+        loads). One of them is matched again this step, the longest unmatched, unless its
         loads just landed (admitting it matches it again anyway)."""
         waiting, landed = [], set()
         for seq in self.waiting:
             if seq.held:
                 continue
-            awaited = seq.seq_id in self._awaiting_loads
-            if self._loads_pending(seq):
+            wait = self._load_wait(seq)
+            if wait is LoadWait.ARRIVING:
                 continue
             waiting.append(seq)
-            if awaited:
+            if wait is LoadWait.LANDED:
                 landed.add(seq.seq_id)
         stale = next((k for k in self._resident_tokens if k not in landed), None)
         if waiting and stale is not None:
@@ -419,11 +407,11 @@ class Scheduler:
     def _extend_prefill(self, out: SchedulerOutput, seq: Sequence, share: int, lower: list[Sequence]) -> int | None:
         """Schedule up to `share` tokens of a running sequence's prefill; while blocks are short,
         preempt the last of `lower` (running prefills ranked after it) that is still running.
-        The tokens scheduled (0: it waits for its NVMe blocks), None if blocks stay short."""
+        The tokens scheduled (0: it waits for its lower-tier blocks), None if blocks stay short."""
         if share == 0:
             return 0
         n = self._next_chunk(seq, share)
-        if n == 0:  # waiting for its NVMe blocks, or they are landing
+        if n == 0:  # waiting for its lower-tier blocks, or they are landing
             self._wait_for_loads(seq)
             return 0
         while self.kv.allocate(seq, n) is None:
@@ -467,7 +455,7 @@ class Scheduler:
 
     def _wait_for_loads(self, seq: Sequence) -> None:
         """`seq` has nothing to compute this step before its KV lands from a lower tier."""
-        self.nvme_load_waits += 1
+        self.load_waits += 1
         self._loading.add(seq.seq_id)
 
     def _mark_phases(self, out: SchedulerOutput) -> None:
@@ -539,8 +527,6 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
                 break
-        self._awaiting_loads.discard(seq.seq_id)
-        self._load_clocks.pop(seq.seq_id, None)
         self._arrived_at.pop(seq.seq_id, None)
         self._resident_tokens.pop(seq.seq_id, None)
         self.kv.free(seq)

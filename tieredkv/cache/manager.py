@@ -4,15 +4,18 @@ sequence's progress).
 
 Operations:
 - `match_prefix(seq) -> PrefixMatch`: the longest run of cached full blocks of the sequence,
-  on the GPU, then in the CPU tier, then on NVMe.
-- `plan_loads(seq, split) -> NVMePlan | None`: once per stay in the waiting queue, start
-  reading the later part of the sequence's NVMe prefix blocks into the CPU tier (`split`, the
-  policy, says how many of the earlier ones to compute instead).
-- `nvme_reads_in_flight()`: the disk's queue;
-  `h2d_queue_blocks()`: the PCIe queue of copies in.
+  on the GPU, then in the CPU tier, then in the lower tier (disk, remote).
+- `plan_loads(seq, split) -> LoadPlan | None`: once per stay in the waiting queue, start
+  reading the later part of the sequence's lower-tier prefix blocks into the CPU tier (`split`,
+  the policy, says how many of the earlier ones to compute instead).
+- `lower_reads_in_flight()`: the lower tier's queue; `h2d_queue_blocks()`: the PCIe queue of
+  copies in; `landed_loads()`: how long the loads that landed took.
 - `computable(seq, budget, prefix) -> Chunk`: the one question about those loads: how many
   tokens the sequence may compute now (0: wait for its loads), and how many prefix tokens that
-  have landed it jumps over.
+  have landed it jumps over; `load_wait(seq) -> LoadWait`: whether a sequence found with
+  nothing to compute before its loads land still waits for them.
+The lower tier's per-request load state is `cache/lower_tier.py`'s (`LowerTier`); this module
+asks it, and copies the blocks it loaded onto the GPU.
 - `allocate(seq, num_new_tokens, prefix) -> Allocation | None`: blocks for the next tokens
   (`None`, with nothing changed, when the GPU pool is short); CPU hits are promoted. A block
   the new tokens write into that the sequence shares (a fork) is copied first.
@@ -47,6 +50,7 @@ from typing import NamedTuple
 
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.hashing import extend_block_hashes
+from tieredkv.cache.lower_tier import LandedLoad, LoadWait
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.sequence import Sequence
 from tieredkv.tiers.backend import BlockRef
@@ -56,11 +60,11 @@ from tieredkv.transfer.engine import TransferError
 @dataclass(frozen=True)
 class PrefixMatch:
     """Cached blocks holding the first tokens of a sequence: GPU blocks, then CPU blocks,
-    then blocks on NVMe (usable once loaded into the CPU tier)."""
+    then blocks in the lower tier (usable once loaded into the CPU tier)."""
 
     gpu_blocks: tuple[Block, ...] = ()
     cpu_blocks: tuple[Block, ...] = ()
-    nvme_refs: tuple[BlockRef, ...] = ()
+    lower_refs: tuple[BlockRef, ...] = ()
 
     def num_tokens(self, block_size: int) -> int:
         """Tokens usable now (GPU and CPU hits)."""
@@ -79,10 +83,6 @@ class Allocation(NamedTuple):
 EXTENDED = Allocation()  # a running sequence got the blocks for its next tokens
 SWAPPED_IN = Allocation(landing=True)
 
-# match_prefix asks the tier below about this many blocks first, then twice as many each time
-FIRST_LOOKUP_BLOCKS = 64
-MAX_LOOKUP_BLOCKS = 1024
-
 
 class KVLost(NamedTuple):
     """A swapped-out sequence's KV did not come back: it must be recomputed."""
@@ -92,20 +92,20 @@ class KVLost(NamedTuple):
 
 class Chunk(NamedTuple):
     """What a sequence may do this step: compute `num_new_tokens` (0: wait), after jumping
-    over `num_skipped_tokens` prefix tokens whose KV was loaded from NVMe."""
+    over `num_skipped_tokens` prefix tokens whose KV was loaded from the lower tier."""
 
     num_new_tokens: int
     num_skipped_tokens: int = 0
 
 
-class NVMePlan(NamedTuple):
-    """Prefix blocks found on NVMe for a sequence, by what the policy chose for them."""
+class LoadPlan(NamedTuple):
+    """Prefix blocks found in the lower tier for a sequence, by what the policy chose for them."""
 
     num_compute: int
     num_load: int
 
 
-# (blocks found on NVMe, first token after the hits) -> how many of them to compute
+# (blocks found in the lower tier, first token after the hits) -> how many of them to compute
 SplitPolicy = Callable[[int, int], int]
 
 
@@ -116,6 +116,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.root_hash = root_hash
         self.offload = offload
+        self.lower = offload.lower if offload is not None else None  # the tiers below the CPU tier
         # The eviction chain, wired here and nowhere else:
         #   GPU pool evicts a cached block ──► offload.demote: unless a lower tier holds it or the
         #   CPU tier's admission turns it down, takes a CPU block (evicting one there) and queues
@@ -127,9 +128,6 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}
         self._swapped: dict[str, list[Block]] = {}
-        # sequence -> first token of its prefix blocks being read from NVMe (None: nothing to
-        # read); a request is here once its loads were planned, until it jumps over them
-        self._load_from: dict[str, int | None] = {}
         # H2D copies submitted this step and the GPU blocks they fill
         self._landing_jobs: set[int] = set()
         self._landing_blocks: set[int] = set()
@@ -156,33 +154,19 @@ class KVCacheManager:
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """The sequence's prefix found in each tier, in order: GPU blocks, then CPU blocks, then
-        blocks on disk. Costs the blocks found, not the prompt (a waiting request is matched
+        blocks in the lower tier. Costs the blocks found, not the prompt (a waiting request is matched
         again at each step it cannot be admitted)."""
         refs = self._full_blocks(seq)
         gpu, miss = _run_of(refs, self.pool.lookup)
         if self.offload is None or miss is None:
             return PrefixMatch(tuple(gpu))
         cpu, miss = _run_of(itertools.chain([miss], refs), self.offload.lookup)
-        if miss is None:
+        if miss is None or self.lower is None:
             return PrefixMatch(tuple(gpu), tuple(cpu))
         # the store verifies parent and tokens when it reads the block
-        return PrefixMatch(tuple(gpu), tuple(cpu), self._lower_tier_run(seq, len(gpu) + len(cpu)))
-
-    def _lower_tier_run(self, seq: Sequence, start: int) -> tuple[BlockRef, ...]:
-        """The sequence's blocks from block `start` on that the tier below holds. It is asked
-        about windows of blocks, the first `FIRST_LOOKUP_BLOCKS` long, each next one twice the
-        last (up to `MAX_LOOKUP_BLOCKS`), until one is not held to its end: a long prompt the
-        tier lacks costs one small question (for a remote tier, one round trip)."""
-        hashes = self._hit_candidates(seq)
-        stop, size = start, FIRST_LOOKUP_BLOCKS
-        while stop < len(hashes):
-            window = hashes[stop : stop + size]
-            held = self.offload.nvme_contains_run(window)
-            stop += held
-            if held < len(window):
-                break
-            size = min(2 * size, MAX_LOOKUP_BLOCKS)
-        return tuple(self._block_refs(seq, start, stop))
+        start = len(gpu) + len(cpu)
+        stop = self.lower.held_run(self._hit_candidates(seq), start)
+        return PrefixMatch(tuple(gpu), tuple(cpu), tuple(self._block_refs(seq, start, stop)))
 
     def _hit_candidates(self, seq: Sequence) -> list[int]:
         """The hashes of the sequence's full blocks that a prefix hit may cover."""
@@ -202,31 +186,33 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else self.root_hash
             yield BlockRef(hashes[i], parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
 
-    # ------------------------------------------------------------------ NVMe loads
+    # ------------------------------------------------------------------ lower-tier loads
 
-    def plan_loads(self, seq: Sequence, split: SplitPolicy) -> NVMePlan | None:
-        """Start reading the later part of the sequence's NVMe prefix blocks, once until it is
-        freed; what was planned (None: planned before, or nothing on NVMe)."""
-        if seq.seq_id in self._load_from:
+    def plan_loads(self, seq: Sequence, split: SplitPolicy) -> LoadPlan | None:
+        """Start reading the later part of the sequence's lower-tier prefix blocks, once until it
+        is freed; what was planned (None: planned before, or nothing in the lower tier)."""
+        if self.lower is None or self.lower.planned(seq.seq_id):
             return None
-        self._load_from[seq.seq_id] = None
         prefix = self.match_prefix(seq)
-        if not prefix.nvme_refs:
-            return None
         first = prefix.num_tokens(self.block_size)
-        compute = split(len(prefix.nvme_refs), first)
-        to_load = list(prefix.nvme_refs[compute:])
-        if to_load and self.offload.start_loads(seq.seq_id, to_load):
-            self._load_from[seq.seq_id] = first + compute * self.block_size
-        return NVMePlan(compute, len(prefix.nvme_refs) - compute)
+        compute = split(len(prefix.lower_refs), first) if prefix.lower_refs else 0
+        self.lower.plan(seq.seq_id, prefix.lower_refs[compute:], first + compute * self.block_size)
+        if not prefix.lower_refs:
+            return None
+        return LoadPlan(compute, len(prefix.lower_refs) - compute)
 
-    def loading(self, seq: Sequence) -> bool:
-        """Whether NVMe reads for the sequence are in flight."""
-        return self.offload is not None and self.offload.loading(seq.seq_id)
+    def lower_reads_in_flight(self) -> int:
+        """Lower-tier block reads submitted and not finished: the tier's queue."""
+        return self.lower.reads_in_flight if self.lower is not None else 0
 
-    def nvme_reads_in_flight(self) -> int:
-        """NVMe block reads submitted and not finished: the disk's queue."""
-        return self.offload.reads_in_flight if self.offload is not None else 0
+    def landed_loads(self) -> list[LandedLoad]:
+        """The sequences whose lower-tier loads landed since the last call, and how long they took."""
+        return self.lower.landed_loads() if self.lower is not None else []
+
+    def load_wait(self, seq: Sequence) -> LoadWait:
+        """Whether a sequence found with nothing to compute before its loads land (`computable`
+        said 0) still waits for them: ask before matching it again, which costs its prompt."""
+        return self.lower.wait_state(seq.seq_id) if self.lower is not None else LoadWait.NONE
 
     def h2d_queue_blocks(self) -> int:
         """Blocks queued for copying CPU → GPU and not finished: the PCIe queue."""
@@ -235,29 +221,29 @@ class KVCacheManager:
     def computable(self, seq: Sequence, budget: int, prefix: PrefixMatch | None = None) -> Chunk:
         """Tokens the sequence may compute now, up to `budget`: a new sequence (with its
         `prefix`) from its hits on, a running one from its computed tokens on. Stops short of
-        the prefix blocks being read from NVMe, waits (0) while they are in flight, and jumps
-        over them once they have landed."""
+        the prefix blocks being read from the lower tier, waits (0) while they are in flight,
+        and jumps over them once they have landed."""
         start = seq.num_computed_tokens if prefix is None else prefix.num_tokens(self.block_size)
         n = min(len(seq.token_ids) - start, budget)
-        load_from = self._load_from.get(seq.seq_id)
+        load_from = self.lower.load_from(seq.seq_id) if self.lower is not None else None
         if load_from is None:
             return Chunk(n)
         if start < load_from:
             return Chunk(min(n, load_from - start))
-        if self.offload.loading(seq.seq_id):
+        if self.lower.arriving(seq.seq_id):
+            self.lower.await_loads(seq.seq_id)
             return Chunk(0)
         if prefix is not None:  # landed before admission: `allocate` promotes them as CPU hits
             return Chunk(n)
-        del self._load_from[seq.seq_id]
         skipped, landing = self._skip_loaded(seq)
         if landing:
             return Chunk(0, skipped)
         return Chunk(min(seq.num_tokens - start - skipped, budget), skipped)
 
     def _skip_loaded(self, seq: Sequence) -> tuple[int, bool]:
-        """Copy the prefix blocks that the sequence's NVMe loads brought into the CPU tier into
-        its next GPU blocks; (tokens skipped, whether that copy is landing). Nothing is skipped
-        if none arrived intact or the GPU pool is short."""
+        """Copy the prefix blocks that the sequence's loads brought into the CPU tier into its
+        next GPU blocks; (tokens skipped, whether that copy is landing). Nothing is skipped if
+        none arrived intact or the GPU pool is short. The sequence's load plan is done."""
         bs = self.block_size
         start = seq.num_computed_tokens // bs
         if seq.num_computed_tokens % bs:
@@ -265,7 +251,7 @@ class KVCacheManager:
         else:
             found, _ = _run_of(self._full_blocks(seq, start), self.offload.lookup)
         skipped = self._copy_loaded(seq, start, found) if found else 0
-        self.offload.release_loads(seq.seq_id)
+        self.lower.landed(seq.seq_id)
         return skipped * bs, skipped > 0
 
     def _copy_loaded(self, seq: Sequence, start: int, cpu_blocks: list[Block]) -> int:
@@ -326,8 +312,8 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child`, a copy of `parent`, shares every block `parent` holds (GPU blocks, or the CPU
-        blocks of a swapped-out parent); a later write into a shared block copies it first. NVMe
-        loads in flight are not shared: a child that needs them plans its own."""
+        blocks of a swapped-out parent); a later write into a shared block copies it first. Loads
+        in flight are not shared: a child that needs them plans its own."""
         table = self._tables.get(parent.seq_id)
         if table is not None:
             for block in table:
@@ -350,8 +336,8 @@ class KVCacheManager:
             return None
         for block in promoted:  # hold them: demotions below could otherwise evict them
             self.offload.pool.touch(block)
-        if self.offload is not None:
-            self.offload.release_loads(seq.seq_id)
+        if self.lower is not None:
+            self.lower.release(seq.seq_id)
         for block in reused:
             self.pool.touch(block)
         # reused blocks may be another request's promotion, still landing
@@ -479,14 +465,13 @@ class KVCacheManager:
         return SWAPPED_IN
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks in every tier and forget its NVMe load plan."""
+        """Release the sequence's blocks in every tier and forget its load plan."""
         self._release_gpu(seq)
-        self._load_from.pop(seq.seq_id, None)
         swapped = self._swapped.pop(seq.seq_id, None)
         if swapped:
             self.offload.pool.release(swapped)
-        if self.offload is not None:
-            self.offload.release_loads(seq.seq_id)
+        if self.lower is not None:
+            self.lower.forget(seq.seq_id)
 
     def _release_gpu(self, seq: Sequence) -> None:
         # last block first, so that it is evicted first
@@ -495,7 +480,7 @@ class KVCacheManager:
         self._num_committed.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block nobody owns, on the GPU and in the CPU tier (the NVMe store
+        """Forget every cached block nobody owns, on the GPU and in the CPU tier (the lower tier
         keeps its blocks); returns how many were dropped."""
         if self.offload is None:
             return self.pool.drop_unowned()

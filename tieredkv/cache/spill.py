@@ -1,4 +1,4 @@
-"""The NVMe tier as the CPU tier uses it.
+"""The lower tier's writes (`cache/lower_tier.py` owns them, and the reads beside them).
 
 What is written: full prefix blocks worth reading back, each once: every one while the CPU
 tier's policy admits by recency, those asked for again since they were first computed while
@@ -15,9 +15,7 @@ it admits by frequency (its counts, `cache/admission.py`):
 Writes never wait and never crowd out reads: while reads are in flight, or `MAX_WRITES_IN_FLIGHT`
 writes are, the disk is behind and a spill is dropped (counted), not queued; after repeated
 failed writes (a full or lost disk) spilling pauses, for longer each time, and says so once.
-
-What is read: `contains(hash)`, `contains_run(hashes) -> leading ones stored`, `start_read(...) -> job | None`,
-`poll() -> [(job, ok)]`.
+`poll() -> [(job, ok)]`: the store's finished reads (finished writes are booked here).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -49,8 +47,8 @@ def staging_blocks(num_cpu_blocks: int) -> int:
     return min(MAX_STAGING_BLOCKS, max(1, num_cpu_blocks // STAGING_FRACTION), num_cpu_blocks - 1)
 
 
-class NVMeSpill:
-    """Spills worthwhile CPU blocks to `store` and reads prefix blocks back into CPU blocks."""
+class Spill:
+    """Spills worthwhile CPU blocks to `store` (the tier below the CPU tier)."""
 
     def __init__(
         self, store: BlockStore, cpu_pool: BlockPool, cpu_data: torch.Tensor,
@@ -179,15 +177,16 @@ class NVMeSpill:
         """Failed writes in a row pause spilling, twice as long each pause, until one succeeds."""
         if ok:
             if self._failures >= FAILURES_BEFORE_PAUSE:
-                logger.info("NVMe writes succeed again; spilling resumes")
+                logger.info("writes to the tier below the CPU tier succeed again; spilling resumes")
             self._failures, self._pause_s = 0, PAUSE_FIRST_S
             return
         self._failures += 1
         if self._failures < FAILURES_BEFORE_PAUSE or self.paused:  # writes started before the pause
             return
         if self._failures == FAILURES_BEFORE_PAUSE:
-            logger.warning("NVMe writes keep failing (full or lost disk?); spilling pauses and retries every "
-                           "%.0f to %.0f s (store stats count the faults)", PAUSE_FIRST_S, PAUSE_MAX_S)
+            logger.warning("writes to the tier below the CPU tier keep failing (full or lost disk or server?); "
+                           "spilling pauses and retries every %.0f to %.0f s (store stats count the faults)",
+                           PAUSE_FIRST_S, PAUSE_MAX_S)
         self._paused_until = time.monotonic() + self._pause_s
         self._pause_s = min(2 * self._pause_s, PAUSE_MAX_S)
 
@@ -199,18 +198,6 @@ class NVMeSpill:
     def held_blocks(self) -> int:
         """CPU blocks the spill holds: the staging blocks, and cached blocks being written."""
         return self.num_staging + sum(not staged for _, _, staged in self._writes.values())
-
-    # ------------------------------------------------------------------ reads
-
-    def contains(self, block_hash: int) -> bool:
-        return self.store.contains(block_hash)
-
-    def contains_run(self, block_hashes: Sequence[int]) -> int:
-        return self.store.contains_run(block_hashes)
-
-    def start_read(self, ref: BlockRef, cpu_block: Block) -> int | None:
-        """Read a stored block into `cpu_block` (held by the caller until the job is reported)."""
-        return self.store.submit_read(ref, self.cpu_data[cpu_block.block_id])
 
     def poll(self) -> list[tuple[int, bool]]:
         """Finished reads; finished writes are booked here."""
@@ -249,6 +236,3 @@ class NVMeSpill:
             "nvme_scan_discarded": store["scan_discarded"],  # damaged slot headers found then
             "nvme_reformatted": store["reformatted"],  # a damaged file formatted anew
         }
-
-    def close(self) -> None:
-        self.store.close()

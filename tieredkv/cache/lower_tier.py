@@ -1,0 +1,257 @@
+"""The lower tier: everything below the CPU tier (a disk store, a remote one, or both as one
+`BlockStore`), as the rest of the engine sees it. It owns the lower tier's loads and spills,
+and every request's load state; the KV manager asks it questions and never names a medium.
+
+Operations:
+- `held_run(hashes, start) -> stop`: how far from block `start` on the tier holds a prompt's blocks.
+- loads, one plan per request: `plan(request_id, refs, load_from)` reads `refs` into CPU blocks
+  held for the request; `load_from(request_id)` (the first token being read), `arriving`,
+  `wait_state` (`LoadWait`), `release` (drop the hold once admitted), `landed` (the sequence
+  jumps over the loaded blocks), `forget` (the sequence was freed); `landed_loads()`: how long
+  the loads that landed took, from submission;
+- spills (`cache/spill.py`, `Spill`), for the CPU tier: `worth_writing(hash)`, `stage()`,
+  `write_staged(block, ref)`, `unstage(block)`; `retire()` books finished reads and writes and
+  spills ahead; `close()` first writes the CPU tier's cached blocks down (`persist`).
+
+Reads come first: while any is in flight, spills are dropped, never queued (`Spill.behind`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from enum import Enum
+from typing import NamedTuple
+
+import torch
+
+from tieredkv.cache.admission import AdaptiveAdmission, AdmitAll, FrequencyAdmission
+from tieredkv.cache.block_pool import Block, BlockPool
+from tieredkv.cache.spill import Spill
+from tieredkv.tiers.backend import BlockRef, BlockStore
+
+# held_run asks the tier about this many blocks first, then twice as many each time
+FIRST_LOOKUP_BLOCKS = 64
+MAX_LOOKUP_BLOCKS = 1024
+
+
+class LoadWait(Enum):
+    """Where a sequence found with nothing to compute before its loads land stands."""
+
+    NONE = "none"  # it waits for no load
+    ARRIVING = "arriving"  # its loads are still in flight
+    LANDED = "landed"  # they landed since it was last asked about (told once)
+
+
+class LandedLoad(NamedTuple):
+    """A request's loads landed: `num_blocks` read (with those queued ahead of them), `seconds`
+    from their submission to the step that found them landed."""
+
+    request_id: str
+    num_blocks: int
+    seconds: float
+
+
+class LowerTier:
+    """Loads from and spills to `store`, through CPU blocks of `cpu_pool` (data `cpu_data`)."""
+
+    def __init__(
+        self, store: BlockStore, cpu_pool: BlockPool, cpu_data: torch.Tensor,
+        admission: AdmitAll | FrequencyAdmission | AdaptiveAdmission,
+    ) -> None:
+        self.store = store
+        self.cpu_pool = cpu_pool
+        self.cpu_data = cpu_data
+        self.admission = admission
+        self.spill = Spill(store, cpu_pool, cpu_data, admission)
+        # request -> first token of its prefix blocks being read (None: nothing to read); a
+        # request is here once its loads were planned, until it jumps over them or is freed
+        self._load_from: dict[str, int | None] = {}
+        self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
+        self._reads: dict[int, tuple[str, Block, BlockRef]] = {}  # read job -> what it fills
+        self._reads_left: dict[str, int] = {}  # request -> its reads in flight
+        self._orphans: set[int] = set()  # reads whose request let go of them before they finished
+        # requests found with nothing to compute before their loads land: not matched again
+        # (O(prompt) each step, which starved the I/O threads of the GIL) until they have
+        self._waiting: set[str] = set()
+        self._clocks: dict[str, tuple[float, int]] = {}  # request -> (submitted at, blocks read until landed)
+        self._landed: list[LandedLoad] = []
+        self.loaded_blocks = 0
+        self.failed_loads = 0
+
+    # ------------------------------------------------------------------ lookups
+
+    def contains(self, block_hash: int) -> bool:
+        return self.store.contains(block_hash)
+
+    def held_run(self, block_hashes: Sequence[int], start: int) -> int:
+        """The end of the run of `block_hashes` from `start` on that the tier holds. It is asked
+        about windows of blocks, the first `FIRST_LOOKUP_BLOCKS` long, each next one twice the
+        last (up to `MAX_LOOKUP_BLOCKS`), until one is not held to its end: a long prompt the
+        tier lacks costs one small question (for a remote tier, one round trip)."""
+        stop, size = start, FIRST_LOOKUP_BLOCKS
+        while stop < len(block_hashes):
+            window = block_hashes[stop : stop + size]
+            held = self.store.contains_run(window)
+            stop += held
+            if held < len(window):
+                break
+            size = min(2 * size, MAX_LOOKUP_BLOCKS)
+        return stop
+
+    # ------------------------------------------------------------------ loads
+
+    def planned(self, request_id: str) -> bool:
+        """Whether the request's loads were planned (until it jumps over them or is freed)."""
+        return request_id in self._load_from
+
+    def plan(self, request_id: str, refs: Sequence[BlockRef], load_from: int) -> int:
+        """Plan the request's loads: read `refs` (its prefix blocks from token `load_from` on)
+        into CPU blocks held for it; how many reads started (none: nothing is loaded)."""
+        queued = len(self._reads)
+        started = self._start(request_id, refs) if refs else 0
+        self._load_from[request_id] = load_from if started else None
+        if started:
+            self._clocks[request_id] = (time.monotonic(), queued + len(refs))
+        return started
+
+    def _start(self, request_id: str, refs: Sequence[BlockRef]) -> int:
+        held = self._loads.setdefault(request_id, [])
+        started = 0
+        for ref in refs:
+            taken = self.cpu_pool.allocate(1)
+            if taken is None:
+                break
+            job = self.store.submit_read(ref, self.cpu_data[taken[0].block_id])
+            if job is None:  # evicted from the store since the lookup
+                self.cpu_pool.release(taken)
+                break
+            held.append(taken[0])
+            self._reads[job] = (request_id, taken[0], ref)
+            started += 1
+        self._reads_left[request_id] = self._reads_left.get(request_id, 0) + started
+        return started
+
+    def load_from(self, request_id: str) -> int | None:
+        """The first token of the request's prefix blocks being loaded (None: none)."""
+        return self._load_from.get(request_id)
+
+    def arriving(self, request_id: str) -> bool:
+        """Whether reads for the request are in flight."""
+        return self._reads_left.get(request_id, 0) > 0
+
+    def await_loads(self, request_id: str) -> None:
+        """The request has nothing to compute before its loads land (`wait_state` tells when)."""
+        self._waiting.add(request_id)
+
+    def wait_state(self, request_id: str) -> LoadWait:
+        """Whether a request that had nothing to compute before its loads land still waits."""
+        if request_id not in self._waiting:
+            return LoadWait.NONE
+        if self.arriving(request_id):
+            return LoadWait.ARRIVING
+        self._waiting.discard(request_id)
+        return LoadWait.LANDED
+
+    @property
+    def reads_in_flight(self) -> int:
+        """Block reads submitted and not finished: the tier's queue."""
+        return len(self._reads)
+
+    def release(self, request_id: str) -> None:
+        """Drop the request's hold on its loaded blocks (they stay cached in the CPU tier)."""
+        held = self._loads.pop(request_id, [])
+        if not self.arriving(request_id):  # the common case (called on every admission and free)
+            self.cpu_pool.release(held)
+            return
+        in_flight = {id(block): job for job, (rid, block, _) in self._reads.items() if rid == request_id}
+        for block in held:
+            job = in_flight.get(id(block))
+            if job is None:
+                self.cpu_pool.release([block])
+            else:  # its read still writes into it: release when the read is reported
+                self._orphans.add(job)
+
+    def landed(self, request_id: str) -> None:
+        """The sequence jumped over its loaded blocks (or found none intact): its plan is done."""
+        del self._load_from[request_id]
+        self._waiting.discard(request_id)
+        self.release(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """The request was freed: forget its plan; its reads in flight still finish."""
+        self._load_from.pop(request_id, None)
+        self._waiting.discard(request_id)
+        self._clocks.pop(request_id, None)
+        self.release(request_id)
+
+    def landed_loads(self) -> list[LandedLoad]:
+        """The requests whose loads landed since the last call, and how long they took."""
+        landed, self._landed = self._landed, []
+        return landed
+
+    def _finish_read(self, job: int, ok: bool) -> None:
+        request_id, block, ref = self._reads.pop(job)
+        self._reads_left[request_id] -= 1
+        if not self._reads_left[request_id]:
+            del self._reads_left[request_id]
+            self._stop_clock(request_id)
+        if ok:
+            self.cpu_pool.cache(block, ref.block_hash, ref.parent_hash, ref.token_ids)
+            # read back for one request, it does not displace what admission chose to keep (it
+            # is in the tier below); it stays at the eviction end until admission keeps a demotion of it
+            block.evict_first = self.admission.selective
+            self.loaded_blocks += 1
+        else:
+            self.failed_loads += 1
+        if job in self._orphans:
+            self._orphans.discard(job)
+            self.cpu_pool.release([block])
+
+    def _stop_clock(self, request_id: str) -> None:
+        clock = self._clocks.pop(request_id, None)
+        if clock is not None:
+            since, num_blocks = clock
+            self._landed.append(LandedLoad(request_id, num_blocks, time.monotonic() - since))
+
+    # ------------------------------------------------------------------ spills
+
+    def worth_writing(self, block_hash: int) -> bool:
+        return self.spill.worth_writing(block_hash)
+
+    def stage(self) -> Block | None:
+        """A staging CPU block for a demotion on its way down (None: dropped, counted)."""
+        return self.spill.stage(len(self._reads))
+
+    def write_staged(self, block: Block, ref: BlockRef) -> None:
+        """The staging block holds the demoted block now: write it, or drop it if behind."""
+        self.spill.write_staged(block, ref, len(self._reads))
+
+    def unstage(self, block: Block) -> None:
+        self.spill.unstage(block)
+
+    @property
+    def held_blocks(self) -> int:
+        """CPU blocks held on their way down (staging, writes in flight), not by requests."""
+        return self.spill.held_blocks
+
+    # ------------------------------------------------------------------ steps
+
+    def retire(self) -> None:
+        """Book the finished reads (and writes), then spill ahead if no read is in flight."""
+        for job, ok in self.spill.poll():
+            self._finish_read(job, ok)
+        self.spill.spill_ahead(len(self._reads))
+
+    def stats(self) -> dict[str, int | str]:
+        """The `nvme_*` counters (they name whatever sits below the CPU tier)."""
+        return {
+            **self.spill.stats(),
+            "nvme_loaded_blocks": self.loaded_blocks,
+            "nvme_failed_loads": self.failed_loads,
+        }
+
+    def close(self) -> None:
+        """Write the CPU tier's cached blocks down (so that a restart finds them), then close."""
+        self.spill.persist()
+        self.store.close()
