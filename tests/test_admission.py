@@ -132,7 +132,7 @@ def test_adaptive_admits_all_until_the_frequency_ghost_hits_more_then_by_count()
     policy.record([1])  # a hit in the TinyLFU ghost only
     assert policy.ghost_hits == [0.0, 1.0] and policy.by_frequency and policy.selective
     assert not policy.admits(3, 1) and policy.admits(1, 2) and not policy.admits(2, 1)
-    policy.record([5, 5], num_gpu_hits=2)  # found on the GPU: nothing asked of the tier, no ghost hit
+    policy.record([5, 5], num_hits_above=2)  # found on the GPU: nothing asked of the tier, no ghost hit
     assert policy.ghost_hits[0] == 0.0
 
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Literal, get_args
 
-from tieredkv.cache.admission import CPUPolicy
 from tieredkv.policy import CostModel, Preemption
+from tieredkv.replacement import ReplacementPolicy
 from tieredkv.scheduling import SchedulingPolicy
 from tieredkv.tiers.nvme.io_backends import IOBackend
 
@@ -169,7 +169,8 @@ class CacheConfig:
     nvme_path: str | None = None
     nvme_bytes: int = 0
     io_backend: IOBackend = "uring"
-    cpu_policy: CPUPolicy = "adaptive"
+    cpu_policy: ReplacementPolicy = "adaptive"
+    nvme_policy: ReplacementPolicy = "adaptive"
     remote_url: str | tuple[str, ...] | None = None
     remote_bytes: int = 0
 
@@ -190,7 +191,8 @@ class CacheConfig:
                 raise ValueError(f"nvme_path: expected a directory path, got {self.nvme_path!r}")
             _set(self, "nvme_path", os.path.expanduser(os.fspath(self.nvme_path)))
         check_choice("io_backend", self.io_backend, get_args(IOBackend))
-        check_choice("cpu_policy", self.cpu_policy, get_args(CPUPolicy))
+        check_choice("cpu_policy", self.cpu_policy, get_args(ReplacementPolicy))
+        check_choice("nvme_policy", self.nvme_policy, get_args(ReplacementPolicy))
         if self.nvme_bytes and not self.nvme_path:
             raise ValueError("nvme_bytes: set nvme_path (a directory for the block store) to use an NVMe tier")
         if self.nvme_path and not self.nvme_bytes:

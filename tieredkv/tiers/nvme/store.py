@@ -9,6 +9,7 @@ Two-phase API, one CPU block per job (a block is `block_bytes` contiguous bytes,
     store.poll() -> [(job, ok), ...]       # jobs finished since the last poll, each reported once
     store.wait([job, ...]) -> {job: ok}    # blocks; `await store.wait_async(jobs)` under asyncio
     store.contains(block_hash); store.contains_run(hashes) -> leading ones stored; store.stats()
+    store.record(hashes, num_hits_above)   # a request: the replacement policy learns from it
     store.sync() -> ok                     # every job done, file fsynced
     store.close()                          # or `with NVMeStore(...) as store:`
 
@@ -24,8 +25,13 @@ recomputes, and the cause is counted in `stats()`. Submits never raise for I/O t
 come back as failed jobs (ValueError only for bad arguments).
 
 Submits only queue the job: checksums, headers, copies and I/O happen on the store's threads,
-reads before writes (slot_io.py). Writes take a free slot, else evict the least recently used
-stored block (reads, writes and re-submitted writes count as uses). Header and payload go out
+reads before writes (slot_io.py). Writes take a free slot, else the slot of a block the
+replacement policy gives up (`policy`: `adaptive`, `tinylfu` or `lru`, as the CPU tier's; see
+slot_index.py): the least recently used stored block (reads, writes and re-submitted writes
+count as uses), under `adaptive` and `tinylfu` a chain's tail before its head, and under
+`tinylfu` (or `adaptive` while frequency wins) only if the new block was asked for more often
+lately than the victim (else `write_declined`). The policy learns from the blocks offered
+(every `submit_write`) and the requests `record` reports. Header and payload go out
 in one vectored write, straight from the caller's memory when it is 4 KiB-aligned (see
 `aligned_empty`), else through a bounce buffer. A crash mid-write can leave a torn slot; its
 header's payload checksum then fails, so it is never served. Opening a store scans the slot
@@ -54,6 +60,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from tieredkv.replacement import ReplacementPolicy
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme.io_backends import BlockIO, IOBackend, IOOp, make_backend
 from tieredkv.tiers.nvme.slot_file import STORE_FILE_NAME, SlotFile, remove_empty_dirs, store_file
@@ -63,7 +70,7 @@ from tieredkv.tiers.nvme.slot_format import (
     SlotHeader,
     fingerprint_digest,
 )
-from tieredkv.tiers.nvme.slot_index import SlotIndex
+from tieredkv.tiers.nvme.slot_index import Declined, SlotIndex
 from tieredkv.tiers.nvme.slot_io import SlotIO, SlotJob
 
 logger = logging.getLogger(__name__)
@@ -72,7 +79,7 @@ DEFAULT_QUEUE_DEPTH = 32  # I/Os in flight
 REOPEN_FIRST_S, REOPEN_MAX_S = 1.0, 60.0  # waits before remaking a lost file after a failure
 
 _COUNTERS = (
-    "hits misses writes bytes_read bytes_written evictions write_rejected restored "
+    "hits misses writes bytes_read bytes_written evictions write_rejected write_declined restored "
     "corrupt io_errors enospc short_reads short_writes files_lost scan_discarded reformatted "
     "internal_errors"
 ).split()
@@ -90,10 +97,13 @@ class NVMeStore:
         block_size: int,
         backend: IOBackend | BlockIO = "uring",
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        policy: ReplacementPolicy = "adaptive",
     ) -> None:
         """`path`: the store file, or a directory to hold it; `fingerprint`: model config, dtype
         and block size (bytes, or the engine's int); `backend`: a name, or a BlockIO object
-        (the fault-injection seam; the store closes it); `queue_depth`: I/Os in flight."""
+        (the fault-injection seam; the store closes it); `queue_depth`: I/Os in flight;
+        `policy`: which block a full store gives up (module docstring)."""
+        self.policy = policy
         self.geometry = SlotGeometry.for_block(capacity_bytes, block_bytes, block_size)
         self.path, made_dir = store_file(path)
         self._fingerprint = fingerprint_digest(fingerprint)
@@ -112,7 +122,7 @@ class NVMeStore:
         self._file: SlotFile | None = None
         try:
             self._file = SlotFile(self.path, self.geometry, self._owns_file)
-            self.index = SlotIndex(self.geometry.num_slots)
+            self.index = SlotIndex(self.geometry.num_slots, policy)
             if isinstance(backend, str):
                 backend = make_backend(backend, queue_depth, os.path.dirname(self.path))
             self._load_index(backend)
@@ -166,22 +176,24 @@ class NVMeStore:
         """Start storing the block in `src`; a job id, or None if no I/O was started.
 
         None: the block is stored or being written already (it becomes most recently used),
-        every slot has I/O in flight (`write_rejected`), the file is lost and cannot be made
-        now, or the store is closed. Either way `src` is free at once.
+        every slot has I/O in flight (`write_rejected`), the policy keeps the victim instead
+        (`write_declined`), the file is lost and cannot be made now, or the store is closed.
+        Either way `src` is free at once.
         """
         block_hash, parent_hash = ref.block_hash, ref.parent_hash
         payload = self._check_block(src, "src", ref.token_ids)
         tokens = self._check_ids(block_hash, parent_hash, ref.token_ids)
         self._check_file()
         with self._cond:
+            self.index.offered(block_hash)
             if self._closed or self.index.known(block_hash):
                 self.index.touch(block_hash)
                 return None
             if self._file is None and time.monotonic() < self._reopen_at:
                 return None
-            reservation = self.index.reserve(block_hash)
-            if reservation is None:
-                self._counts["write_rejected"] += 1
+            reservation = self.index.reserve(block_hash, parent_hash)
+            if reservation is None or isinstance(reservation, Declined):
+                self._counts["write_rejected" if reservation is None else "write_declined"] += 1
                 return None
             self._counts["evictions"] += reservation.evicted is not None
             self._sequence += 1
@@ -199,7 +211,7 @@ class NVMeStore:
         tokens = self._check_ids(block_hash, parent_hash, ref.token_ids)
         self._check_file()
         with self._cond:
-            slot = None if self._closed else self.index.pin(block_hash)
+            slot = None if self._closed else self.index.pin(block_hash, parent_hash)
             if slot is None:
                 self._counts["misses"] += 1
                 return None
@@ -209,6 +221,13 @@ class NVMeStore:
             self._reads_in_flight += 1
         self._io.start(job)
         return job.id
+
+    def record(self, block_hashes: Sequence[int], num_hits_above: int = 0) -> None:
+        """A request for a prompt's full blocks, in order, of which the first `num_hits_above`
+        were found in the tiers above and the rest asked of the store: the replacement policy
+        counts it (under `lru`, nothing does)."""
+        with self._cond:
+            self.index.record(block_hashes, num_hits_above)
 
     def poll(self) -> list[tuple[int, bool]]:
         """(job id, ok) of every job finished since the last poll, in finishing order, except
@@ -269,6 +288,7 @@ class NVMeStore:
                 slots_free=self.index.num_free,
                 in_flight=len(self._jobs),
                 backend=self.backend.name,
+                policy=self.policy,
                 o_direct=self._file is not None and self._file.o_direct,
             )
         return out
@@ -393,7 +413,7 @@ class NVMeStore:
             self._counts["files_lost"] += 1
             self._retired[self._generation] = self._file  # in-flight jobs may still use it
             self._generation += 1
-            self.index = SlotIndex(self.num_slots)
+            self.index = SlotIndex(self.num_slots, self.policy)
             self._file, self._reopen_at, self._reopen_wait = None, 0.0, REOPEN_FIRST_S
             self._close_retired()
 
