@@ -49,7 +49,7 @@ async def test_leaving_the_stream_early_aborts():
         if len(out.token_ids) == 3:
             break
     await asyncio.sleep(0)
-    await allm._loop_task
+    await allm.drained()
     assert_nothing_held(allm)
     await allm.close()
 
@@ -70,7 +70,7 @@ async def test_abort_mid_prefill():
     [last] = outputs  # no token was produced, only the final output
     assert last.finished and last.finish_reason == "abort" and last.token_ids == []
     assert last.request_id == "long"
-    await allm._loop_task
+    await allm.drained()
     assert_nothing_held(allm)
 
 
@@ -90,7 +90,7 @@ async def test_abort_ends_an_open_stream_with_the_tokens_so_far(reference_output
     last = outputs[-1]
     assert last.finished and last.finish_reason == "abort"
     assert last.token_ids == expected[: len(last.token_ids)] and len(last.token_ids) >= 3
-    await allm._loop_task
+    await allm.drained()
     assert_nothing_held(allm)
     await allm.close()
 
@@ -131,7 +131,7 @@ async def test_abort_while_swapped():
     for task in index:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await allm._loop_task
+    await allm.drained()
     assert_nothing_held(allm)
     await allm.close()
 
@@ -144,7 +144,7 @@ async def test_cancelled_task_frees_its_request():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await allm._loop_task
+    await allm.drained()
     assert_nothing_held(allm)
 
 
@@ -207,7 +207,7 @@ async def test_cancel_and_retry_with_the_same_request_id(reference_outputs):
     retried = await asyncio.wait_for(tokens(retry), timeout=60)
     assert retried == expected[0]  # its own tokens, not the cancelled request's
     assert (await other).token_ids == expected[1]
-    await allm._loop_task
+    await allm.drained()
     assert_nothing_held(allm)
     await allm.close()
 

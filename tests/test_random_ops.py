@@ -231,8 +231,7 @@ def test_random_async_ops(expected, preemption, ops):
             else:
                 run.cancel_and_retry(*arg)
         await run.finish()
-        if allm._loop_task is not None:
-            await allm._loop_task
+        await allm.drained()
         assert_nothing_held(allm.engine)
         await allm.close()
 

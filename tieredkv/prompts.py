@@ -56,6 +56,8 @@ def token_ids(prompt: object, tokenizer: Any, vocab_size: int) -> list[int]:
         ids = _raw_ids(prompt)
     if not ids:
         raise ValueError("prompt: is empty; give at least one token")
+    if all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < vocab_size:
+        return list(ids)  # plain ints in range: the common case, checked without a per-token call
     bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
