@@ -231,3 +231,22 @@ def test_engine_rejects_a_duplicate_request_id_at_enqueue():
     with pytest.raises(ValueError, match="request_id: 'x' is already in use"):
         engine.enqueue(two)
     assert engine.seqs["x"] is one
+
+
+async def test_the_engine_steps_while_the_event_loop_is_busy():
+    """The engine loop does not wait for the event loop between steps: while a callback holds
+    the event loop (a web server busy sending), the engine goes on stepping; the outputs of
+    those steps are waiting for the stream when the event loop is free again."""
+    allm = AsyncLLM(model="tiny-llama", block_size=4, num_gpu_blocks=64)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    stream = allm.generate_stream(list(range(5, 30)), params)
+    first = await anext(stream)
+    assert len(first.token_ids) == 1
+    steps = allm.engine.stats()["steps"]
+    deadline = time.monotonic() + 10
+    while allm.engine.stats()["steps"] < steps + 5 and time.monotonic() < deadline:
+        time.sleep(0.01)  # holds the event loop: nothing is delivered meanwhile
+    assert allm.engine.stats()["steps"] >= steps + 5
+    outputs = [out async for out in stream]
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 30
+    await allm.close()
