@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -29,15 +29,13 @@ from tqdm.auto import tqdm
 from tieredkv.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from tieredkv.cache.hashing import model_fingerprint
 from tieredkv.cache.manager import KVCacheManager
-from tieredkv.cache.offload import CPUOffload
+from tieredkv.cache.tier_chain import OneRankStores, build_tiers
 from tieredkv.calibrate import DiskProbe, calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, RESULTS_VAR, EngineConfig, read_yaml, resolve_paths
 from tieredkv.decode import Decoder
-from tieredkv.memory import check_fits
 from tieredkv.model import locate
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tieredkv.parallel.sharded_remote import ShardedRemote
 from tieredkv.parallel.workers import Workers
 from tieredkv.parallel_sampling import SampleGroup
 from tieredkv.policy import CostModel, TierPolicy
@@ -46,13 +44,8 @@ from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
 from tieredkv.text import IncrementalDetokenizer, Message, chat_prompt
-from tieredkv.tiers.backend import BlockStore
-from tieredkv.tiers.nvme.opener import open_store
 from tieredkv.tiers.nvme.store import DEFAULT_QUEUE_DEPTH
-from tieredkv.tiers.remote import NVME_STORE_STATS, open_remote, pair_stores
-
-if TYPE_CHECKING:
-    from tieredkv.tiers.remote.store import RemoteStore  # imports redis, an optional dependency
+from tieredkv.tiers.remote import NVME_STORE_STATS
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +69,15 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = self.runner.num_gpu_blocks(config.cache)
         self.runner.allocate_kv_cache(num_blocks, block_size)
-        self.remote: RemoteStore | ShardedRemote | None = None  # the remote tier's own store (its stats, bandwidth)
         hf_config = self.runner.hf_config.to_dict()
         self.fingerprint = model_fingerprint(
             hf_config, self.runner.weights_id, config.model.dtype, block_size, self.runner.tp_layout
         )
-        self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, self._build_offload())
+        host = self.runner if isinstance(self.runner, Workers) else OneRankStores(self.runner.cpu_tier,
+                                                                                  self.block_bytes)
+        tiers = build_tiers(config.cache, self.block_bytes, self.fingerprint, host)
+        self.remote = tiers.remote  # the remote tier's own store (its stats, bandwidth)
+        self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, tiers.offload)
         policy = TierPolicy(config.scheduler.preemption, self.block_bytes, block_size, self._cost_model())
         self.scheduler = Scheduler(config.scheduler, self.kv, policy)
         if self.runner.device.type == "cuda" and not config.model.enforce_eager:
@@ -100,41 +96,6 @@ class LLMEngine:
     @property
     def block_bytes(self) -> int:
         return self.runner.kv_spec.block_bytes(self.config.cache.block_size)
-
-    def _build_offload(self) -> CPUOffload | None:
-        cache = self.config.cache
-        if cache.cpu_cache_bytes == 0:  # EngineConfig checked that nothing needs a CPU tier
-            return None
-        num_blocks = cache.cpu_cache_bytes // self.block_bytes
-        if num_blocks == 0:
-            raise ValueError(
-                f"cpu_cache_bytes: {cache.cpu_cache_bytes} bytes hold no KV block of {self.block_bytes} bytes; "
-                "raise it or set it to 0 to run without a CPU tier"
-            )
-        check_fits("cpu_cache_bytes", num_blocks, self.block_bytes, torch.device("cpu"))
-        tier, transfers = self.runner.cpu_tier(num_blocks)
-        return CPUOffload(tier, transfers, self._build_stores(), cache.cpu_policy)
-
-    def _build_stores(self) -> BlockStore | None:
-        """The store below the CPU tier: NVMe, the remote server, or both (reads from the first
-        that holds a block, writes to both)."""
-        nvme = self._build_nvme()
-        cache = self.config.cache
-        if isinstance(self.runner, Workers) and cache.remote_url is not None:  # one key per rank and block
-            self.remote = self.runner.open_remote(cache, self.fingerprint)
-        elif cache.remote_url is not None:
-            self.remote = open_remote(cache.remote_url, cache.remote_bytes, self.block_bytes, self.fingerprint,
-                                      cache.block_size)
-        return pair_stores(nvme, self.remote)
-
-    def _build_nvme(self) -> BlockStore | None:
-        cache = self.config.cache
-        if cache.nvme_path is None:
-            return None
-        if isinstance(self.runner, Workers):  # one store file per rank
-            return self.runner.open_store(cache, self.fingerprint)
-        return open_store(cache.nvme_path, cache.nvme_bytes, self.block_bytes, self.fingerprint,
-                          cache.block_size, backend=cache.io_backend)
 
     def _cost_model(self) -> CostModel | None:
         """Pinned in the config, else measured (`auto` with a CPU tier, and an NVMe or remote

@@ -8,10 +8,9 @@ a local store and the remote one as one store, `shards.py` several servers as on
 
 from __future__ import annotations
 
-from tieredkv.tiers.backend import BlockStore
 from tieredkv.tiers.remote.chain import NVME_STORE_STATS, StorePair
 
-__all__ = ["NVME_STORE_STATS", "StorePair", "open_remote", "pair_stores"]
+__all__ = ["NVME_STORE_STATS", "StorePair", "open_remote"]
 
 
 def open_remote(remote_url: str | tuple[str, ...], remote_bytes: int, block_bytes: int, fingerprint: int,
@@ -48,10 +47,3 @@ def open_remote(remote_url: str | tuple[str, ...], remote_bytes: int, block_byte
         for store in stores:
             store.close()
         raise ValueError(f"remote_url: {err}") from err
-
-
-def pair_stores(local: BlockStore | None, remote: BlockStore | None) -> BlockStore | None:
-    """The store below the CPU tier: the local one, the remote one beside it, or none."""
-    if remote is None:
-        return local
-    return StorePair(local, remote)
