@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from tieredkv.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 
-from tieredkv.cache.admission import CPUPolicy
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.config import SchedulerConfig
 from tieredkv.policy import CostModel, Preemption, TierPolicy
+from tieredkv.replacement import ReplacementPolicy
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence
@@ -42,7 +42,8 @@ class SimKV:
 
 
 def make_kv(num_gpu_blocks: int, num_cpu_blocks: int = 0, nvme_path: str | None = None,
-            nvme_blocks: int = 64, cpu_policy: CPUPolicy = "tinylfu", backend: IOBackend | BlockIO = "sync") -> SimKV:
+            nvme_blocks: int = 64, cpu_policy: ReplacementPolicy = "tinylfu",
+            backend: IOBackend | BlockIO = "sync") -> SimKV:
     """GPU (and CPU, and NVMe) tiers of the given sizes, in ordinary memory."""
     layers, _, bs, heads, dim = BLOCK_SHAPE
     gpu = torch.zeros((layers, 2, num_gpu_blocks, bs, heads, dim))

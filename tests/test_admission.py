@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tieredkv.cache.admission import AdaptiveAdmission, FrequencyAdmission, GhostTier
 from tieredkv.cache.trace import BlockTrace, replay, simulate
+from tieredkv.replacement import AdaptiveAdmission, FrequencyAdmission, GhostTier
 
 POLICIES = ("lru", "tinylfu", "adaptive", "belady")
 

@@ -16,9 +16,9 @@ import torch
 from tests.kv_factory import BLOCK_SHAPE, make_kv, make_scheduler, make_seq, run_until_done
 from tests.test_nvme_store import BLOCK_BYTES as STORE_BLOCK_BYTES
 from tests.test_nvme_store import BLOCK_SIZE, FP, cpu_pool, fill, parent_of, same_bytes, slots_capacity, tokens_of
-from tieredkv.cache.admission import AdmitAll
 from tieredkv.cache.block_pool import BlockPool
 from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, Spill
+from tieredkv.replacement import AdmitAll
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme.io_backends import IORequest, SyncBackend
 from tieredkv.tiers.nvme.store import NVMeStore

@@ -25,9 +25,9 @@ from typing import NamedTuple
 
 import torch
 
-from tieredkv.cache.admission import AdaptiveAdmission, AdmitAll, FrequencyAdmission
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.spill import Spill
+from tieredkv.replacement import AdaptiveAdmission, AdmitAll, FrequencyAdmission
 from tieredkv.tiers.backend import BlockRef, BlockStore
 
 # held_run asks the tier about this many blocks first, then twice as many each time
@@ -98,6 +98,11 @@ class LowerTier:
                 break
             size = min(2 * size, MAX_LOOKUP_BLOCKS)
         return stop
+
+    def requested(self, block_hashes: Sequence[int], num_hits_above: int) -> None:
+        """A request was admitted asking for these prompt blocks, the first `num_hits_above`
+        found in the GPU and CPU tiers: the store's replacement policy counts it."""
+        self.store.record(block_hashes, num_hits_above)
 
     # ------------------------------------------------------------------ loads
 

@@ -347,7 +347,10 @@ class KVCacheManager:
         self._tables[seq.seq_id], self._block_ids[seq.seq_id] = [], []
         self._extend(seq.seq_id, [*reused, *fresh])
         if self.offload is not None:
-            self.offload.requested(self._hit_candidates(seq), len(reused))
+            asked = self._hit_candidates(seq)
+            self.offload.requested(asked, len(reused))
+            if self.lower is not None:
+                self.lower.requested(asked, len(reused) + len(promoted))
         num_promoted = self._promote(promoted, fresh)
         num_hit_blocks = len(reused) + num_promoted
         self._num_committed[seq.seq_id] = num_hit_blocks

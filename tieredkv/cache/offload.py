@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from tieredkv.cache.admission import CPUPolicy, make_admission
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.lower_tier import LowerTier
 from tieredkv.cache.trace import BlockTrace
+from tieredkv.replacement import ReplacementPolicy, make_admission
 from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.transfer.engine import TransferEngine, TransferError, TransferJob
@@ -40,7 +40,8 @@ class CPUOffload:
     was offered and asked for (`cache/trace.py`)."""
 
     def __init__(
-        self, tier: CPUTier, transfers: TransferEngine, store: BlockStore | None = None, policy: CPUPolicy = "adaptive"
+        self, tier: CPUTier, transfers: TransferEngine, store: BlockStore | None = None,
+        policy: ReplacementPolicy = "adaptive",
     ) -> None:
         self.tier = tier
         self.pool = BlockPool(tier.num_blocks)

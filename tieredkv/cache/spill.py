@@ -2,7 +2,7 @@
 
 What is written: full prefix blocks worth reading back, each once: every one while the CPU
 tier's policy admits by recency, those asked for again since they were first computed while
-it admits by frequency (its counts, `cache/admission.py`):
+it admits by frequency (its counts, `replacement.py`):
 - `spill_ahead(reads_in_flight)`: write the coldest cached CPU blocks in the background, so
   that when the CPU tier evicts them they are safe on disk; a block being written is held
   (never evicted, so nothing ever waits for a write) and goes back to the front of the CPU
@@ -27,8 +27,8 @@ from collections.abc import Iterable
 
 import torch
 
-from tieredkv.cache.admission import AdaptiveAdmission, AdmitAll, FrequencyAdmission
 from tieredkv.cache.block_pool import Block, BlockPool
+from tieredkv.replacement import AdaptiveAdmission, AdmitAll, FrequencyAdmission
 from tieredkv.tiers.backend import BlockRef, BlockStore
 
 logger = logging.getLogger(__name__)

@@ -52,7 +52,7 @@ class OneRankStores:
 
     def open_store(self, cache: CacheConfig, fingerprint: int) -> BlockStore:
         return open_store(cache.nvme_path, cache.nvme_bytes, self.block_bytes, fingerprint, cache.block_size,
-                          backend=cache.io_backend)
+                          backend=cache.io_backend, policy=cache.nvme_policy)
 
     def open_remote(self, cache: CacheConfig, fingerprint: int) -> RemoteTier:
         return open_remote(cache.remote_url, cache.remote_bytes, self.block_bytes, fingerprint, cache.block_size)

@@ -6,7 +6,7 @@ A trace records what was asked of the CPU tier while the engine ran:
   were looked for in the CPU tier.
 
 `replay(trace, capacity, policy)` runs the same trace through a CPU tier of `capacity` blocks
-under `lru`, `tinylfu`, `adaptive` (the engine's rules, `cache/admission.py`) or `belady`
+under `lru`, `tinylfu`, `adaptive` (the engine's rules, `replacement.py`) or `belady`
 (on each offer to a full tier, drop whichever of the resident blocks and the offered one is
 requested again furthest in the future: Belady's MIN with bypass, the best any policy can do
 for blocks taken one by one). A request's hits are counted as in the engine, its leading
@@ -28,7 +28,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
-from tieredkv.cache.admission import GhostTier, make_admission
+from tieredkv.replacement import GhostTier, make_admission
 
 ReplayPolicy = Literal["lru", "tinylfu", "adaptive", "belady"]
 REPLAY_POLICIES: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "adaptive", "belady")

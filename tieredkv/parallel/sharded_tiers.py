@@ -110,7 +110,8 @@ def open_sharded_store(cache: CacheConfig, rank_block_bytes: int, fingerprint: i
         for rank in range(world):
             path = os.path.join(cache.nvme_path, f"tp{world}-rank{rank}")
             stores.append(open_store(path, cache.nvme_bytes // world, rank_block_bytes,
-                                     rank_fingerprint(fingerprint, rank), cache.block_size, cache.io_backend))
+                                     rank_fingerprint(fingerprint, rank), cache.block_size, cache.io_backend,
+                                     cache.nvme_policy))
     except BaseException:
         for store in stores:
             store.close()
@@ -150,6 +151,11 @@ class RankStores:
     def contains_run(self, block_hashes: Sequence[int]) -> int:
         """How many of the leading blocks every rank's store holds."""
         return min(store.contains_run(block_hashes) for store in self.stores)
+
+    def record(self, block_hashes: Sequence[int], num_hits_above: int) -> None:
+        """Every rank's store counts the request alike, so their victims stay the same."""
+        for store in self.stores:
+            store.record(block_hashes, num_hits_above)
 
     def submit_write(self, ref: BlockRef, src: Sequence[torch.Tensor]) -> int | None:
         """Write every rank's slice; None if no rank's store started a write (each holds the

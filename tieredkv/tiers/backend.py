@@ -7,6 +7,7 @@
     job = store.submit_read(ref, dst)      # None: not stored (a miss)
     store.poll() -> [(job, ok), ...]       # jobs finished since the last poll
     store.wait([job, ...]) -> {job: ok}    # blocks the caller
+    store.record([h0, h1, ...], n)         # a request asked for these blocks (the first n found above)
     store.stats(); store.close()
 
 `src` and `dst` are one CPU block each and stay untouched until their job is reported. A read
@@ -38,6 +39,11 @@ class BlockStore(Protocol):
     def contains_run(self, block_hashes: Sequence[int]) -> int:
         """How many of the leading `block_hashes` the store holds (the run up to its first
         miss), asked at once: a remote store pays one round trip for them all."""
+        ...
+
+    def record(self, block_hashes: Sequence[int], num_hits_above: int) -> None:
+        """A request's prompt blocks, in order, the first `num_hits_above` found in the tiers
+        above: a store with a replacement policy counts it; one without ignores it."""
         ...
 
     def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None: ...

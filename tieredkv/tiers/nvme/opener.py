@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 
+from tieredkv.replacement import ReplacementPolicy
 from tieredkv.tiers.nvme.io_backends import IOBackend
 from tieredkv.tiers.nvme.slot_file import StoreInUseError
 from tieredkv.tiers.nvme.slot_format import SlotGeometry
@@ -18,6 +19,7 @@ def open_store(
     fingerprint: bytes | int,
     block_size: int,
     backend: IOBackend = "uring",
+    policy: ReplacementPolicy = "adaptive",
 ) -> NVMeStore:
     """The engine's store, with errors that name the config key to change (`nvme_path` or
     `nvme_bytes`) as ValueError, also when another engine holds the store."""
@@ -28,7 +30,7 @@ def open_store(
             f"(with its header); give at least {need} bytes, e.g. '{-(-need // 2**20)}MiB'"
         )
     try:
-        return NVMeStore(nvme_path, nvme_bytes, block_bytes, fingerprint, block_size, backend)
+        return NVMeStore(nvme_path, nvme_bytes, block_bytes, fingerprint, block_size, backend, policy=policy)
     except ValueError as err:
         raise ValueError(f"nvme_path: {err}") from err
     except StoreInUseError as err:

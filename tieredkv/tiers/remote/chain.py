@@ -49,6 +49,10 @@ class StoreSet:
         self._owner: dict[tuple[int, int], int] = {}  # (store index, inner job) -> job
         self._done: list[tuple[int, bool]] = []  # finished jobs not reported yet
 
+    def record(self, block_hashes: Sequence[int], num_hits_above: int) -> None:
+        for store in self.stores:
+            store.record(block_hashes, num_hits_above)
+
     def poll(self) -> list[tuple[int, bool]]:
         for i, store in enumerate(self.stores):
             for inner, ok in store.poll():

@@ -119,6 +119,10 @@ class RemoteStore:
         """True if the block is stored, as far as this engine knows or the server says now."""
         return self.contains_run([block_hash]) == 1
 
+    def record(self, block_hashes: Sequence[int], num_hits_above: int) -> None:
+        """Nothing: within `budget_bytes` this engine deletes its least recently used blocks, and
+        the server evicts by its own `maxmemory-policy`."""
+
     def contains_run(self, block_hashes: Sequence[int]) -> int:
         """How many of the leading blocks are stored, as far as this engine knows or the server
         says now. The blocks it does not know, up to the first it knows to be absent, are asked
