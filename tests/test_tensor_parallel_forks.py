@@ -45,6 +45,17 @@ def assert_same_completion(got: CompletionOutput, want: CompletionOutput) -> Non
             assert got_step[token].logprob == pytest.approx(entry.logprob, abs=TOLERANCE)
 
 
+def assert_same_outputs(got, want, got_beams, want_beams) -> None:
+    """Every request's completions and every beam search's sequences equal one rank's."""
+    for g, w in zip(got, want, strict=True):
+        assert g.error is None and len(g.outputs) == len(w.outputs)
+        for got_out, want_out in zip(g.outputs, w.outputs, strict=True):
+            assert_same_completion(got_out, want_out)
+    assert [[s.token_ids for s in o.sequences] for o in got_beams] == [
+        [s.token_ids for s in o.sequences] for o in want_beams
+    ]
+
+
 def test_samples_best_of_and_logprobs_at_two_ranks_equal_one_rank(engines):
     one, two = engines
     want = one.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -91,13 +102,7 @@ def test_forks_preempted_at_two_ranks_equal_one_rank(preemption):
         got_beams = two.beam_search(PROMPTS[2:4], beams, use_tqdm=False)
         stats = two.stats()
     assert stats["preemptions"][preemption] > 0
-    for g, w in zip(got, want, strict=True):
-        assert g.error is None and len(g.outputs) == len(w.outputs)
-        for got_out, want_out in zip(g.outputs, w.outputs, strict=True):
-            assert_same_completion(got_out, want_out)
-    assert [[s.token_ids for s in o.sequences] for o in got_beams] == [
-        [s.token_ids for s in o.sequences] for o in want_beams
-    ]
+    assert_same_outputs(got, want, got_beams, want_beams)
 
 
 @pytest.mark.gpu
@@ -113,10 +118,4 @@ def test_forks_on_two_gpus_equal_one_gpu():
         got = two.generate(PROMPTS, PARAMS, use_tqdm=False)
         got_beams = two.beam_search(PROMPTS[:3], beams, use_tqdm=False)
         assert two.stats()["cow_block_copies"] > 0
-    for g, w in zip(got, want, strict=True):
-        assert g.error is None and len(g.outputs) == len(w.outputs)
-        for got_out, want_out in zip(g.outputs, w.outputs, strict=True):
-            assert_same_completion(got_out, want_out)
-    assert [[s.token_ids for s in o.sequences] for o in got_beams] == [
-        [s.token_ids for s in o.sequences] for o in want_beams
-    ]
+    assert_same_outputs(got, want, got_beams, want_beams)
