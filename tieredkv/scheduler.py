@@ -13,8 +13,9 @@ budget in the policy's order (`_schedule_prefills`).
 Before all that, the first waiting sequences start reading the later part of their prefix blocks
 found in the lower tier (disk, remote; as much as the policy says), so the reads overlap other
 work and the computation of the earlier part. The load state is the lower tier's: how far a
-sequence may compute is the KV manager's answer (`computable`), and whether a waiting sequence
-still waits for its loads too (`load_wait`).
+sequence may compute is the KV manager's answer (`computable`, after `land_loads` has jumped a
+running one over what its loads brought), and whether a waiting sequence still waits for its
+loads too (`load_wait`).
 
 After the forward pass, `update(batch, sampled_tokens)` advances the scheduled sequences,
 commits their new full blocks, appends the sampled tokens and retires finished sequences (in
@@ -201,13 +202,15 @@ class Scheduler:
         return budget
 
     def _next_chunk(self, seq: Sequence, budget: int) -> int:
-        chunk = self.kv.computable(seq, budget)
-        if chunk.num_skipped_tokens:
-            seq.num_computed_tokens += chunk.num_skipped_tokens
-            self.loaded_skipped_tokens += chunk.num_skipped_tokens
+        """Tokens a running sequence computes this step, after jumping over the prefix tokens
+        its lower-tier loads brought (0 while their copy to the GPU lands)."""
+        skipped, landing = self.kv.land_loads(seq)
+        if skipped:
+            seq.num_computed_tokens += skipped
+            self.loaded_skipped_tokens += skipped
             if not seq.recomputing:
-                seq.num_cached_tokens += chunk.num_skipped_tokens
-        return chunk.num_new_tokens
+                seq.num_cached_tokens += skipped
+        return 0 if landing else self.kv.computable(seq, budget)
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Swap sequences back in, oldest first (held ones wait); the budget left, and whether
@@ -324,7 +327,7 @@ class Scheduler:
         self._plan_loads(seq, backlog)
         found = self.kv.match_prefix(seq)
         prefix = self._worth_copying(found)
-        n = self.kv.computable(seq, budget, prefix).num_new_tokens
+        n = self.kv.computable(seq, budget, prefix)
         if n == 0:  # nothing to compute before its lower-tier blocks arrive (`load_wait` tells when)
             self._wait_for_loads(seq)
             return 0

@@ -10,10 +10,11 @@ Operations:
   the policy, says how many of the earlier ones to compute instead).
 - `lower_reads_in_flight()`: the lower tier's queue; `h2d_queue_blocks()`: the PCIe queue of
   copies in; `landed_loads()`: how long the loads that landed took.
-- `computable(seq, budget, prefix) -> Chunk`: the one question about those loads: how many
-  tokens the sequence may compute now (0: wait for its loads), and how many prefix tokens that
-  have landed it jumps over; `load_wait(seq) -> LoadWait`: whether a sequence found with
-  nothing to compute before its loads land still waits for them.
+- `land_loads(seq) -> Landed`: once a running sequence's loads have all arrived, copy the
+  blocks they brought into its next GPU blocks: the prefix tokens it jumps over.
+- `computable(seq, budget, prefix) -> int`: the one question about those loads: how many
+  tokens the sequence may compute now (0: wait for its loads); `load_wait(seq) -> LoadWait`:
+  whether a sequence found with nothing to compute before its loads land still waits for them.
 The lower tier's per-request load state is `cache/lower_tier.py`'s (`LowerTier`); this module
 asks it, and copies the blocks it loaded onto the GPU.
 - `allocate(seq, num_new_tokens, prefix) -> Allocation | None`: blocks for the next tokens
@@ -90,12 +91,12 @@ class KVLost(NamedTuple):
     reason: str
 
 
-class Chunk(NamedTuple):
-    """What a sequence may do this step: compute `num_new_tokens` (0: wait), after jumping
-    over `num_skipped_tokens` prefix tokens whose KV was loaded from the lower tier."""
+class Landed(NamedTuple):
+    """Prefix tokens whose KV, loaded from the lower tier, a sequence jumps over, and whether
+    its copy to the GPU is still landing (the sequence computes nothing until it has)."""
 
-    num_new_tokens: int
     num_skipped_tokens: int = 0
+    landing: bool = False
 
 
 class LoadPlan(NamedTuple):
@@ -218,32 +219,31 @@ class KVCacheManager:
         """Blocks queued for copying CPU → GPU and not finished: the PCIe queue."""
         return self.offload.h2d_queue_blocks if self.offload is not None else 0
 
-    def computable(self, seq: Sequence, budget: int, prefix: PrefixMatch | None = None) -> Chunk:
+    def computable(self, seq: Sequence, budget: int, prefix: PrefixMatch | None = None) -> int:
         """Tokens the sequence may compute now, up to `budget`: a new sequence (with its
         `prefix`) from its hits on, a running one from its computed tokens on. Stops short of
-        the prefix blocks being read from the lower tier, waits (0) while they are in flight,
-        and jumps over them once they have landed."""
+        the prefix blocks being read from the lower tier and waits (0) while they are in flight
+        (a running sequence jumps over them with `land_loads` once they are all in)."""
         start = seq.num_computed_tokens if prefix is None else prefix.num_tokens(self.block_size)
         n = min(len(seq.token_ids) - start, budget)
         load_from = self.lower.load_from(seq.seq_id) if self.lower is not None else None
         if load_from is None:
-            return Chunk(n)
+            return n
         if start < load_from:
-            return Chunk(min(n, load_from - start))
+            return min(n, load_from - start)
         if self.lower.arriving(seq.seq_id):
             self.lower.await_loads(seq.seq_id)
-            return Chunk(0)
-        if prefix is not None:  # landed before admission: `allocate` promotes them as CPU hits
-            return Chunk(n)
-        skipped, landing = self._skip_loaded(seq)
-        if landing:
-            return Chunk(0, skipped)
-        return Chunk(min(seq.num_tokens - start - skipped, budget), skipped)
+            return 0
+        return n  # landed before admission: `allocate` promotes them as CPU hits
 
-    def _skip_loaded(self, seq: Sequence) -> tuple[int, bool]:
-        """Copy the prefix blocks that the sequence's loads brought into the CPU tier into its
-        next GPU blocks; (tokens skipped, whether that copy is landing). Nothing is skipped if
-        none arrived intact or the GPU pool is short. The sequence's load plan is done."""
+    def land_loads(self, seq: Sequence) -> Landed:
+        """For a running sequence that reached its lower-tier prefix blocks and whose reads have
+        all finished: copy the blocks that arrived intact from the CPU tier into its next GPU
+        blocks (none if the GPU pool is short); the tokens it jumps over. Its load plan is done
+        then. Nothing happens before, or for a sequence without loads."""
+        load_from = self.lower.load_from(seq.seq_id) if self.lower is not None else None
+        if load_from is None or seq.num_computed_tokens < load_from or self.lower.arriving(seq.seq_id):
+            return Landed()
         bs = self.block_size
         start = seq.num_computed_tokens // bs
         if seq.num_computed_tokens % bs:
@@ -252,7 +252,7 @@ class KVCacheManager:
             found, _ = _run_of(self._full_blocks(seq, start), self.offload.lookup)
         skipped = self._copy_loaded(seq, start, found) if found else 0
         self.lower.landed(seq.seq_id)
-        return skipped * bs, skipped > 0
+        return Landed(skipped * bs, skipped > 0)
 
     def _copy_loaded(self, seq: Sequence, start: int, cpu_blocks: list[Block]) -> int:
         table = self._tables[seq.seq_id]
