@@ -30,7 +30,8 @@ from tieredkv.user_cache import cache_dir
 logger = logging.getLogger(__name__)
 
 DEFAULT_DISK_READ_BYTES_PER_S = 2e9  # a mid-range NVMe drive: assumed where the disk cannot be measured
-MAX_PREFILL_PROBE = 8192  # tokens: prefill is timed at this step size and a quarter of it
+MAX_PREFILL_PROBE = 8192  # tokens: prefill is timed in chunks of this size (at most)
+MAX_CONTEXT_PROBE = 32768  # tokens: the cached context the second chunk attends to (at most)
 
 
 def cache_file() -> Path:
@@ -137,6 +138,18 @@ def _timed_reads(fd: int, num_bytes: int, read_bytes: int, queue_depth: int, io:
     return done * read_bytes / (time.perf_counter() - start)
 
 
+def fit_chunks(n: int, context: int, t0: float, t1: float) -> tuple[float, float]:
+    """(a, b) of a prefill costing a*N + b*N^2 for N tokens, from a chunk of `n` tokens timed
+    at the start of a prompt (`t0` = a*n + b*n^2) and after `context` cached tokens (`t1` =
+    a*n + b*((context + n)^2 - context^2)), clamped to non-negative terms: the chunk's extra
+    time over a long context is its attention to that context, 2*b*context*n."""
+    b = max(0.0, (t1 - t0) / (2 * context * n))
+    a = max(0.0, t0 / n - b * n)
+    if a == 0.0 and b == 0.0:
+        a = t0 / n
+    return a, b
+
+
 def fit_prefill(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
     """(a, b) with a*n + b*n^2 through both points, clamped to non-negative terms."""
     b = max(0.0, (t2 / n2 - t1 / n1) / (n2 - n1))
@@ -164,11 +177,11 @@ def _disk_id(directory: str) -> str:
         return os.path.abspath(directory)
 
 
-def _describe(model: CostModel, prefill_probe: tuple[int, int], disk: DiskProbe | None) -> str:
+def _describe(model: CostModel, probed: str, disk: DiskProbe | None) -> str:
     """The measured cost model in words and units, with how each figure was measured."""
     text = (f"copies D2H {model.d2h_bytes_per_s / 1e9:.1f} GB/s, H2D {model.h2d_bytes_per_s / 1e9:.1f} GB/s; "
             f"prefill {model.prefill_s_per_token * 1e6:.2f} us/token + {model.prefill_s_per_token_sq * 1e9:.3f} "
-            f"ns/token^2 (timed at {prefill_probe[0]} and {prefill_probe[1]} tokens)")
+            f"ns/token^2 ({probed})")
     if disk is not None and model.disk_read_bytes_per_s is not None:
         text += (f"; disk reads {model.disk_read_bytes_per_s / 1e9:.2f} GB/s under {disk.directory} "
                  f"({disk.backend} backend, {disk.read_bytes / 1024:g} KiB reads, {disk.queue_depth} in flight)")
@@ -176,17 +189,22 @@ def _describe(model: CostModel, prefill_probe: tuple[int, int], disk: DiskProbe 
 
 
 def calibrate(
-    key: str, device: torch.device, prefill: Callable[[int], None], max_tokens: int, disk: DiskProbe | None = None,
-    bandwidth: Callable[[], tuple[float, float]] | None = None,
+    key: str, device: torch.device, prefill: Callable[[int, int], None], max_tokens: int,
+    disk: DiskProbe | None = None, bandwidth: Callable[[], tuple[float, float]] | None = None,
+    max_context_tokens: int = 0,
 ) -> CostModel:
     """The cost model for `key` (device + model [+ disk]), measured once and cached. Prefill is
-    timed at `n` and `n/4` tokens, `n` the largest step (`max_tokens`, at most 8192): smaller
-    probes time the per-step launch overhead, not the per-token cost of serving's chunks.
-    `bandwidth` measures (D2H, H2D) bytes/s where `measure_bandwidth(device)` would not (the
-    ranks of a tensor-parallel engine; `device` is then where `prefill` returns when done)."""
+    timed as serving runs it: a chunk of `n` tokens, `n` the largest step (`max_tokens`, at most
+    8192), at the start of a prompt and after a long cached context (as much as one sequence
+    holds, `max_context_tokens`, at most 32k), whose difference is the attention term; where no
+    context of at least `n` fits, at `n` and `n/4` tokens (smaller probes time the per-step
+    launch overhead, not the per-token cost of serving's chunks). `prefill(n, context)` runs one
+    such chunk. `bandwidth` measures (D2H, H2D) bytes/s where `measure_bandwidth(device)` would
+    not (the ranks of a tensor-parallel engine; `device` is then where `prefill` returns)."""
     n2 = max(2, min(MAX_PREFILL_PROBE, max_tokens))
     n1 = max(1, n2 // 4)
-    entry = f"{key}/prefill:{n1}-{n2}"
+    context = min(MAX_CONTEXT_PROBE, max_context_tokens - n2)
+    entry = f"{key}/prefill:{n2}@0-{context}" if context >= n2 else f"{key}/prefill:{n1}-{n2}"
     if disk is not None:
         entry = f"{entry}/disk:{_disk_id(disk.directory)}:{disk.read_bytes}x{disk.queue_depth}:{disk.backend}"
     path = cache_file()
@@ -200,15 +218,20 @@ def calibrate(
         except (TypeError, ValueError):
             logger.warning("ignoring a damaged cost model cached in %s", path)
     d2h, h2d = bandwidth() if bandwidth is not None else measure_bandwidth(device)
-    t1 = _timed(lambda: prefill(n1), device, reps=2)
-    t2 = _timed(lambda: prefill(n2), device, reps=2)
-    a, b = fit_prefill(n1, t1, n2, t2)
+    if context >= n2:
+        t0 = _timed(lambda: prefill(n2, 0), device, reps=2)
+        t1 = _timed(lambda: prefill(n2, context), device, reps=2)
+        (a, b), probed = fit_chunks(n2, context, t0, t1), f"a {n2}-token chunk after 0 and {context} cached tokens"
+    else:
+        t1 = _timed(lambda: prefill(n1, 0), device, reps=2)
+        t2 = _timed(lambda: prefill(n2, 0), device, reps=2)
+        (a, b), probed = fit_prefill(n1, t1, n2, t2), f"timed at {n1} and {n2} tokens"
     disk_rate = measure_disk_read(disk.directory, read_bytes=disk.read_bytes, queue_depth=disk.queue_depth,
                                   backend=disk.backend) if disk is not None else None
     if disk is not None and disk_rate is None:  # a guess: used now, not cached
         return CostModel(d2h, h2d, a, b, DEFAULT_DISK_READ_BYTES_PER_S)
     model = CostModel(d2h, h2d, a, b, disk_rate)
-    logger.info("calibrated %s: %s; cached in %s", key, _describe(model, (n1, n2), disk), path)
+    logger.info("calibrated %s: %s; cached in %s", key, _describe(model, probed, disk), path)
     cached[entry] = asdict(model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -105,19 +105,20 @@ class LLMEngine:
         needed = self.kv.offload is not None and (sched.preemption == "auto" or slow_tier)
         if sched.cost_model is not None or not needed:
             return sched.cost_model
-        max_tokens = min(self.kv.num_blocks * self.kv.block_size, self.runner.max_model_len,
-                         sched.max_num_batched_tokens)  # the largest prefill step it will run
+        longest = min(self.kv.num_blocks * self.kv.block_size, self.runner.max_model_len)  # tokens of one sequence
+        max_tokens = min(longest, sched.max_num_batched_tokens)  # the largest prefill step it will run
         disk_dir = cache.nvme_path
         if disk_dir is not None and not os.path.isdir(disk_dir):  # the store's file itself
             disk_dir = os.path.dirname(os.path.abspath(disk_dir))
         backend = self.kv.stats().get("nvme_io_backend", cache.io_backend)  # the store's: `sync` where uring fell back
         probe = DiskProbe(disk_dir, self.block_bytes, DEFAULT_QUEUE_DEPTH, backend) if disk_dir else None
         if isinstance(self.runner, Workers):  # the ranks measure; each call returns once they are done
-            return self._with_remote_reads(self.runner.calibrate(self.fingerprint, max_tokens, probe))
+            return self._with_remote_reads(self.runner.calibrate(self.fingerprint, max_tokens, longest, probe))
         device = self.runner.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         key = f"{name}/{self.fingerprint:016x}"
-        return self._with_remote_reads(calibrate(key, device, self.runner.prefill_probe, max_tokens, probe))
+        return self._with_remote_reads(calibrate(key, device, self.runner.prefill_probe, max_tokens, probe,
+                                                 max_context_tokens=longest))
 
     def _with_remote_reads(self, cost: CostModel) -> CostModel:
         """With a remote tier, loads are planned against the slower of the disk and the server,

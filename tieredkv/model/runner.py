@@ -249,11 +249,15 @@ class ModelRunner:
         width = min(-(-self.max_model_len // self.block_size), self.kv_cache.shape[2])
         self.graphs = StepGraphs(self, max_batch, width, max_mixed_tokens)
 
-    def prefill_probe(self, num_tokens: int) -> None:
-        """One forward pass over `num_tokens` dummy tokens (for calibration). It writes the KV of
-        the first blocks, so run it before any request does."""
-        seq = Seq("probe", [0] * num_tokens, SamplingParams(max_tokens=1))
-        self.execute([ScheduledSeq(seq, num_tokens)], [list(range(-(-num_tokens // self.block_size)))])
+    def prefill_probe(self, num_tokens: int, context_tokens: int = 0) -> None:
+        """One forward pass over `num_tokens` dummy tokens after `context_tokens` already in the
+        cache (their KV is whatever the blocks hold), for calibration: a chunk of a long prompt
+        attends to everything before it. It writes the KV of the first blocks, so run it before
+        any request does."""
+        total = context_tokens + num_tokens
+        seq = Seq("probe", [0] * total, SamplingParams(max_tokens=1))
+        seq.num_computed_tokens = context_tokens
+        self.execute([ScheduledSeq(seq, num_tokens)], [list(range(-(-total // self.block_size)))])
 
 
 def max_model_len(configured: int | None, positions: int) -> int:

@@ -135,8 +135,8 @@ class Worker:
     def capture_graphs(self, max_batch: int) -> None:
         self.runner.capture_graphs(max_batch)
 
-    def prefill_probe(self, num_tokens: int) -> None:
-        self.runner.prefill_probe(num_tokens)
+    def prefill_probe(self, num_tokens: int, context_tokens: int = 0) -> None:
+        self.runner.prefill_probe(num_tokens, context_tokens)
         self._synchronize()
 
     def measure_bandwidth(self) -> tuple[float, float]:

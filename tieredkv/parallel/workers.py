@@ -11,7 +11,7 @@ Operations (besides the `ModelRunner` ones):
   tokens, logprobs and beam candidates (`Decoder.draws` says what).
 - `open_store(cache, fingerprint)`: the NVMe tier, one store file per rank.
 - `open_remote(cache, fingerprint)`: the remote tier, one key per rank and block.
-- `calibrate(fingerprint, max_tokens, disk)`: the cost model, measured on the ranks.
+- `calibrate(fingerprint, max_tokens, max_context_tokens, disk)`: the cost model, measured on the ranks.
 """
 
 from __future__ import annotations
@@ -163,23 +163,27 @@ class Workers:
             del self._known[rid]
         return done
 
-    def prefill_probe(self, num_tokens: int) -> None:
-        """A forward pass of `num_tokens` on every rank; returns once all have finished."""
-        self.ranks.call("prefill_probe", num_tokens)
+    def prefill_probe(self, num_tokens: int, context_tokens: int = 0) -> None:
+        """A forward pass of `num_tokens` after `context_tokens` cached ones on every rank;
+        returns once all have finished."""
+        self.ranks.call("prefill_probe", num_tokens, context_tokens)
 
     def measure_bandwidth(self) -> tuple[float, float]:
         """(D2H, H2D) bytes/s of all ranks copying at once (each over its own link)."""
         each = self.ranks.call("measure_bandwidth")
         return sum(d for d, _ in each), sum(h for _, h in each)
 
-    def calibrate(self, fingerprint: int, max_tokens: int, disk: DiskProbe | None) -> CostModel:
+    def calibrate(
+        self, fingerprint: int, max_tokens: int, max_context_tokens: int, disk: DiskProbe | None,
+    ) -> CostModel:
         """The cost model: swaps move every rank's bytes at once, so their bandwidths add up;
         the disk is read as the ranks' stores read it (one rank's slices, every store's queue)."""
         key = f"{self.device_name}/{fingerprint:016x}"
         if disk is not None:
             rank_bytes = self.rank_kv_spec.block_bytes(self.block_size)
             disk = disk._replace(read_bytes=rank_bytes, queue_depth=disk.queue_depth * self.world)
-        return calibrate(key, torch.device("cpu"), self.prefill_probe, max_tokens, disk, self.measure_bandwidth)
+        return calibrate(key, torch.device("cpu"), self.prefill_probe, max_tokens, disk, self.measure_bandwidth,
+                         max_context_tokens)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy block `src` into `dst` for each `(src, dst)` on every rank (its KV heads), with
