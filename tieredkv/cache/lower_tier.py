@@ -3,7 +3,8 @@
 and every request's load state; the KV manager asks it questions and never names a medium.
 
 Operations:
-- `held_run(hashes, start) -> stop`: how far from block `start` on the tier holds a prompt's blocks.
+- `held_run(hashes, start) -> stop`: how far from block `start` on the tier holds a prompt's blocks;
+  `requested(hashes, num_hits_above)`: an admitted request's blocks, for the store's policy.
 - loads, one plan per request: `plan(request_id, refs, load_from)` reads `refs` into CPU blocks
   held for the request; `load_from(request_id)` (the first token being read), `arriving`,
   `wait_state` (`LoadWait`), `release` (drop the hold once admitted), `landed` (the sequence
