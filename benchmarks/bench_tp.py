@@ -4,8 +4,10 @@
   and a prefill step (4 x 2k tokens), each timed as the engine runs it (inputs sent to the
   ranks, forward pass, rank 0 samples); each against its memory floor (a rank's weights and KV
   read at the HBM copy bandwidth measured in the same run). The collectives' share: the GPU time
-  of NCCL kernels in a step (profiler on the ranks, eager), and the all-reduces of a step
-  (2 per layer) timed alone on the same activations.
+  of NCCL kernels in a step (profiler on the ranks, eager), the all-reduces of a step
+  (2 per layer) timed alone on the same activations, and beside NCCL's own 1 GiB bus bandwidth;
+  last, a decode step's all-reduces captured in one CUDA graph, as the graphed step runs them
+  (the eager timings include a Python launch per call and the ranks' skew).
 - Swap bandwidth at TP=2: a swap-out and a swap-in of `--swap-gib` of KV through the engine's
   transfers (both ranks copy their heads of the same blocks at once, each over its own link),
   against the sum of the two GPUs' pinned-copy peaks, each measured alone in the same run
@@ -102,6 +104,23 @@ def rank_all_reduce_time(worker, tokens: int, reps: int) -> float:
     hidden = worker.runner.hf_config.hidden_size
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
     return time_cuda(lambda: dist.all_reduce(x), reps=reps, warmup=3)
+
+
+def rank_graphed_all_reduces(worker, tokens: int, count: int) -> float:
+    """Seconds of one all-reduce of `tokens` hidden states (bf16) when `count` of them run back
+    to back in one CUDA graph, as a graphed decode step runs them (no launch per call)."""
+    hidden = worker.runner.hf_config.hidden_size
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # NCCL's first call on a stream sets up outside the capture
+        dist.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(count):
+            dist.all_reduce(x)
+    return time_cuda(graph.replay, reps=10, warmup=2) / count
 
 
 def rank_bus_bandwidth(worker, num_bytes: int) -> float:
@@ -262,6 +281,10 @@ def main() -> None:
         print(f"  TP=2 speed-up over TP=1 (prefill): {one[1] / two[1]:.2f}x")
         collectives(llm, decode, prefill, args, records, {"decode": two[0], "prefill": two[1]})
         swap_bandwidth(llm, swap_bytes, records)
+        layers = llm.runner.hf_config.num_hidden_layers
+        graphed = max(llm.runner.ranks.call("apply", rank_graphed_all_reduces, args.batch, 2 * layers))
+        records.append(report(f"TP=2 decode: {2 * layers} all-reduces of {args.batch} tokens in one CUDA graph",
+                              2 * layers * graphed * 1e3, "ms", two[0] * 1e3, "decode step"))
     write_json(args.json, records)
 
 
