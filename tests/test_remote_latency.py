@@ -19,7 +19,7 @@ def run(url: str, latency_s: float) -> tuple[list[list[int]], dict, dict]:
     cost = {**LOAD_WINS, "disk_read_bytes_per_s": 50e6, "read_latency_s": latency_s}  # 50 MB/s: 40 us a block
     with remote_llm(url, scheduler={"cost_model": cost}) as llm:
         tokens = [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
-        return tokens, llm.stats(), dict(llm.scheduler.lower_prefix_blocks)
+        return tokens, llm.stats(), dict(llm.scheduler.loads.lower_prefix_blocks)
 
 
 def test_a_distant_remote_tier_is_recomputed_and_a_near_one_loaded(redis_server, expected):

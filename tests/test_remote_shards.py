@@ -89,6 +89,6 @@ def test_a_remote_tier_slower_than_recomputing_is_not_waited_for(redis_server, e
     with SlowLink(redis_server.port, bytes_per_s=100_000) as link, remote_llm(link.url, scheduler={}) as llm:
         assert llm.scheduler.policy.cost.disk_read_bytes_per_s < 300_000  # measured through the link
         assert generate(llm) == expected
-        stats, planned = llm.stats(), dict(llm.scheduler.lower_prefix_blocks)
+        stats, planned = llm.stats(), dict(llm.scheduler.loads.lower_prefix_blocks)
     assert planned["compute"] > 0 and planned["load"] == 0
     assert stats["remote_hit_blocks"] == 0

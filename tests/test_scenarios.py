@@ -169,7 +169,7 @@ def test_a_prefix_on_nvme_is_split_between_computing_and_loading(tmp_path):
     chunks = [[(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] for out in steps]
     assert chunks[0] == [("q", 4)] and chunks[1] == []
     assert [c for c in chunks if c] == [[("q", 4)], [("q", 1)], [("q", 1)]]
-    assert sched.lower_prefix_blocks == {"load": 1, "compute": 1, "compute_for_queues": 0}
+    assert sched.loads.lower_prefix_blocks == {"load": 1, "compute": 1, "compute_for_queues": 0}
     assert sched.loaded_skipped_tokens == 4
     assert sim.kv.stats()["nvme_loaded_blocks"] == 1
 
@@ -222,11 +222,11 @@ def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more
     sched = make_scheduler(sim, "recompute", calibrated)
     loads = []
     for doc in docs:
-        before = dict(sched.lower_prefix_blocks)
+        before = dict(sched.loads.lower_prefix_blocks)
         run_prompts(sched, sim, [doc])
-        loads.append(sched.lower_prefix_blocks["load"] - before["load"])
+        loads.append(sched.loads.lower_prefix_blocks["load"] - before["load"])
     assert loads[0] > 0 and loads[1] < loads[0]  # the first plan believed the calibration; the next the disk
-    observed = sched.observed_loads  # loads of one size: slower as a latency (or a rate), seen either way
+    observed = sched.loads.observed_loads  # loads of one size: slower as a latency (or a rate), seen either way
     calibrated_s = 8 * BLOCK_BYTES / calibrated.disk_read_bytes_per_s
     assert observed.latency_s + 8 * BLOCK_BYTES / observed.bytes_per_s > 10 * calibrated_s
 
@@ -241,4 +241,4 @@ def test_cpu_hits_are_recomputed_when_copying_them_in_is_slower():
         hits = sim.kv.stats()["cpu_hit_blocks"]
         run_prompts(sched, sim, [prompt])
         assert (sim.kv.stats()["cpu_hit_blocks"] > hits) == copied
-        assert (sched.cpu_hits_recomputed > 0) == (not copied)
+        assert (sched.loads.cpu_hits_recomputed > 0) == (not copied)

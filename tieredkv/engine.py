@@ -333,16 +333,13 @@ class LLMEngine:
         """Blocks per tier, prefix-cache hits, preemptions by kind, NVMe prefix blocks by the cost
         model's choice (load or compute), tokens computed, where the loop's time went
         (`LOOP_STATS`), the remote tier's counters."""
-        loads = self.scheduler.observed_loads
         stats = {
             **self.kv.stats(),
             "preemptions": dict(self.scheduler.num_preemptions),
             "swap_fallbacks": self.scheduler.num_swap_fallbacks,
-            "nvme_prefix_blocks": dict(self.scheduler.lower_prefix_blocks),
+            **self.scheduler.loads.stats(),
             "nvme_skipped_tokens": self.scheduler.loaded_skipped_tokens,
             "nvme_load_waits": self.scheduler.load_waits,
-            "cpu_hits_recomputed": self.scheduler.cpu_hits_recomputed,
-            **({"disk_read_bytes_per_s": loads.bytes_per_s} if loads else {}),
             **self._counters,
             **self._loop_s,
             "requests_waiting": len(self.scheduler.waiting),

@@ -12,7 +12,8 @@ only, and after step 2 the partly-prefilled and the waiting sequences share what
 budget in the policy's order (`_schedule_prefills`).
 Before all that, the first waiting sequences start reading the later part of their prefix blocks
 found in the lower tier (disk, remote; as much as the policy says), so the reads overlap other
-work and the computation of the earlier part. The load state is the lower tier's: how far a
+work and the computation of the earlier part: what to load and what to compute is
+`LoadPlanner`'s choice (`tieredkv.load_planning`). The load state is the lower tier's: how far a
 sequence may compute is the KV manager's answer (`computable`, after `land_loads` has jumped a
 running one over what its loads brought), and whether a waiting sequence still waits for its
 loads too (`load_wait`).
@@ -42,15 +43,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, LoadWait, PrefixMatch
+from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, LoadWait
 from tieredkv.config import SchedulerConfig
+from tieredkv.load_planning import LoadPlanner
 from tieredkv.logprobs import TokenLogprobs
-from tieredkv.policy import ObservedLoads, TierPolicy
+from tieredkv.policy import TierPolicy
 from tieredkv.sampling import FailedSample
 from tieredkv.scheduling import PrefillCandidate, chunk_cost, chunk_tokens, prefill_order, share_budget
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
-
-PREFETCH_DEPTH = 8  # waiting sequences whose lower-tier prefix loads start ahead of their turn
 
 
 @dataclass
@@ -79,17 +79,10 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
         self.num_swap_fallbacks = 0
-        # prefix blocks found in the lower tier at planning, by what the cost model chose for them;
-        # `compute_for_queues`: computed only because of the lower tier's and the GPU's queues
-        self.lower_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0, "compute_for_queues": 0}
-        # the lower tier's read rate and latency as requests get them, from the calibrated figures
-        # on (a cost model pinned in the config stays as pinned)
-        cost = policy.cost
-        measured = config.cost_model is None and cost is not None and cost.disk_read_bytes_per_s is not None
-        self.observed_loads = ObservedLoads(cost.disk_read_bytes_per_s, cost.read_latency_s) if measured else None
+        # what new sequences load and compute; a cost model pinned in the config stays as pinned
+        self.loads = LoadPlanner(kv, policy, learn_rate=config.cost_model is None)
         self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
         self.loaded_skipped_tokens = 0  # prefill tokens jumped over: their KV came from the lower tier
-        self.cpu_hits_recomputed = 0  # CPU prefix blocks recomputed: copying them in was slower
         self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed
         # waits (`ttft` aging, `hrrn` ratios): tokens scheduled so far, and that count when each sequence arrived
         self.num_scheduled_tokens = 0
@@ -110,8 +103,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._time_landed_loads()
-        self._prefetch()
+        self.loads.learn(self._last_scheduled)
+        if self.waiting:
+            self.loads.prefetch(self.waiting, self._prefill_backlog())
         ranked = self.config.scheduling_policy != "fcfs"
         prefilling: list[Sequence] | None = [] if ranked else None  # decodes first, prefills later
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
@@ -232,54 +226,10 @@ class Scheduler:
             budget -= self._run(seq, n, got, out)
         return budget, False
 
-    def _prefetch(self) -> None:
-        if not self.waiting:
-            return
-        ahead = self._prefill_backlog()
-        for seq in itertools.islice(self.waiting, PREFETCH_DEPTH):
-            self._plan_loads(seq, ahead)
-            ahead += seq.num_tokens - seq.num_computed_tokens
-
     def _prefill_backlog(self) -> int:
         """Prefill tokens the running sequences still have to compute."""
         return sum(s.num_prompt_tokens - s.num_computed_tokens for s in self.running
                    if s.num_computed_tokens < s.num_prompt_tokens)
-
-    def _plan_loads(self, seq: Sequence, gpu_queue_tokens: int) -> None:
-        """Plan the sequence's lower-tier prefix loads against the tier's and the GPU's queues:
-        the reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
-
-        def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
-            queued, plan = self.kv.lower_reads_in_flight(), self.policy.nvme_blocks_to_compute
-            compute = plan(num_blocks, first_token, queued, gpu_queue_tokens, self.observed_loads)
-            idle = plan(num_blocks, first_token, observed=self.observed_loads)
-            self.lower_prefix_blocks["compute_for_queues"] += max(0, compute - idle)
-            return compute
-
-        plan = self.kv.plan_loads(seq, split)
-        if plan is None:
-            return
-        self.lower_prefix_blocks["compute"] += plan.num_compute
-        self.lower_prefix_blocks["load"] += plan.num_load
-
-    def _time_landed_loads(self) -> None:
-        """Teach the observed loads how long those that landed since the last step took (with
-        the reads queued ahead of them), from submission. A sequence that computed in the last
-        step may have had its loads land at any time of it: how long they took is not known,
-        and not taught."""
-        for load in self.kv.landed_loads():
-            if self.observed_loads is not None and load.request_id not in self._last_scheduled:
-                self.observed_loads.add(load.num_blocks * self.policy.block_bytes, load.seconds)
-
-    def _worth_copying(self, prefix: PrefixMatch) -> PrefixMatch:
-        """The prefix without its CPU hits (and what follows them) when the PCIe queue makes
-        recomputing them faster than copying them in."""
-        if not prefix.cpu_blocks:
-            return prefix
-        first = len(prefix.gpu_blocks) * self.kv.block_size
-        if self.policy.promote(len(prefix.cpu_blocks), first, self.kv.h2d_queue_blocks()):
-            return prefix
-        return PrefixMatch(prefix.gpu_blocks)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> bool:
         """Admit waiting sequences in order (held ones wait); whether one could not be admitted
@@ -324,9 +274,9 @@ class Scheduler:
         """Admit a waiting sequence with up to `budget` tokens, reusing its cached prefix (less
         the CPU hits not worth copying in); the tokens scheduled (0: it waits for its lower-tier
         blocks, or its KV is landing), None if the GPU pool is short."""
-        self._plan_loads(seq, backlog)
+        self.loads.plan(seq, backlog)
         found = self.kv.match_prefix(seq)
-        prefix = self._worth_copying(found)
+        prefix = self.loads.worth_copying(found)
         n = self.kv.computable(seq, budget, prefix)
         if n == 0:  # nothing to compute before its lower-tier blocks arrive (`load_wait` tells when)
             self._wait_for_loads(seq)
@@ -336,7 +286,7 @@ class Scheduler:
             return None
         self.waiting.remove(seq)
         self._resident_tokens.pop(seq.seq_id, None)
-        self.cpu_hits_recomputed += len(found.cpu_blocks) - len(prefix.cpu_blocks)
+        self.loads.admitted(found, prefix)
         seq.num_computed_tokens = got.num_cached_tokens
         if not seq.recomputing:  # a client's prompt hit, not its own blocks found again
             seq.num_cached_tokens = got.num_cached_tokens

@@ -1,0 +1,103 @@
+"""What a new sequence brings into the GPU's reach and what it computes instead: the lower
+tier's prefix blocks planned against the queues they would join, CPU hits copied in only when
+that beats computing them, and the lower tier's load rate learned from the loads that landed.
+The scheduler asks; the KV manager moves the blocks.
+
+Operations:
+- `learn(computed_last_step)`: teach the observed load rate how long the loads that landed took.
+- `prefetch(waiting, backlog)`: start the lower-tier loads of the first waiting sequences, so
+  that the reads overlap other work before their turn.
+- `plan(seq, gpu_queue_tokens)`: plan one sequence's lower-tier loads (once per stay in the
+  waiting queue; the KV manager keeps the plan).
+- `worth_copying(prefix) -> PrefixMatch`: the prefix less the CPU hits not worth copying in;
+  `admitted(found, used)` counts the CPU hits recomputed when a sequence is admitted with it.
+- `stats()`: the blocks planned by choice, the CPU hits recomputed, the learned read rate.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+from tieredkv.cache.manager import KVCacheManager, PrefixMatch
+from tieredkv.policy import ObservedLoads, TierPolicy
+from tieredkv.sequence import Sequence
+
+PREFETCH_DEPTH = 8  # waiting sequences whose lower-tier prefix loads start ahead of their turn
+
+
+class LoadPlanner:
+    """Chooses, for each admitted prefix, what to load and what to compute (TierPolicy's cost
+    model at the queues of the moment) and learns the lower tier's load rate as requests see it."""
+
+    def __init__(self, kv: KVCacheManager, policy: TierPolicy, learn_rate: bool) -> None:
+        """`learn_rate`: follow the lower tier's observed load rate and latency from the
+        calibrated figures on (False: a cost model pinned in the config stays as pinned)."""
+        self.kv = kv
+        self.policy = policy
+        cost = policy.cost
+        learn = learn_rate and cost is not None and cost.disk_read_bytes_per_s is not None
+        self.observed_loads = ObservedLoads(cost.disk_read_bytes_per_s, cost.read_latency_s) if learn else None
+        # prefix blocks found in the lower tier at planning, by what the cost model chose for them;
+        # `compute_for_queues`: computed only because of the lower tier's and the GPU's queues
+        self.lower_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0, "compute_for_queues": 0}
+        self.cpu_hits_recomputed = 0  # CPU prefix blocks recomputed: copying them in was slower
+
+    def learn(self, computed_last_step: set[str]) -> None:
+        """Teach the observed loads how long those that landed since the last step took (with
+        the reads queued ahead of them), from submission. A sequence that computed in the last
+        step may have had its loads land at any time of it: how long they took is not known,
+        and not taught."""
+        for load in self.kv.landed_loads():
+            if self.observed_loads is not None and load.request_id not in computed_last_step:
+                self.observed_loads.add(load.num_blocks * self.policy.block_bytes, load.seconds)
+
+    def prefetch(self, waiting: Iterable[Sequence], backlog: int) -> None:
+        """Plan the loads of the first `PREFETCH_DEPTH` waiting sequences, each behind the
+        prefill of those before it (`backlog`: the running sequences' prefill tokens left)."""
+        for seq in itertools.islice(waiting, PREFETCH_DEPTH):
+            self.plan(seq, backlog)
+            backlog += seq.num_tokens - seq.num_computed_tokens
+
+    def plan(self, seq: Sequence, gpu_queue_tokens: int) -> None:
+        """Plan the sequence's lower-tier prefix loads against the tier's and the GPU's queues:
+        the reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
+
+        def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
+            queued, plan = self.kv.lower_reads_in_flight(), self.policy.nvme_blocks_to_compute
+            compute = plan(num_blocks, first_token, queued, gpu_queue_tokens, self.observed_loads)
+            idle = plan(num_blocks, first_token, observed=self.observed_loads)
+            self.lower_prefix_blocks["compute_for_queues"] += max(0, compute - idle)
+            return compute
+
+        plan = self.kv.plan_loads(seq, split)
+        if plan is None:
+            return
+        self.lower_prefix_blocks["compute"] += plan.num_compute
+        self.lower_prefix_blocks["load"] += plan.num_load
+
+    def worth_copying(self, prefix: PrefixMatch) -> PrefixMatch:
+        """The prefix without its CPU hits (and what follows them) when the PCIe queue makes
+        recomputing them faster than copying them in."""
+        if not prefix.cpu_blocks:
+            return prefix
+        first = len(prefix.gpu_blocks) * self.kv.block_size
+        if self.policy.promote(len(prefix.cpu_blocks), first, self.kv.h2d_queue_blocks()):
+            return prefix
+        return PrefixMatch(prefix.gpu_blocks)
+
+    def admitted(self, found: PrefixMatch, used: PrefixMatch) -> None:
+        """A sequence was admitted with `used` of the prefix `found`: count the CPU hits it
+        recomputes instead."""
+        self.cpu_hits_recomputed += len(found.cpu_blocks) - len(used.cpu_blocks)
+
+    def stats(self) -> dict[str, object]:
+        """`nvme_prefix_blocks` (by choice), `cpu_hits_recomputed`, and the lower tier's
+        learned read rate (`disk_read_bytes_per_s`) when it is followed."""
+        stats: dict[str, object] = {
+            "nvme_prefix_blocks": dict(self.lower_prefix_blocks),
+            "cpu_hits_recomputed": self.cpu_hits_recomputed,
+        }
+        if self.observed_loads is not None:
+            stats["disk_read_bytes_per_s"] = self.observed_loads.bytes_per_s
+        return stats
