@@ -20,21 +20,29 @@ for each request's blocks past the CPU tier's leading hits; it is replayed throu
 own index (`tiers/nvme/slot_index.py`, chain parents from the requests). multi_turn_8b: a 4 GiB
 CPU tier, stores of 4, 8 and 16 GiB; Mooncake: a 16 GiB CPU tier, stores of 16, 40 and 128 GiB.
 
+`--slices N` (with full traces): held-out slices instead of one matrix. Each Mooncake trace is
+sampled N times (`experiment/traces.py` `select`: a `--fraction` of its conversations, seeds
+`--seed` .. `--seed` + N - 1) and multi_turn_8b is drawn with N arrival seeds; for each tier size
+it prints the worst and the mean over slices of adaptive - max(lru, tinylfu) (Belady is skipped).
+
     python benchmarks/bench_replay.py
     python benchmarks/bench_replay.py --tier store
     python benchmarks/bench_replay.py --synthetic /data/synthetic_trace.jsonl   # a full trace
+    python benchmarks/bench_replay.py --slices 8 --fraction 0.05 --conversation ... --synthetic ...
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from tieredkv.cache.trace import REPLAY_POLICIES, BlockTrace, ReplayPolicy, ReplayResult, replay, simulate
-from tieredkv.experiment.traces import read_trace
+from tieredkv.experiment.traces import TraceLine, read_trace, select
 from tieredkv.replacement import GhostTier, ReplacementPolicy, make_admission
 from tieredkv.tiers.nvme.slot_index import Reservation, SlotIndex
 
@@ -44,16 +52,19 @@ ENGINE_BLOCK_BYTES = 2 << 20  # one 16-token block of llama-3-8b KV (bfloat16)
 TRACE_BLOCK_TOKENS = 512  # Mooncake's hash ids
 TRACE_BLOCK_BYTES = ENGINE_BLOCK_BYTES * TRACE_BLOCK_TOKENS // 16
 MOONCAKE_GPU_BYTES = 16 * GiB
+ONLINE: tuple[ReplacementPolicy, ...] = ("lru", "tinylfu", "adaptive")
 
 Requests = list[tuple[tuple[int, ...], tuple[int, ...]]]
+Results = dict[ReplayPolicy, ReplayResult]
 
 
-def multi_turn_requests(config: Path, turn_s: float) -> tuple[Requests, int]:
-    """The multi-turn workload's requests as block chains, in time order, and the GPU blocks."""
+def multi_turn_requests(config: Path, turn_s: float, seed: int | None = None) -> tuple[Requests, int]:
+    """The multi-turn workload's requests as block chains, in time order, and the GPU blocks
+    (arrivals drawn with `seed`, by default the config's)."""
     spec = yaml.safe_load(config.read_text())
     w, block = spec["workload"], spec["cache"]["block_size"]
     system = w["system_prompt_tokens"] // block
-    rng = random.Random(w["seed"])
+    rng = random.Random(w["seed"] if seed is None else seed)
     arrival, timed = 0.0, []
     for user in range(w["users"]):
         arrival += rng.expovariate(w["rate"])
@@ -68,25 +79,18 @@ def multi_turn_requests(config: Path, turn_s: float) -> tuple[Requests, int]:
     return [(prompt, cached) for _, prompt, cached in timed], spec["cache"]["num_gpu_blocks"]
 
 
-def mooncake_requests(path: Path) -> Requests:
+def mooncake_requests(lines: list[TraceLine]) -> Requests:
     """Every line's full 512-token blocks, in time order."""
-    lines = sorted(read_trace(str(path), block_tokens=TRACE_BLOCK_TOKENS), key=lambda line: line.time_s)
+    lines = sorted(lines, key=lambda line: line.time_s)
     chains = [line.hash_ids[: line.input_length // TRACE_BLOCK_TOKENS] for line in lines]
     return [(chain, chain) for chain in chains]
 
 
-def matrix_rows(name: str, trace: BlockTrace, block_bytes: int, tier_gib: tuple[float, ...]) -> list[str]:
-    rows = []
-    for gib in tier_gib:
-        rows.append(_row(name, gib, {p: replay(trace, int(gib * GiB) // block_bytes, p) for p in REPLAY_POLICIES}))
-    return rows
-
-
-def _row(name: str, gib: float, results: dict[ReplayPolicy, ReplayResult]) -> str:
-    rates = {p: result.hit_rate for p, result in results.items()}
-    margin = rates["adaptive"] - max(rates["lru"], rates["tinylfu"])
-    cells = " ".join(f"{100 * rates[p]:8.1f}" for p in REPLAY_POLICIES)
-    return f"{name:24} {gib:5g} GiB {cells} {100 * margin:+9.1f}"
+def cpu_results(requests: Requests, gpu_blocks: int, block_bytes: int, tier_gib: tuple[float, ...],
+                policies: tuple[ReplayPolicy, ...] = REPLAY_POLICIES) -> list[Results]:
+    """The CPU tier's replay under each policy, for each tier size."""
+    trace = simulate(requests, gpu_blocks)
+    return [{p: replay(trace, int(gib * GiB) // block_bytes, p) for p in policies} for gib in tier_gib]
 
 
 def store_trace(trace: BlockTrace, cpu_blocks: int) -> BlockTrace:
@@ -130,20 +134,86 @@ def replay_store(trace: BlockTrace, slots: int, policy: ReplacementPolicy, paren
     return ReplayResult(requested, hits, alone)
 
 
-def store_rows(
-    name: str, requests: Requests, gpu_blocks: int, block_bytes: int, cpu_gib: int, store_gib: tuple[int, ...]
-) -> list[str]:
-    """The store's matrix rows below a CPU tier of `cpu_gib`, for stores of `store_gib`."""
-    cpu_blocks = cpu_gib * GiB // block_bytes
-    trace = store_trace(simulate(requests, gpu_blocks), cpu_blocks)
+def store_results(requests: Requests, gpu_blocks: int, block_bytes: int, cpu_gib: int, store_gib: tuple[int, ...],
+                  policies: tuple[ReplayPolicy, ...] = REPLAY_POLICIES) -> list[Results]:
+    """The store's replay below a CPU tier of `cpu_gib` under each policy, for stores of `store_gib`."""
+    trace = store_trace(simulate(requests, gpu_blocks), cpu_gib * GiB // block_bytes)
     parents = {child: parent for _, chain in requests for parent, child in zip(chain, chain[1:], strict=False)}
-    rows = []
+    found = []
     for gib in store_gib:
         slots = gib * GiB // block_bytes
-        results = {p: replay_store(trace, slots, p, parents) for p in ("lru", "tinylfu", "adaptive")}
-        results["belady"] = replay(trace, slots, "belady")
-        rows.append(_row(f"{name} (CPU {cpu_gib} GiB)", gib, results))
-    return rows
+        results: Results = {p: replay_store(trace, slots, p, parents) for p in policies if p != "belady"}
+        if "belady" in policies:
+            results["belady"] = replay(trace, slots, "belady")
+        found.append(results)
+    return found
+
+
+def margin(results: Results) -> float:
+    """Adaptive's hit rate minus the better of LRU's and TinyLFU's."""
+    rates = {p: result.hit_rate for p, result in results.items()}
+    return rates["adaptive"] - max(rates["lru"], rates["tinylfu"])
+
+
+def matrix_row(name: str, gib: float, results: Results) -> str:
+    cells = " ".join(f"{100 * results[p].hit_rate:8.1f}" for p in REPLAY_POLICIES)
+    return f"{name:24} {gib:5g} GiB {cells} {100 * margin(results):+9.1f}"
+
+
+def slice_row(name: str, gib: float, seeds: list[int], slices: list[Results]) -> str:
+    """Worst (and its seed) and mean of `margin` over slices, and each policy's mean hit rate."""
+    margins = [margin(results) for results in slices]
+    worst = min(range(len(slices)), key=margins.__getitem__)
+    means = " ".join(f"{100 * statistics.mean(r[p].hit_rate for r in slices):8.1f}" for p in ONLINE)
+    return (f"{name:36} {gib:5g} GiB {means} {100 * margins[worst]:+7.1f} (seed {seeds[worst]:2}) "
+            f"{100 * statistics.mean(margins):+7.1f}")
+
+
+Workload = tuple[str, Requests, int, int]  # (name, requests, GPU blocks, block bytes)
+Sizes = tuple[str, int, tuple[int, ...]]  # (row name suffix, CPU GiB above the store, tier sizes)
+
+
+def tier_sizes(tier: str, block_bytes: int) -> Sizes:
+    """The tier sizes of the module docstring: multi_turn_8b's engine blocks, or Mooncake's."""
+    if tier == "store":
+        engine = (" (CPU 4 GiB)", 4, (4, 8, 16))
+        return engine if block_bytes == ENGINE_BLOCK_BYTES else (" (CPU 16 GiB)", 16, (16, 40, 128))
+    return ("", 0, (4, 8, 16)) if block_bytes == ENGINE_BLOCK_BYTES else ("", 0, (4, 16, 64))
+
+
+def results_for(
+    tier: str, workload: Workload, policies: tuple[ReplayPolicy, ...]
+) -> tuple[str, tuple[int, ...], list[Results]]:
+    """A workload's replay on the tier: its row name, tier sizes and results per size."""
+    name, requests, gpu_blocks, block_bytes = workload
+    suffix, cpu_gib, sizes = tier_sizes(tier, block_bytes)
+    if tier == "store":
+        return name + suffix, sizes, store_results(requests, gpu_blocks, block_bytes, cpu_gib, sizes, policies)
+    return name, sizes, cpu_results(requests, gpu_blocks, block_bytes, sizes, policies)
+
+
+def print_matrix(tier: str, workloads: list[Workload]) -> None:
+    header = " ".join(f"{p:>8}" for p in REPLAY_POLICIES)
+    label = "CPU tier" if tier == "cpu" else "store"
+    width = 24 if tier == "cpu" else 36
+    print(f"{'trace':{width}} {label:>9} {header} {'vs best':>9}   (replayed {label} hit rate, %)")
+    for workload in workloads:
+        name, sizes, found = results_for(tier, workload, REPLAY_POLICIES)
+        for gib, results in zip(sizes, found, strict=True):
+            print(matrix_row(name, gib, results), flush=True)
+
+
+def print_slices(tier: str, draws: list[tuple[str, Callable[[int], Workload]]], seeds: list[int]) -> None:
+    """The slice summary: each draw makes a workload from a seed (module docstring)."""
+    label = "CPU tier" if tier == "cpu" else "store"
+    header = " ".join(f"{p:>8}" for p in ONLINE)
+    print(f"{'trace':36} {label:>9} {header} {'worst vs best':>18} {'mean':>7}"
+          f"   ({len(seeds)} slices: mean {label} hit rate, %; adaptive - max(lru, tinylfu), points)")
+    for _, draw in draws:
+        per_seed = [results_for(tier, draw(seed), ONLINE) for seed in seeds]
+        name, sizes = per_seed[0][0], per_seed[0][1]
+        for i, gib in enumerate(sizes):
+            print(slice_row(name, gib, seeds, [found[i] for _, _, found in per_seed]), flush=True)
 
 
 def main() -> None:
@@ -153,26 +223,32 @@ def main() -> None:
     parser.add_argument("--multi-turn", type=Path, default=CONFIGS / "multi_turn_8b.yaml")
     parser.add_argument("--turn-s", type=float, default=1.0, help="assumed service time of a turn (s)")
     parser.add_argument("--tier", choices=("cpu", "store"), default="cpu", help="the tier replayed")
+    parser.add_argument("--slices", type=int, default=0, help="held-out slices per trace (0: one matrix)")
+    parser.add_argument("--fraction", type=float, default=0.05, help="share of a trace's conversations in a slice")
+    parser.add_argument("--seed", type=int, default=0, help="the first slice's seed")
     args = parser.parse_args()
 
-    header = " ".join(f"{p:>8}" for p in REPLAY_POLICIES)
-    tier = "CPU tier" if args.tier == "cpu" else "store"
-    width = 24 if args.tier == "cpu" else 36
-    print(f"{'trace':{width}} {tier:>9} {header} {'vs best':>9}   (replayed {tier} hit rate, %)")
-    requests, gpu_blocks = multi_turn_requests(args.multi_turn, args.turn_s)
-    mooncake = [(name, mooncake_requests(path)) for name, path in
-                (("mooncake conversation", args.conversation), ("mooncake synthetic", args.synthetic))]
     gpu = MOONCAKE_GPU_BYTES // TRACE_BLOCK_BYTES
-    if args.tier == "store":
-        rows = store_rows("multi_turn_8b", requests, gpu_blocks, ENGINE_BLOCK_BYTES, 4, (4, 8, 16))
-        for name, chains in mooncake:
-            rows += store_rows(name, chains, gpu, TRACE_BLOCK_BYTES, 16, (16, 40, 128))
-    else:
-        rows = matrix_rows("multi_turn_8b", simulate(requests, gpu_blocks), ENGINE_BLOCK_BYTES, (4, 8, 16))
-        for name, chains in mooncake:
-            rows += matrix_rows(name, simulate(chains, gpu), TRACE_BLOCK_BYTES, (4, 16, 64))
-    for row in rows:
-        print(row, flush=True)
+    traces = [("mooncake conversation", read_trace(str(args.conversation), block_tokens=TRACE_BLOCK_TOKENS)),
+              ("mooncake synthetic", read_trace(str(args.synthetic), block_tokens=TRACE_BLOCK_TOKENS))]
+
+    def multi_turn(seed: int | None) -> Workload:
+        return ("multi_turn_8b", *multi_turn_requests(args.multi_turn, args.turn_s, seed), ENGINE_BLOCK_BYTES)
+
+    if not args.slices:
+        workloads = [multi_turn(None)]
+        workloads += [(name, mooncake_requests(lines), gpu, TRACE_BLOCK_BYTES) for name, lines in traces]
+        print_matrix(args.tier, workloads)
+        return
+
+    def sampler(name: str, lines: list[TraceLine]) -> Callable[[int], Workload]:
+        def draw(seed: int) -> Workload:
+            sample = [request.line for request in select(lines, fraction=args.fraction, seed=seed)]
+            return name, mooncake_requests(sample), gpu, TRACE_BLOCK_BYTES
+        return draw
+
+    draws = [("multi_turn_8b", multi_turn)] + [(name, sampler(name, lines)) for name, lines in traces]
+    print_slices(args.tier, draws, list(range(args.seed, args.seed + args.slices)))
 
 
 if __name__ == "__main__":
