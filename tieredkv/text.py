@@ -3,6 +3,8 @@
 Operations:
 - `chat_prompt(tokenizer, messages)`: token ids of a conversation through the tokenizer's chat
   template, ready for the assistant's reply.
+- `chat_messages(messages)`: the messages as the template takes them (list content as its text),
+  or a ValueError naming the message and field at fault.
 - `IncrementalDetokenizer(tokenizer, prompt_token_ids, params)`: a request's output text, one
   token at a time; `add(token)` reports a stop string, `take_delta()` hands out the new text.
 
@@ -24,31 +26,74 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tieredkv.prompts import check_text
 from tieredkv.sampling import SamplingParams
 
 Message = dict[str, Any]
+ROLES = ("system", "developer", "user", "assistant")
+TOOL_ROLES = ("tool", "function", "ipython")  # turns of tool calling, which the engine does not do
 PROMPT_CONTEXT_TOKENS = 4  # prompt tokens that start the decoding window
 REPLACEMENT_CHAR = "\ufffd"
 
 
 def chat_prompt(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
-    """Token ids of `messages` (`[{"role": ..., "content": ...}, ...]`) through the tokenizer's
-    chat template, ending with the prompt of the assistant's turn."""
+    """Token ids of `messages` (`[{"role": ..., "content": ...}, ...]`) through the tokenizer's chat
+    template, ending with the prompt of the assistant's turn."""
     if tokenizer is None:
         raise ValueError("messages: chat needs a tokenizer with a chat template in the model directory")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("messages: the model's tokenizer has no chat template; send a completion prompt instead")
-    if not isinstance(messages, (list, tuple)) or not messages or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
-    ):
-        raise ValueError("messages: expected a non-empty list of {'role': ..., 'content': ...} mappings")
+    conversation = chat_messages(messages)
     try:
-        ids = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
     except Exception as err:  # the template is user code (jinja): its errors are the request's
         raise ValueError(f"messages: the chat template failed on them: {err}") from err
     return list(ids)
+
+
+def chat_messages(messages: Sequence[Message]) -> list[Message]:
+    """Each message with its content as text: a list of text parts becomes their text, joined; an
+    assistant's missing content is empty. ValueError naming the message and field for a role the
+    engine does not take (tool calling), a tool call, or content that is not valid text."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: expected a non-empty list of {'role': ..., 'content': ...} mappings")
+    return [_message(f"messages[{i}]", m) for i, m in enumerate(messages)]
+
+
+def _message(where: str, message: object) -> Message:
+    if not isinstance(message, dict):
+        raise ValueError(f"{where}: expected a {{'role': ..., 'content': ...}} mapping, got {type(message).__name__}")
+    role = message.get("role")
+    if role in TOOL_ROLES:
+        raise ValueError(f"{where}.role: {role!r} is not supported (tool calling is not); use one of {ROLES}")
+    if role not in ROLES:
+        raise ValueError(f"{where}.role: expected one of {ROLES}, got {role!r}")
+    if message.get("tool_calls"):
+        raise ValueError(f"{where}.tool_calls: not supported (tool calling is not); send the content only")
+    if isinstance(message.get("name"), str):
+        check_text(message["name"], f"{where}.name")
+    return {**message, "content": _content(where, role, message.get("content"))}
+
+
+def _content(where: str, role: str, content: object) -> str:
+    if content is None:
+        if role == "assistant":
+            return ""
+        raise ValueError(f"{where}.content: missing; give a string or a list of text parts")
+    if isinstance(content, str):
+        return check_text(content, f"{where}.content")
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content: expected a string or a list of text parts, got {type(content).__name__}")
+    return "".join(_text_part(f"{where}.content[{j}]", part) for j, part in enumerate(content))
+
+
+def _text_part(where: str, part: object) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        raise ValueError(f"{where}: only text parts are supported ({{'type': 'text', 'text': ...}})")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ValueError(f"{where}.text: expected a string, got {type(text).__name__}")
+    return check_text(text, f"{where}.text")
 
 
 def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:

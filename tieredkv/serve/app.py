@@ -2,13 +2,16 @@
 
 Routes (following vLLM's OpenAI server): `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions`, `GET /health`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`.
-A bad request is a 400 with an OpenAI error object whose `param` names the field; an engine
-failure is a 500 for the requests it touched, and the server keeps serving.
+A bad request is a 400 with an OpenAI error object whose `param` names the field (a body over
+`MAX_BODY_BYTES`: a 413, refused before it is read); an engine failure is a 500 for the requests
+it touched, and the server keeps serving. Prompts are tokenized in worker threads, so a long one
+does not hold up the streams the event loop sends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -18,9 +21,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tieredkv.async_engine import AsyncLLM
 from tieredkv.experiment.prometheus import ServerMetrics
+from tieredkv.prompts import check_text
 from tieredkv.serve.handlers import OpenAIHandlers
 from tieredkv.serve.protocol import (
     BadRequest,
@@ -36,6 +42,8 @@ from tieredkv.text import chat_prompt
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# the largest request body read; a bigger one is refused (413) before it is read or tokenized
+MAX_BODY_BYTES = 16 * 2**20
 
 
 def build_app(allm: AsyncLLM, model: str) -> FastAPI:
@@ -51,6 +59,7 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
         await allm.close()
 
     app = FastAPI(title="tieredkv", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -66,16 +75,16 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await _generate(handlers, handlers.completion_job(body), body.stream, raw)
+        return await _generate(handlers, await asyncio.to_thread(handlers.completion_job, body), body.stream, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await _generate(handlers, handlers.chat_job(body), body.stream, raw)
+        return await _generate(handlers, await asyncio.to_thread(handlers.chat_job, body), body.stream, raw)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         handlers.check_model(body.model)
-        tokens = _tokenize(allm, body)
+        tokens = await asyncio.to_thread(_tokenize, allm, body)
         return {"count": len(tokens), "max_model_len": allm.engine.max_request_tokens, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -145,7 +154,11 @@ def _tokenize(allm: AsyncLLM, body: TokenizeRequest) -> list[int]:
             raise BadRequest("messages", str(err)) from None
     if body.prompt is None:
         raise BadRequest("prompt", "prompt: give a prompt (or messages) to tokenize")
-    return _tokenizer(allm, "prompt").encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    tokenizer = _tokenizer(allm, "prompt")
+    try:
+        return tokenizer.encode(check_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens)
+    except ValueError as err:
+        raise BadRequest("prompt", str(err)) from None
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -159,3 +172,46 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
         return bad_request(validation_error(err.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, err: HTTPException) -> JSONResponse:
+        """Routing errors (404, 405), a body over the limit (413), one that is not JSON (400)."""
+        message = err.detail if err.status_code != 400 else f"body: not valid JSON ({err.detail}); send a JSON object"
+        kind = http.HTTPStatus(err.status_code).phrase.replace(" ", "") + "Error"
+        return JSONResponse(error_body(message, kind, err.status_code), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, err: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(error_body(f"the server failed: {err}", "InternalServerError", 500), status_code=500)
+
+
+class BodyLimit:
+    """ASGI middleware refusing a request body over `limit` bytes with 413: at once when its
+    Content-Length says so, else as soon as the bytes received pass the limit."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            if declared.isdigit() and int(declared) > self.limit:
+                raise self._too_large(int(declared))
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise self._too_large(received)
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _too_large(self, size: int) -> HTTPException:
+        return HTTPException(413, f"body: {size} bytes exceed the limit of {self.limit} bytes; "
+                                  "send fewer or shorter prompts")

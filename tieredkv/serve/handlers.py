@@ -74,7 +74,7 @@ class OpenAIHandlers:
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         self.check_model(request.model)
         try:
-            ids = chat_prompt(self.allm.engine.tokenizer, request.conversation())
+            ids = chat_prompt(self.allm.engine.tokenizer, request.messages)
         except ValueError as err:
             raise BadRequest("messages", str(err)) from None
         field_name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"

@@ -2,9 +2,11 @@
 
 Operations:
 - `CompletionRequest`, `ChatCompletionRequest`, `TokenizeRequest`, `DetokenizeRequest`:
-  validated bodies. A field of OpenAI's or vLLM's API that the engine does not do (`REFUSED`) is a
-  400 naming it unless it holds its neutral value; a field neither API has is ignored with a
-  warning in the server's log (as vLLM does).
+  validated bodies, strictly typed (`"5"` or `true` is not a number, `"yes"` or `1` not a
+  boolean; an integer is a number). A field of OpenAI's or vLLM's API that the engine does not
+  do (`REFUSED`) is a 400 naming it unless it holds its neutral value; a field neither API has is
+  ignored with a warning in the server's log (as vLLM does). A completion holds at most
+  `MAX_PROMPTS` prompts.
 - `sampling_params(request, max_tokens)`: the engine's parameters, or `BadRequest`.
 - `BadRequest(param, message)` / `error_body(...)`: the OpenAI error object a 400 carries.
 """
@@ -23,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 TokenIds = list[StrictInt]
 MAX_LOGPROBS = 20  # top tokens per position, OpenAI's (and vLLM's default) limit
+# prompts in one completion request: each is an engine request, validated on arrival and queued
+# ahead of later requests, so one body may not hold an unbounded number of them
+MAX_PROMPTS = 1024
 # fields of OpenAI's and vLLM's APIs the engine does not do, with the values that ask for nothing
 # (clients send some of them at their neutral value: vllm bench sends repetition_penalty: 1.0)
 REFUSED: dict[str, tuple[Any, ...]] = {
@@ -58,7 +63,7 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
@@ -67,7 +72,7 @@ class SamplingFields(BaseModel):
     generated ids to each choice (always there when the model has no tokenizer);
     `return_tokens_as_token_ids` writes logprob tokens as "token_id:N"."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     temperature: float | None = None
@@ -115,6 +120,8 @@ class CompletionRequest(SamplingFields):
             return [p]
         if not p:
             raise BadRequest("prompt", "prompt: is empty; give a string or a list of token ids")
+        if len(p) > MAX_PROMPTS:
+            raise BadRequest("prompt", f"prompt: {len(p)} prompts in one request; send at most {MAX_PROMPTS}")
         return list(p)
 
 
@@ -134,27 +141,11 @@ class ChatCompletionRequest(SamplingFields):
             return None
         return _logprobs_count("top_logprobs", self.top_logprobs or 0)
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages with their content as plain text (list content: its text parts)."""
-        out = []
-        for i, message in enumerate(self.messages):
-            content = message.get("content")
-            if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise BadRequest("messages", f"messages[{i}].content: only text parts are supported")
-                content = "".join(str(p.get("text", "")) for p in content)
-            elif content is None:
-                content = ""
-            elif not isinstance(content, str):
-                raise BadRequest("messages", f"messages[{i}].content: expected a string or a list of text parts")
-            out.append({**message, "content": content})
-        return out
-
 
 class TokenizeRequest(BaseModel):
     """`POST /tokenize`: a prompt, or chat messages."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -164,14 +155,18 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """`POST /detokenize`."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     tokens: TokenIds
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> BadRequest:
     """The first field body validation (pydantic's error list) found fault with, and the most
-    specific of its errors ("prompt[1]: Input should be a valid integer", not "a valid string")."""
+    specific of its errors ("prompt[1]: Input should be a valid integer", not "a valid string").
+    A body that is not a JSON object is at fault as a whole (no `param`)."""
+    body = _body_error(errors[0])
+    if body is not None:
+        return body
     fields = [[x for x in e["loc"] if x != "body"] for e in errors]
     param = str(fields[0][0]) if fields[0] else None
     _, first = max(((len(f), e) for f, e in zip(fields, errors, strict=True) if f and str(f[0]) == param),
@@ -183,6 +178,16 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> BadRequest:
     if param == "prompt":
         message = f"prompt: expected a string, a list of token ids (integers), or a list of either; {message}"
     return BadRequest(param, message)
+
+
+def _body_error(error: Mapping[str, Any]) -> BadRequest | None:
+    """The error of a body that is not JSON, or not an object; None for an error of a field."""
+    if error["type"] == "json_invalid":
+        reason = error.get("ctx", {}).get("error", error["msg"])
+        return BadRequest(None, f"body: not valid JSON ({reason} at position {error['loc'][-1]}); send a JSON object")
+    if tuple(error["loc"]) == ("body",):
+        return BadRequest(None, "body: expected a JSON object, sent with Content-Type: application/json")
+    return None
 
 
 def _logprobs_count(name: str, value: int | None) -> int | None:
@@ -211,6 +216,8 @@ def _neutral(values: tuple[Any, ...]) -> str:
 def sampling_params(request: SamplingFields, max_tokens: int) -> SamplingParams:
     """The engine's parameters for `request` (OpenAI's defaults where it says nothing)."""
     refuse_unsupported(request)
+    if request.stream_options is not None and not request.stream:
+        raise BadRequest("stream_options", "stream_options: only allowed with stream: true")
     if request.stream and request.best_of is not None and request.best_of > request.n:
         raise BadRequest("best_of", "best_of: not supported with stream (the best samples are known at the end)")
     top_k = None if request.top_k in (None, -1, 0) else request.top_k

@@ -1,0 +1,64 @@
+"""Adversarial arguments to the Python API: text that is not valid Unicode, and chat messages the
+engine cannot take, are a ValueError naming the argument (or an output with that error); list
+content is read as its text parts; the engine keeps giving the tokens it gave before."""
+
+from __future__ import annotations
+
+import pytest
+
+from tieredkv import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+MESSAGES = [{"role": "user", "content": "swap or recompute?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(chat_model_dir):
+    with LLM(model=chat_model_dir, block_size=16, num_gpu_blocks=64) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def baseline(llm) -> list[int]:
+    return llm.generate("the cache block", GREEDY, use_tqdm=False)[0].token_ids
+
+
+def assert_still_serving(llm: LLM, baseline: list[int]) -> None:
+    assert llm.generate("the cache block", GREEDY, use_tqdm=False)[0].token_ids == baseline
+    stats = llm.stats()
+    assert stats["requests_running"] == stats["requests_waiting"] == stats["gpu_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("text", ["the \ud800 cache", "\udfff", "cache \udbff\udbff"])
+def test_a_lone_surrogate_is_a_value_error_naming_the_prompt(llm, baseline, text):
+    with pytest.raises(ValueError, match=r"prompt: has a lone surrogate \(U\+D[8-F][0-9A-F]{2}\) at character \d+"):
+        llm.add_request(text, GREEDY)
+    [out] = llm.generate(text, GREEDY, use_tqdm=False)
+    assert out.finish_reason == "error" and "lone surrogate" in out.error
+    assert_still_serving(llm, baseline)
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "user", "content": "a \udc00"}], r"messages\[0\].content: has a lone surrogate"),
+    ([{"role": "us\ud800er", "content": "hi"}], r"messages\[0\].role: expected one of"),
+    ([{"role": "wizard", "content": "hi"}], r"messages\[0\].role: expected one of"),
+    ([{"role": "function", "name": "f", "content": "42"}], r"messages\[0\].role: 'function' is not supported"),
+    ([*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+     r"messages\[1\].tool_calls: not supported"),
+    ([{"role": "user", "content": None}], r"messages\[0\].content: missing"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": 5}],
+     r"messages\[1\].content: expected a string or a list of text parts, got int"),
+    ([{"role": "user", "content": [{"type": "text", "text": ["x"]}]}], r"messages\[0\].content\[0\].text: expected"),
+])
+def test_chat_messages_the_engine_cannot_take_are_a_value_error(llm, baseline, messages, message):
+    with pytest.raises(ValueError, match=message):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert_still_serving(llm, baseline)
+
+
+def test_list_content_is_its_text_parts(llm):
+    text = [{"type": "text", "text": "swap or "}, {"type": "text", "text": "recompute?"}]
+    parts = [{"role": "user", "content": text}]
+    [plain] = llm.chat(MESSAGES, GREEDY, use_tqdm=False)
+    assert llm.chat(parts, GREEDY, use_tqdm=False)[0].token_ids == plain.token_ids
+    assert llm.chat([{"role": "assistant", "content": None}, *MESSAGES], GREEDY, use_tqdm=False)[0].token_ids
