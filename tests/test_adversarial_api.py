@@ -62,3 +62,20 @@ def test_list_content_is_its_text_parts(llm):
     [plain] = llm.chat(MESSAGES, GREEDY, use_tqdm=False)
     assert llm.chat(parts, GREEDY, use_tqdm=False)[0].token_ids == plain.token_ids
     assert llm.chat([{"role": "assistant", "content": None}, *MESSAGES], GREEDY, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda llm: llm.add_request([5, 6], GREEDY, request_id=5), "request_id: expected a string, got int"),
+    (lambda llm: llm.generate("hi", "greedy", use_tqdm=False),
+     "sampling_params: expected a SamplingParams or one per prompt, got str"),
+    (lambda llm: llm.generate(["a", "b"], [GREEDY, {"temperature": 0}], use_tqdm=False),
+     "sampling_params: expected a SamplingParams or one per prompt, got dict"),
+    (lambda llm: llm.generate("hi", 3, use_tqdm=False),
+     "sampling_params: expected a SamplingParams or one per prompt, got int"),
+    (lambda llm: llm.add_request([5, 6], SamplingParams(max_tokens=2, logprobs=10**9)),
+     r"logprobs: 1000000000 exceeds the vocabulary \(\d+ tokens\)"),
+])
+def test_wrong_arguments_are_a_value_error_naming_them(llm, baseline, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(llm)
+    assert_still_serving(llm, baseline)

@@ -144,6 +144,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
+        vocab_size = self.runner.hf_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(f"logprobs: {params.logprobs} exceeds the vocabulary ({vocab_size} tokens); ask for fewer")
         name = "best_of" if params.best_of is not None else "n"
         token_ids, request_id = self._new_request(prompt, request_id, params.max_tokens, name, params.num_samples)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
@@ -172,6 +175,8 @@ class LLMEngine:
         """A request's token ids and id, checked: it fits the model and the GPU tier, its
         `width` sequences (samples, beams) fit `max_num_seqs`, and its id is free."""
         self._check_open()
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id: expected a string, got {type(request_id).__name__}")
         token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
@@ -431,7 +436,15 @@ class LLM(LLMEngine):
         prompts = prompt_list(prompts)
         with self._generate_lock:
             self._check_idle("generate")
-            params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+            if sampling_params is None or isinstance(sampling_params, SamplingParams):
+                params = [sampling_params] * len(prompts)
+            elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+                params = list(sampling_params)
+            else:
+                params = [sampling_params]
+            wrong = next((p for p in params if p is not None and not isinstance(p, SamplingParams)), None)
+            if wrong is not None:
+                raise ValueError(f"sampling_params: expected a SamplingParams or one per prompt, got {type(wrong).__name__}")
             if len(params) != len(prompts):
                 raise ValueError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts; give one or one per prompt"
