@@ -1,7 +1,7 @@
 """TTFT-aware scheduling on the long-context workload: each variant of the config (by default
 `configs/long_context_8b.yaml`: fcfs, the old scheduling, against ttft) serves the same requests
-at the same arrival times; TTFT p50/p90/p99, ITL p50/p99, TPOT p90 and throughput, with ratios
-to the first variant.
+at the same arrival times; TTFT p50/p90/p99 and max (with the slowest request's prompt length),
+ITL p50/p99, TPOT p90 and throughput, with ratios to the first variant.
 
 Two clocks:
 - `--sim` (CPU, no model): the real `Scheduler` and `KVCacheManager` (the config's GPU blocks,
@@ -224,10 +224,17 @@ def _with_settings(engine_doc: dict, settings: Sequence[str]) -> dict:
     return doc
 
 
-def row(summary: Summary, first: Summary | None) -> str:
+def slowest(records: list[RequestRecord]) -> RequestRecord:
+    """The request with the longest TTFT (the first of them)."""
+    return max(records, key=lambda r: r.ttft or 0.0)
+
+
+def row(summary: Summary, first: Summary | None, last: RequestRecord) -> str:
+    """One variant's figures (ms), `last` its slowest request: its TTFT and prompt length."""
     ms = {"ttft50": summary.ttft_s["p50"], "ttft90": summary.ttft_s["p90"], "ttft99": summary.ttft_s["p99"],
-          "itl50": summary.itl_s["p50"], "itl99": summary.itl_s["p99"], "tpot90": summary.tpot_s["p90"]}
-    cells = [f"{summary.name:<28}"] + [f"{v * 1e3:9.0f}" for v in ms.values()]
+          "ttftmax": last.ttft, "itl50": summary.itl_s["p50"], "itl99": summary.itl_s["p99"],
+          "tpot90": summary.tpot_s["p90"]}
+    cells = [f"{summary.name:<28}"] + [f"{v * 1e3:9.0f}" for v in ms.values()] + [f"{last.prompt_tokens:9d}"]
     cells += [f"{summary.elapsed_s:8.1f}", f"{tokens_per_s(summary):9.0f}"]
     if first is not None:
         cells.append("   " + "  ".join(f"{v:5.2f}x" for v in ratios(first, summary).values()))
@@ -247,13 +254,16 @@ def ratios(first: Summary, other: Summary) -> dict[str, float]:
             "throughput": tokens_per_s(other) / tokens_per_s(first)}
 
 
-HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'ITL p50':>9} {'p99':>9} {'TPOT p90':>9}"
-          f" {'wall s':>8} {'tok/s':>9}   vs the first: TTFT p50, p90 and ITL p99 x lower, throughput x")
+HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'ITL p50':>9} {'p99':>9}"
+          f" {'TPOT p90':>9} {'slowest':>9}"
+          f" {'wall s':>8} {'tok/s':>9}   vs the first: TTFT p50, p90 and ITL p99 x lower, throughput x\n"
+          "(slowest: the prompt tokens of the request with the max TTFT)")
 
 
 def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str | None,
-              **keys: float | None) -> list[Summary]:
-    """Every variant on one workload (one rate, one seed); prints a table, returns the summaries."""
+              **keys: float | None) -> list[tuple[Summary, RequestRecord]]:
+    """Every variant on one workload (one rate, one seed); prints a table, returns the summaries
+    and each variant's slowest request."""
     workload = workload_of(doc, trace, **keys)
     requests = plan_of(workload)
     tokens = sum(len(r[2]) for r in requests)
@@ -270,8 +280,8 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
         else:
             records, elapsed = serve(engine_doc, requests)
         assert all(r.finished for r in records), f"{name}: a request did not finish"
-        summaries.append(summarize(name, records, elapsed, {}))
-        print(row(summaries[-1], summaries[0] if len(summaries) > 1 else None), flush=True)
+        summaries.append((summarize(name, records, elapsed, {}), slowest(records)))
+        print(row(summaries[-1][0], summaries[0][0] if len(summaries) > 1 else None, summaries[-1][1]), flush=True)
     return summaries
 
 
@@ -317,8 +327,9 @@ def main() -> None:
                             **window)
                   for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])]
         if len(points) > 1:
-            print_means(rate, points)
-        results += [{"rate": rate, **dataclasses.asdict(s)} for summaries in points for s in summaries]
+            print_means(rate, [[s for s, _ in p] for p in points])
+        results += [{"rate": rate, **dataclasses.asdict(s), "ttft_max_s": last.ttft,
+                     "slowest_prompt_tokens": last.prompt_tokens} for summaries in points for s, last in summaries]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
