@@ -1,7 +1,8 @@
 """The CPU tier's and the NVMe store's replacement policies replayed offline (CPU, no model,
 ~30 s each): for each trace and tier size, the tier's hit rate (leading hit blocks of each
-request over the blocks asked of the tier) under lru, tinylfu, adaptive (the default) and
-Belady's MIN with bypass.
+request over the blocks asked of the tier) under lru, tinylfu, adaptive (the default), arc and
+wtinylfu (policies that choose their own victims, not in the engine) and Belady's MIN with bypass.
+"vs best": each of adaptive, arc and wtinylfu minus max(lru, tinylfu), points.
 
 Traces, each derived with no model by `cache/trace.py`'s `simulate` (a GPU tier of cached
 blocks in LRU order, offering what it evicts, asking the CPU tier for the blocks past its hits):
@@ -17,13 +18,15 @@ blocks in LRU order, offering what it evicts, asking the CPU tier for the blocks
 `--tier store`: the NVMe store below a CPU tier under its default policy (adaptive). The store
 is offered each block the CPU tier lets go (evicted, or turned down by its admission) and asked
 for each request's blocks past the CPU tier's leading hits; it is replayed through the store's
-own index (`tiers/nvme/slot_index.py`, chain parents from the requests). multi_turn_8b: a 4 GiB
+own index (`tiers/nvme/slot_index.py`, chain parents from the requests); arc and wtinylfu, which
+the index cannot express, through the offline tier of `cache/trace.py` `replay`. multi_turn_8b: a 4 GiB
 CPU tier, stores of 4, 8 and 16 GiB; Mooncake: a 16 GiB CPU tier, stores of 16, 40 and 128 GiB.
 
 `--slices N` (with full traces): held-out slices instead of one matrix. Each Mooncake trace is
 sampled N times (`experiment/traces.py` `select`: a `--fraction` of its conversations, seeds
 `--seed` .. `--seed` + N - 1) and multi_turn_8b is drawn with N arrival seeds; for each tier size
-it prints the worst and the mean over slices of adaptive - max(lru, tinylfu) (Belady is skipped).
+it prints the worst and the mean over slices of adaptive - max(lru, tinylfu), and the same for arc
+and wtinylfu (Belady is skipped).
 
     python benchmarks/bench_replay.py
     python benchmarks/bench_replay.py --tier store
@@ -36,12 +39,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import yaml
 
-from tieredkv.cache.trace import REPLAY_POLICIES, BlockTrace, ReplayPolicy, ReplayResult, replay, simulate
+from tieredkv.cache.trace import EVICTING, REPLAY_POLICIES, BlockTrace, ReplayPolicy, ReplayResult, replay, simulate
 from tieredkv.experiment.traces import TraceLine, read_trace, select
 from tieredkv.replacement import GhostTier, ReplacementPolicy, make_admission
 from tieredkv.tiers.nvme.slot_index import Reservation, SlotIndex
@@ -52,7 +55,8 @@ ENGINE_BLOCK_BYTES = 2 << 20  # one 16-token block of llama-3-8b KV (bfloat16)
 TRACE_BLOCK_TOKENS = 512  # Mooncake's hash ids
 TRACE_BLOCK_BYTES = ENGINE_BLOCK_BYTES * TRACE_BLOCK_TOKENS // 16
 MOONCAKE_GPU_BYTES = 16 * GiB
-ONLINE: tuple[ReplacementPolicy, ...] = ("lru", "tinylfu", "adaptive")
+ONLINE: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "adaptive", "arc", "wtinylfu")
+BASELINES = ("lru", "tinylfu", "belady")  # the rest are judged against max(lru, tinylfu)
 
 Requests = list[tuple[tuple[int, ...], tuple[int, ...]]]
 Results = dict[ReplayPolicy, ReplayResult]
@@ -142,31 +146,38 @@ def store_results(requests: Requests, gpu_blocks: int, block_bytes: int, cpu_gib
     found = []
     for gib in store_gib:
         slots = gib * GiB // block_bytes
-        results: Results = {p: replay_store(trace, slots, p, parents) for p in policies if p != "belady"}
-        if "belady" in policies:
-            results["belady"] = replay(trace, slots, "belady")
-        found.append(results)
+        found.append({p: replay(trace, slots, p) if p == "belady" or p in EVICTING
+                      else replay_store(trace, slots, p, parents) for p in policies})
     return found
 
 
-def margin(results: Results) -> float:
-    """Adaptive's hit rate minus the better of LRU's and TinyLFU's."""
+def margin(results: Results, policy: ReplayPolicy = "adaptive") -> float:
+    """`policy`'s hit rate minus the better of LRU's and TinyLFU's."""
     rates = {p: result.hit_rate for p, result in results.items()}
-    return rates["adaptive"] - max(rates["lru"], rates["tinylfu"])
+    return rates[policy] - max(rates["lru"], rates["tinylfu"])
+
+
+def judged(policies: Iterable[ReplayPolicy]) -> list[ReplayPolicy]:
+    """Those of `policies` judged against max(lru, tinylfu)."""
+    return [p for p in policies if p not in BASELINES]
 
 
 def matrix_row(name: str, gib: float, results: Results) -> str:
     cells = " ".join(f"{100 * results[p].hit_rate:8.1f}" for p in REPLAY_POLICIES)
-    return f"{name:24} {gib:5g} GiB {cells} {100 * margin(results):+9.1f}"
+    margins = " ".join(f"{100 * margin(results, p):+9.1f}" for p in judged(results))
+    return f"{name:24} {gib:5g} GiB {cells} {margins}"
 
 
 def slice_row(name: str, gib: float, seeds: list[int], slices: list[Results]) -> str:
-    """Worst (and its seed) and mean of `margin` over slices, and each policy's mean hit rate."""
-    margins = [margin(results) for results in slices]
-    worst = min(range(len(slices)), key=margins.__getitem__)
-    means = " ".join(f"{100 * statistics.mean(r[p].hit_rate for r in slices):8.1f}" for p in ONLINE)
-    return (f"{name:36} {gib:5g} GiB {means} {100 * margins[worst]:+7.1f} (seed {seeds[worst]:2}) "
-            f"{100 * statistics.mean(margins):+7.1f}")
+    """Each policy's mean hit rate over slices, and for each judged one the worst (and its seed)
+    and the mean of `margin`."""
+    means = " ".join(f"{100 * statistics.mean(r[p].hit_rate for r in slices):8.1f}" for p in slices[0])
+    row = f"{name:36} {gib:5g} GiB {means}"
+    for policy in judged(slices[0]):
+        margins = [margin(results, policy) for results in slices]
+        worst = min(range(len(slices)), key=margins.__getitem__)
+        row += f" {100 * margins[worst]:+7.1f} (seed {seeds[worst]:2}) {100 * statistics.mean(margins):+7.1f}"
+    return row
 
 
 Workload = tuple[str, Requests, int, int]  # (name, requests, GPU blocks, block bytes)
@@ -196,7 +207,9 @@ def print_matrix(tier: str, workloads: list[Workload]) -> None:
     header = " ".join(f"{p:>8}" for p in REPLAY_POLICIES)
     label = "CPU tier" if tier == "cpu" else "store"
     width = 24 if tier == "cpu" else 36
-    print(f"{'trace':{width}} {label:>9} {header} {'vs best':>9}   (replayed {label} hit rate, %)")
+    vs_best = " ".join(f"{p[:5] + ' vs':>9}" for p in judged(REPLAY_POLICIES))
+    print(f"{'trace':{width}} {label:>9} {header} {vs_best}   (replayed {label} hit rate, %; "
+          f"vs: each policy - max(lru, tinylfu), points)")
     for workload in workloads:
         name, sizes, found = results_for(tier, workload, REPLAY_POLICIES)
         for gib, results in zip(sizes, found, strict=True):
@@ -207,8 +220,9 @@ def print_slices(tier: str, draws: list[tuple[str, Callable[[int], Workload]]], 
     """The slice summary: each draw makes a workload from a seed (module docstring)."""
     label = "CPU tier" if tier == "cpu" else "store"
     header = " ".join(f"{p:>8}" for p in ONLINE)
-    print(f"{'trace':36} {label:>9} {header} {'worst vs best':>18} {'mean':>7}"
-          f"   ({len(seeds)} slices: mean {label} hit rate, %; adaptive - max(lru, tinylfu), points)")
+    margins = " ".join(f"{p[:5] + ' worst':>18} {'mean':>7}" for p in judged(ONLINE))
+    print(f"{'trace':36} {label:>9} {header} {margins}"
+          f"   ({len(seeds)} slices: mean {label} hit rate, %; each policy - max(lru, tinylfu), points)")
     for _, draw in draws:
         per_seed = [results_for(tier, draw(seed), ONLINE) for seed in seeds]
         name, sizes = per_seed[0][0], per_seed[0][1]

@@ -30,13 +30,15 @@ the head of a chain (which every later prefix hit needs) is the last of them to 
 
 Operations of every policy: `record(hashes, num_hits_above)` (a request), `offered(hash)` (a
 block the tier above let go, kept or not), `admits(candidate, victim)`, `selective`;
-`make_admission(name, capacity)` builds one by its config name.
+`make_admission(name, capacity)` builds one by its config name; `leading_run(hashes, resident)`
+counts a request's hits. The policies that choose their own victims (ARC, W-TinyLFU) are in
+`replacement_policies.py`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Literal, Protocol, get_args
 
 ReplacementPolicy = Literal["adaptive", "tinylfu", "lru"]
@@ -105,6 +107,15 @@ class FrequencyAdmission:
         return self.count(candidate) > self.count(victim)
 
 
+def leading_run(block_hashes: Sequence[int], resident: Container[int]) -> int:
+    """How many of the first `block_hashes` are resident, up to the first that is not: a
+    request's hits."""
+    run = 0
+    while run < len(block_hashes) and block_hashes[run] in resident:
+        run += 1
+    return run
+
+
 class GhostTier:
     """A tier of `capacity` block hashes in LRU order (no KV): the adaptive policy's ghosts, and
     the offline replay's tier (`cache/trace.py`)."""
@@ -116,9 +127,7 @@ class GhostTier:
     def request(self, block_hashes: Sequence[int]) -> int:
         """Hits: the leading resident blocks, up to the first that is not; touched tail first,
         so that the chain's head is the last to be evicted."""
-        run = 0
-        while run < len(block_hashes) and block_hashes[run] in self.resident:
-            run += 1
+        run = leading_run(block_hashes, self.resident)
         for block_hash in reversed(block_hashes[:run]):
             self.resident.move_to_end(block_hash)
         return run

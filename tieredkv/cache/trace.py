@@ -6,7 +6,8 @@ A trace records what was asked of the CPU tier while the engine ran:
   were looked for in the CPU tier.
 
 `replay(trace, capacity, policy)` runs the same trace through a CPU tier of `capacity` blocks
-under `lru`, `tinylfu`, `adaptive` (the engine's rules, `replacement.py`) or `belady`
+under `lru`, `tinylfu`, `adaptive` (the engine's rules, `replacement.py`), `arc`, `wtinylfu`
+(policies that choose their own victims, `replacement_policies.py`; not in the engine) or `belady`
 (on each offer to a full tier, drop whichever of the resident blocks and the offered one is
 requested again furthest in the future: Belady's MIN with bypass, the best any policy can do
 for blocks taken one by one). A request's hits are counted as in the engine, its leading
@@ -28,10 +29,12 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
-from tieredkv.replacement import GhostTier, make_admission
+from tieredkv.replacement import GhostTier, leading_run, make_admission
+from tieredkv.replacement_policies import EvictingPolicy, Replacement, make_replacement, request
 
-ReplayPolicy = Literal["lru", "tinylfu", "adaptive", "belady"]
-REPLAY_POLICIES: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "adaptive", "belady")
+ReplayPolicy = Literal["lru", "tinylfu", "adaptive", "arc", "wtinylfu", "belady"]
+REPLAY_POLICIES: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "adaptive", "arc", "wtinylfu", "belady")
+EVICTING: tuple[EvictingPolicy, ...] = ("arc", "wtinylfu")
 
 
 class BlockTrace:
@@ -63,8 +66,11 @@ class ReplayResult(NamedTuple):
 
 
 def replay(trace: BlockTrace, capacity: int, policy: ReplayPolicy) -> ReplayResult:
+    """The trace through a tier of `capacity` blocks under `policy` (module docstring)."""
     if policy == "belady":
         return _replay_belady(trace.events, capacity)
+    if policy == "arc" or policy == "wtinylfu":
+        return _replay_evicting(trace.events, make_replacement(policy, capacity))
     admission = make_admission(policy, capacity)
     tier = GhostTier(capacity)
     requested = hits = alone = 0
@@ -77,6 +83,18 @@ def replay(trace: BlockTrace, capacity: int, policy: ReplayPolicy) -> ReplayResu
         else:
             admission.offered(event)
             tier.offer(event, admission.admits)
+    return ReplayResult(requested, hits, alone)
+
+
+def _replay_evicting(events: list[int | tuple[int, ...]], policy: Replacement) -> ReplayResult:
+    requested = hits = alone = 0
+    for event in events:
+        if isinstance(event, tuple):
+            requested += len(event)
+            alone += sum(block_hash in policy for block_hash in event)
+            hits += request(policy, event)
+        else:
+            policy.offer(event)
     return ReplayResult(requested, hits, alone)
 
 
@@ -104,7 +122,7 @@ def _replay_belady(events: list[int | tuple[int, ...]], capacity: int) -> Replay
     for t, event in enumerate(events):
         if isinstance(event, tuple):
             requested += len(event)
-            hits += _leading_run(event, resident)
+            hits += leading_run(event, resident)
             alone += sum(block_hash in resident for block_hash in event)
             for block_hash in event:  # requested now: each resident one's next use moves on
                 if block_hash in resident:
@@ -120,14 +138,6 @@ def _replay_belady(events: list[int | tuple[int, ...]], capacity: int) -> Replay
                 del resident[heapq.heappop(furthest)[1]]
                 keep(event, t)
     return ReplayResult(requested, hits, alone)
-
-
-def _leading_run(block_hashes: tuple[int, ...], resident: dict[int, object]) -> int:
-    """How many of the first `block_hashes` are resident, up to the first that is not."""
-    run = 0
-    while run < len(block_hashes) and block_hashes[run] in resident:
-        run += 1
-    return run
 
 
 def replay_all(trace: BlockTrace, capacity: int) -> dict[str, object]:
@@ -147,7 +157,7 @@ def simulate(requests: Iterable[tuple[tuple[int, ...], tuple[int, ...]]], gpu_bl
     trace = BlockTrace()
     gpu: OrderedDict[int, None] = OrderedDict()  # cached blocks, the least recently used first
     for prompt, cached in requests:
-        trace.request(prompt[_leading_run(prompt, gpu):])
+        trace.request(prompt[leading_run(prompt, gpu):])
         for block_hash in reversed(cached):  # the head touched last: the tail is evicted first
             gpu[block_hash] = None
             gpu.move_to_end(block_hash)
