@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tieredkv.policy import LOAD_MARGIN, CostModel, ObservedLoads, split_nvme_prefix
+from tieredkv.policy import LOAD_MARGIN, CostModel, ObservedLoads, split_lower_prefix
 
 # 1 ms of prefill a token (4 ms a block of 4 tokens); 4 ms to read a block of 1 byte; PCIe free
 BALANCED = CostModel(d2h_bytes_per_s=1e15, h2d_bytes_per_s=1e15, prefill_s_per_token=1e-3,
@@ -27,19 +27,19 @@ def with_latency(latency_s: float) -> CostModel:
     ],
 )
 def test_a_load_pays_its_latency_before_its_first_block(latency_ms, computed):
-    assert split_nvme_prefix(10, 1, 0, 4, with_latency(latency_ms / 1e3)) == computed
+    assert split_lower_prefix(10, 1, 0, 4, with_latency(latency_ms / 1e3)) == computed
 
 
 def test_without_the_margin_a_close_call_would_have_loaded():
     """33 ms of latency: loading the last block finishes at 37 ms, computing all at 40 ms."""
     assert 1 - 37 / 40 < LOAD_MARGIN
-    assert split_nvme_prefix(10, 1, 0, 4, with_latency(0.033)) == 10
-    assert split_nvme_prefix(10, 1, 0, 4, with_latency(0.030)) == 9  # max(36, 34): saves 10%
+    assert split_lower_prefix(10, 1, 0, 4, with_latency(0.033)) == 10
+    assert split_lower_prefix(10, 1, 0, 4, with_latency(0.030)) == 9  # max(36, 34): saves 10%
 
 
 def test_the_latency_waits_behind_the_queue_of_reads():
     # 4 blocks queued ahead (16 ms) and 8 ms of latency: max(4c, 24 + 4 (10 - c)) -> c = 8, 32 ms
-    assert split_nvme_prefix(10, 1, 0, 4, with_latency(0.008), disk_queue_bytes=4) == 8
+    assert split_lower_prefix(10, 1, 0, 4, with_latency(0.008), lower_queue_bytes=4) == 8
 
 
 def test_loads_of_one_size_teach_the_latency_and_keep_the_calibrated_rate():
@@ -76,4 +76,4 @@ def test_a_negative_read_latency_is_refused():
 def test_a_busy_gpu_does_not_hide_what_loading_saves():
     """1 s of prefill queued ahead: loading all 10 blocks saves their 40 ms of compute, a
     share of the request's own work, not of the queue."""
-    assert split_nvme_prefix(10, 1, 0, 4, with_latency(0.008), gpu_queue_tokens=1000) == 0
+    assert split_lower_prefix(10, 1, 0, 4, with_latency(0.008), gpu_queue_tokens=1000) == 0

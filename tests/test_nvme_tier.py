@@ -128,19 +128,19 @@ BALANCED = {"d2h_bytes_per_s": 1e15, "h2d_bytes_per_s": 1e15, "prefill_s_per_tok
 
 
 def test_split_puts_compute_first_and_loads_last():
-    from tieredkv.policy import CostModel, split_nvme_prefix
+    from tieredkv.policy import CostModel, split_lower_prefix
 
     cost = CostModel(**BALANCED)
     # equal speeds: compute half, load half
-    assert split_nvme_prefix(10, BLOCK_BYTES, 0, 4, cost) == 5
+    assert split_lower_prefix(10, BLOCK_BYTES, 0, 4, cost) == 5
     # a disk 4x slower than compute: compute 8 of 10 blocks
     slow = CostModel(**{**BALANCED, "disk_read_bytes_per_s": BLOCK_BYTES / 16e-3})
-    assert split_nvme_prefix(10, BLOCK_BYTES, 0, 4, slow) == 8
+    assert split_lower_prefix(10, BLOCK_BYTES, 0, 4, slow) == 8
     # a disk far faster than compute: load everything
     fast = CostModel(**{**BALANCED, "disk_read_bytes_per_s": 1e15})
-    assert split_nvme_prefix(10, BLOCK_BYTES, 0, 4, fast) == 0
+    assert split_lower_prefix(10, BLOCK_BYTES, 0, 4, fast) == 0
     # no disk bandwidth known: load everything
-    assert split_nvme_prefix(10, BLOCK_BYTES, 0, 4, None) == 0
+    assert split_lower_prefix(10, BLOCK_BYTES, 0, 4, None) == 0
 
 
 def test_load_and_recompute_at_once_is_exact(tmp_path, reference_outputs):

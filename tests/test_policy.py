@@ -12,7 +12,7 @@ from tieredkv.policy import (
     TierPolicy,
     choose_preemption,
     promote_cpu_hits,
-    split_nvme_prefix,
+    split_lower_prefix,
 )
 
 COSTS = CostModel(d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9, prefill_s_per_token=1e-4, prefill_s_per_token_sq=1e-8)
@@ -45,19 +45,19 @@ BALANCED = CostModel(d2h_bytes_per_s=1e15, h2d_bytes_per_s=1e15, prefill_s_per_t
 
 
 def test_a_shared_disk_makes_later_requests_compute_more():
-    alone = split_nvme_prefix(10, 1, 0, 4, BALANCED)
-    behind_reads = split_nvme_prefix(10, 1, 0, 4, BALANCED, disk_queue_bytes=6)  # 6 blocks queued
+    alone = split_lower_prefix(10, 1, 0, 4, BALANCED)
+    behind_reads = split_lower_prefix(10, 1, 0, 4, BALANCED, lower_queue_bytes=6)  # 6 blocks queued
     assert (alone, behind_reads) == (5, 8)
-    assert split_nvme_prefix(10, 1, 0, 4, BALANCED, disk_queue_bytes=1000) == 10  # never arrives in time
+    assert split_lower_prefix(10, 1, 0, 4, BALANCED, lower_queue_bytes=1000) == 10  # never arrives in time
 
 
 def test_a_busy_gpu_makes_loading_pay():
-    assert split_nvme_prefix(10, 1, 0, 4, BALANCED, gpu_queue_tokens=24) == 2  # 24 ms of prefill ahead
+    assert split_lower_prefix(10, 1, 0, 4, BALANCED, gpu_queue_tokens=24) == 2  # 24 ms of prefill ahead
 
 
 def test_a_disk_faster_than_compute_loads_everything():
     fast = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=1e15)
-    assert split_nvme_prefix(10, 1, 0, 4, fast, disk_queue_bytes=100, gpu_queue_tokens=0) == 0
+    assert split_lower_prefix(10, 1, 0, 4, fast, lower_queue_bytes=100, gpu_queue_tokens=0) == 0
 
 
 def test_loaded_blocks_arrive_before_the_gpu_would_have_computed_the_first_of_them():
@@ -69,12 +69,12 @@ def test_loaded_blocks_arrive_before_the_gpu_would_have_computed_the_first_of_th
         cost = CostModel(1e15, rng.uniform(0.5, 50.0), prefill_s_per_token=rng.uniform(1e-4, 1e-2),
                          prefill_s_per_token_sq=rng.choice([0.0, 1e-6]), disk_read_bytes_per_s=rng.uniform(0.5, 50.0))
         n, first = rng.randrange(1, 40), 4 * rng.randrange(0, 20)
-        disk_queue, gpu_queue = rng.uniform(0, 20), rng.randrange(0, 200)
-        c = split_nvme_prefix(n, 1, first, 4, cost, disk_queue, gpu_queue)
+        lower_queue, gpu_queue = rng.uniform(0, 20), rng.randrange(0, 200)
+        c = split_lower_prefix(n, 1, first, 4, cost, lower_queue, gpu_queue)
         if c == n:
             continue
         per_block = 1 / cost.disk_read_bytes_per_s + 1 / cost.h2d_bytes_per_s
-        loads_land = disk_queue / cost.disk_read_bytes_per_s + (n - c) * per_block
+        loads_land = lower_queue / cost.disk_read_bytes_per_s + (n - c) * per_block
         gpu_reaches = cost.recompute_s(gpu_queue) + cost.recompute_s(first + (c + 1) * 4) - cost.recompute_s(first)
         assert loads_land <= gpu_reaches + 1e-9
 
@@ -90,9 +90,9 @@ def test_the_observed_read_rate_corrects_a_wrong_calibration_within_a_few_loads(
 def test_nvme_plans_use_the_observed_loads_over_the_calibrated_ones():
     policy = TierPolicy("recompute", block_bytes=1, block_size=4, cost=BALANCED)
     fast, slow = ObservedLoads(1e15), ObservedLoads(1 / 40e-3)
-    assert policy.nvme_blocks_to_compute(10, 0) == 5
-    assert policy.nvme_blocks_to_compute(10, 0, observed=fast) == 0
-    assert policy.nvme_blocks_to_compute(10, 0, observed=slow) == 10
+    assert policy.lower_blocks_to_compute(10, 0) == 5
+    assert policy.lower_blocks_to_compute(10, 0, observed=fast) == 0
+    assert policy.lower_blocks_to_compute(10, 0, observed=slow) == 10
 
 
 def test_cpu_hits_are_copied_in_unless_the_pcie_queue_makes_recompute_faster():

@@ -64,7 +64,7 @@ class LoadPlanner:
         the reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
 
         def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
-            queued, plan = self.kv.lower_reads_in_flight(), self.policy.nvme_blocks_to_compute
+            queued, plan = self.kv.lower_reads_in_flight(), self.policy.lower_blocks_to_compute
             compute = plan(num_blocks, first_token, queued, gpu_queue_tokens, self.observed_loads)
             idle = plan(num_blocks, first_token, observed=self.observed_loads)
             self.lower_prefix_blocks["compute_for_queues"] += max(0, compute - idle)

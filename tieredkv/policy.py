@@ -9,7 +9,7 @@ CPU-tier hits: copied in, unless the PCIe queue makes recomputing them faster
 (`promote_cpu_hits`).
 
 Slow-tier hits: prefix blocks found in the lower tier (disk or remote) are loaded, recomputed,
-or both at once (`split_nvme_prefix`); a load costs a fixed latency plus its bytes over the read
+or both at once (`split_lower_prefix`); a load costs a fixed latency plus its bytes over the read
 rate, both as the engine observes them (`ObservedLoads`).
 """
 
@@ -81,9 +81,9 @@ def choose_preemption(
     return "swap" if cost.swap_s(num_blocks * block_bytes) < cost.recompute_s(num_tokens) else "recompute"
 
 
-def split_nvme_prefix(
+def split_lower_prefix(
     num_blocks: int, block_bytes: int, first_token: int, block_size: int, cost: CostModel | None,
-    disk_queue_bytes: int = 0, gpu_queue_tokens: int = 0,
+    lower_queue_bytes: int = 0, gpu_queue_tokens: int = 0,
 ) -> int:
     """How many of the `num_blocks` prefix blocks found in the lower tier (disk or remote, from
     token `first_token` on) to recompute; the rest, the later ones, are loaded at the same time.
@@ -93,7 +93,7 @@ def split_nvme_prefix(
     The GPU computes forward from the hits while the tier reads the later blocks; c is the split
     that finishes first (the larger of the two times is smallest). Loading k blocks costs
     `read_latency_s` + k blocks over the read rate and over PCIe; both start behind their
-    queues: the tier after the `disk_queue_bytes` already queued for reads, the GPU after the
+    queues: the tier after the `lower_queue_bytes` already queued for reads, the GPU after the
     `gpu_queue_tokens` of prefill already scheduled ahead of this request. Loading must save at
     least `LOAD_MARGIN` of the time computing the blocks takes, else they are all computed (when
     the two are close, computing risks nothing). 0 loads everything, `num_blocks` recomputes
@@ -102,7 +102,7 @@ def split_nvme_prefix(
     if cost is None or cost.disk_read_bytes_per_s is None:
         return 0
     per_block_load = block_bytes / cost.disk_read_bytes_per_s + block_bytes / cost.h2d_bytes_per_s
-    load_wait = cost.read_latency_s + disk_queue_bytes / cost.disk_read_bytes_per_s
+    load_wait = cost.read_latency_s + lower_queue_bytes / cost.disk_read_bytes_per_s
     gpu_wait = cost.recompute_s(gpu_queue_tokens)
 
     def finish_s(c: int) -> float:
@@ -189,16 +189,16 @@ class TierPolicy:
             num_blocks, self.block_bytes, first_token, self.block_size, self.cost, h2d_queue_blocks * self.block_bytes
         )
 
-    def nvme_blocks_to_compute(
-        self, num_blocks: int, first_token: int, disk_queue_blocks: int = 0, gpu_queue_tokens: int = 0,
+    def lower_blocks_to_compute(
+        self, num_blocks: int, first_token: int, lower_queue_blocks: int = 0, gpu_queue_tokens: int = 0,
         observed: ObservedLoads | None = None,
     ) -> int:
-        """`split_nvme_prefix` with the queues, at the `observed` read rate and latency of the
+        """`split_lower_prefix` with the queues, at the `observed` read rate and latency of the
         lower tier where given, else the calibrated ones."""
         cost = self.cost
         if cost is not None and observed is not None:
             cost = replace(cost, disk_read_bytes_per_s=observed.bytes_per_s, read_latency_s=observed.latency_s)
-        return split_nvme_prefix(
+        return split_lower_prefix(
             num_blocks, self.block_bytes, first_token, self.block_size, cost,
-            disk_queue_blocks * self.block_bytes, gpu_queue_tokens,
+            lower_queue_blocks * self.block_bytes, gpu_queue_tokens,
         )
