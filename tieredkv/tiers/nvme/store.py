@@ -21,8 +21,9 @@ taken, and a failed open removes the file and folders it created.
 `src`/`dst` must stay alive and untouched until their job is reported. `ok` is False when the
 I/O failed, came back short, or a read did not verify (header fields, header checksum, payload
 xxh3); the block then is not stored (its slot is discarded), `dst` holds garbage, the caller
-recomputes, and the cause is counted in `stats()`. Submits never raise for I/O trouble: faults
-come back as failed jobs (ValueError only for bad arguments).
+recomputes, and the cause is counted in `stats()` (the first of each kind is logged as a
+warning). Submits never raise for I/O trouble: faults come back as failed jobs (ValueError only
+for bad arguments).
 
 Submits only queue the job: checksums, headers, copies and I/O happen on the store's threads,
 reads before writes (slot_io.py). Writes take a free slot, else the slot of a block the
@@ -38,10 +39,11 @@ header's payload checksum then fails, so it is never served. Opening a store sca
 headers: blocks written under the same fingerprint and format version are found again, in the
 order they were written; damaged slot headers, or a damaged superblock (the file is then
 formatted anew), are logged once and counted (`scan_discarded`, `reformatted`). If the file is
-deleted while open, the next submit notices: all blocks are lost (reads return None),
-`files_lost` is counted, the lost file is closed once no job uses it (so its space returns),
-and the next job's thread makes a new file; if that fails (a full disk), submits start nothing
-until a retry, after 1 s, then twice as long each time up to a minute (logged once).
+deleted while open (its directory too), the next submit notices: all blocks are lost (reads
+return None), `files_lost` is counted, the lost file is closed once no job uses it (so its space
+returns), and the next job's thread makes a new file (and directory); if that fails (a full
+disk), submits start nothing until a retry, after 1 s, then twice as long each time up to a
+minute (logged once).
 Layout: slot_format.py; I/O: slot_io.py.
 """
 
@@ -113,6 +115,7 @@ class NVMeStore:
         self._claimed: set[int] = set()  # ids some wait() is waiting for: poll() leaves them
         self._ids = itertools.count(1)
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
+        self._said: set[str] = set()  # the kinds of fault logged as a warning already
         self._generation, self._sequence, self._closed = 0, 0, False
         self._retired: dict[int, SlotFile] = {}  # generation -> a file lost under us, open while its jobs run
         self._reopen_at, self._reopen_wait = 0.0, REOPEN_FIRST_S  # no file: when to try making one
@@ -386,7 +389,7 @@ class NVMeStore:
                     self.index.discard(job.block_hash)
             if fault is not None:
                 self._counts[fault] += 1
-                logger.debug("NVMe %s of block %#x failed: %s", job.op, job.block_hash, fault)
+                self._say_fault(job, fault, current)
             elif ok:
                 self._counts["hits" if job.op == "read" else "writes"] += 1
                 self._counts["bytes_read" if job.op == "read" else "bytes_written"] += job.nbytes
@@ -398,6 +401,17 @@ class NVMeStore:
             self._done[job.id] = ok
             self._close_retired()
             self._cond.notify_all()
+
+    def _say_fault(self, job: SlotJob, fault: str, current: bool) -> None:
+        """Log the first fault of each kind as a warning, the rest at debug level (lock held): the
+        stats count them all. Jobs on a lost file (said when it was lost) and internal errors
+        (logged where they happen) are not said again."""
+        if fault in self._said or not current or self._file is None or fault == "internal_errors":
+            logger.debug("NVMe %s of block %#x failed: %s", job.op, job.block_hash, fault)
+            return
+        self._said.add(fault)
+        logger.warning("NVMe store %s: a block %s failed (%s); the block is recomputed, the store stays in use; "
+                       "stats count every such fault, this log says it once", self.path, job.op, fault)
 
     # ---------------------------------------------------------------- the file
 
@@ -435,6 +449,8 @@ class NVMeStore:
                 job.fd, job.o_direct = self._file.fd, self._file.o_direct
                 return None
         try:
+            if self._owns_file:  # its directory may be gone with it
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
             file = SlotFile(self.path, self.geometry, self._owns_file)
             file.format()
         except (OSError, RuntimeError, ValueError) as exc:

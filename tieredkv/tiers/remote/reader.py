@@ -13,11 +13,14 @@ A value is received as `| head | body |`: its first len(head) bytes into `head`,
 the few value bytes that arrive with them. redis-py (with the hiredis parser) makes each
 connection (URL options, TLS, AUTH, SELECT) and sends the commands; the replies it would parse
 into a `bytes` object per value (one copy; its asyncio streams made four more, all on one thread)
-are read here, on as many threads as connections (`recv_into` releases the GIL).
+are read here, on as many threads as connections (`recv_into` releases the GIL). A connection
+found closed by the server when it is next used (a server restarted with its blocks keeps its
+epoch, so nothing else tells) is made anew before the pipeline is sent.
 """
 
 from __future__ import annotations
 
+import select
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,6 +53,13 @@ class _Replies:
     @property
     def drained(self) -> bool:
         return self._start == self._end
+
+    def stale(self) -> bool:
+        """Whether the idle connection can be read from: the server closed it (it restarted, with
+        its blocks or without) or sent what nobody asked for; either way it is of no use."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def value(self, head: memoryview, body: memoryview) -> bool | None:
         """The next reply: True if a value of exactly len(head) + len(body) bytes was received
@@ -174,7 +184,7 @@ class DirectReads:
 
     def _replies(self) -> _Replies:
         replies: _Replies | None = getattr(self._local, "replies", None)
-        if replies is not None and self._local.generation != self._generation:
+        if replies is not None and (self._local.generation != self._generation or replies.stale()):
             self._drop(replies)
             replies = None
         if replies is None:

@@ -17,6 +17,7 @@ asks whether the key exists (another engine may have stored the block) and sends
 blocks the server lacks. A read verifies the value (`value_format.py`) before copying it into
 `dst`: a missing key (evicted, deleted, flushed) or a value that does not verify (truncated,
 garbage) fails the job, is counted, and a bad value is deleted so that a later write replaces it.
+The first bad value, and the first write the server refuses (out of memory), are logged as warnings.
 
 Faults never raise: while the server is unreachable the tier is down (lookups miss, submits
 return None, jobs in flight fail) and a health check brings it back (see `connection.py`).
@@ -48,6 +49,7 @@ from tieredkv.tiers.remote.connection import (
     LoopThread,
     ServerLink,
     describe,
+    redacted,
 )
 from tieredkv.tiers.remote.index import BlockIndex
 from tieredkv.tiers.remote.jobs import JobBook
@@ -93,6 +95,7 @@ class RemoteStore:
         self.jobs = JobBook()
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
+        self._said: set[str] = set()  # the kinds of fault logged as a warning already
         self.index = BlockIndex()
         self._writing: set[int] = set()
         self._queue: list[_Op] = []
@@ -397,9 +400,23 @@ class RemoteStore:
                 self._counts["errors"] += 1
                 self._counts["misses" if verdict == "missing" else "corrupt"] += 1
                 self.index.forget(op.ref.block_hash)
-        if verdict != "ok":
+        if verdict == "corrupt":
+            self._say_once("corrupt", "a block value did not verify (truncated, damaged, or another block's); "
+                           "it is deleted and the block recomputed")
+        elif verdict == "missing":
             logger.debug("remote read of block %#x failed: %s", op.ref.block_hash, verdict)
         return verdict
+
+    def _say_once(self, kind: str, what: str) -> None:
+        """Log the first fault of each kind as a warning, later ones at debug level (stats count them all)."""
+        with self._lock:
+            first = kind not in self._said
+            self._said.add(kind)
+        if first:
+            logger.warning("remote tier %s: %s; the tier stays in use; stats count every such fault (remote_%s), "
+                           "this log says it once", redacted(self.url), what, kind)
+        else:
+            logger.debug("remote tier %s: %s", redacted(self.url), what)
 
     async def _run_writes(self, ops: list[_Op]) -> None:
         async with self._write_slots:
@@ -413,6 +430,9 @@ class RemoteStore:
                 results = await self._pipeline(sets) if sets else []
             except ANY_ERROR as err:
                 return self._fail(ops, err)
+        refused = [r for r in results if isinstance(r, Exception)]
+        if refused:  # e.g. out of memory under `maxmemory-policy noeviction`
+            self._say_once("errors", f"the server refused {len(refused)} writes ({describe(refused[0])})")
         stored = {id(op): not isinstance(r, Exception) for (op, _), r in zip(todo, results, strict=True)}
         for op in ops:
             self._finish_write(op, stored.get(id(op)))
