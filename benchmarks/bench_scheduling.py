@@ -16,6 +16,7 @@ Two clocks:
     python benchmarks/bench_scheduling.py --sim --trace conversation_trace.jsonl --fraction 0.014 --seeds 1 \
         --rates 0.6,0.8,1.0 --policies fcfs,ttft,hrrn --set scheduler.max_num_batched_tokens=8192 \
         --set cache.num_gpu_blocks=8192           # a Mooncake slice, full-length prompts (BENCHMARKS.md)
+    python benchmarks/bench_scheduling.py --sim --bound               # and the least p99 any order could give
     python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
 """
 
@@ -111,6 +112,7 @@ def _book(sched: Scheduler, out: SchedulerOutput, records: dict[str, RequestReco
     for seq in out.sampling:
         records[seq.request_id].token_times.append(now)
         records[seq.request_id].finished = seq.is_finished
+        records[seq.request_id].cached_tokens = seq.num_cached_tokens
 
 
 def serve(engine_doc: dict, requests: list[Request]) -> tuple[list, float]:
@@ -260,10 +262,10 @@ HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'I
           "(slowest: the prompt tokens of the request with the max TTFT)")
 
 
-def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str | None,
+def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str | None, bound: bool = False,
               **keys: float | None) -> list[tuple[Summary, RequestRecord]]:
-    """Every variant on one workload (one rate, one seed); prints a table, returns the summaries
-    and each variant's slowest request."""
+    """Every variant on one workload (one rate, one seed); prints a table (and with `bound`,
+    `print_bound`), returns the summaries and each variant's slowest request."""
     workload = workload_of(doc, trace, **keys)
     requests = plan_of(workload)
     tokens = sum(len(r[2]) for r in requests)
@@ -273,7 +275,7 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
           f"arrivals over {requests[-1][0]:.0f} s (rate {workload.rate}/s); "
           f"{'simulated H200 clock' if sim else 'engine, wall clock'}")
     print(HEADER, flush=True)
-    summaries = []
+    summaries, runs = [], []
     for name, engine_doc in engines:
         if sim:
             records, elapsed = simulate(engine_doc, requests, H200_LLAMA_8B)
@@ -282,7 +284,32 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
         assert all(r.finished for r in records), f"{name}: a request did not finish"
         summaries.append((summarize(name, records, elapsed, {}), slowest(records)))
         print(row(summaries[-1][0], summaries[0][0] if len(summaries) > 1 else None, summaries[-1][1]), flush=True)
+        runs.append(records)
+    if bound:
+        print_bound(runs, H200_LLAMA_8B)
     return summaries
+
+
+def print_bound(runs: list[list[RequestRecord]], cost: StepCost) -> None:
+    """The least TTFT p99 any prefill order could give (`tail_bound`) with the max TTFT held
+    to 1, 1.25 and 1.5 times the lowest of `runs` (and with no hold), each request's work its
+    prefill alone after the most cached prefix any run found."""
+    from tail_bound import exceptions_of, least_tail  # a sibling module: on the path when run as a script
+
+    cached: dict[str, int] = {}
+    for r in (r for records in runs for r in records):
+        cached[r.tag] = max(cached.get(r.tag, 0), r.cached_tokens)
+    jobs = [(r.arrival, cost.token_s * (r.prompt_tokens - cached[r.tag])
+             + cost.pair_s * (r.prompt_tokens**2 - cached[r.tag] ** 2)) for r in runs[0]]
+    exceptions = exceptions_of(len(jobs))
+    if exceptions > 1:
+        print(f"bound: p99 of {len(jobs)} requests leaves {exceptions} above it; --bound takes one at most")
+        return
+    lowest = min(slowest(rs).ttft for rs in runs)
+    cells = [f"max <= {m:.2f}x ({lowest * m * 1e3:.0f}): p99 >= {least_tail(jobs, lowest * m, exceptions) * 1e3:.0f}"
+             for m in (1.0, 1.25, 1.5)]
+    print(f"bound (one clairvoyant server, prefill work only, no memory limit; ms): {'; '.join(cells)}; "
+          f"no max: p99 >= {least_tail(jobs, float('inf'), exceptions) * 1e3:.0f}")
 
 
 def print_means(rate: float | None, points: list[list[Summary]]) -> None:
@@ -314,8 +341,12 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, help="with --trace: the share of its conversations replayed")
     parser.add_argument("--start-s", type=float, help="with --trace: where the replayed window starts (s)")
     parser.add_argument("--duration-s", type=float, help="with --trace: the replayed window's length (s)")
+    parser.add_argument("--bound", action="store_true", help="with --sim: also the least TTFT p99 any prefill "
+                                                             "order could give (benchmarks/tail_bound.py)")
     parser.add_argument("--json", help="write every summary here")
     args = parser.parse_args()
+    if args.bound and not args.sim:
+        raise SystemExit("--bound takes the simulated cost model: add --sim")
     doc = read_yaml(args.config)
     engines = engines_of(doc, args.variants, args.vary, args.policies, args.set)
     if args.reverse:
@@ -323,7 +354,7 @@ def main() -> None:
     window = {"fraction": args.fraction, "start_s": args.start_s, "duration_s": args.duration_s}
     results = []
     for rate in [float(r) for r in args.rates.split(",")] if args.rates else [None]:
-        points = [run_point(doc, engines, args.sim, args.trace, rate=rate, requests=args.requests, seed=seed,
+        points = [run_point(doc, engines, args.sim, args.trace, args.bound, rate=rate, requests=args.requests, seed=seed,
                             **window)
                   for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])]
         if len(points) > 1:
