@@ -354,8 +354,8 @@ def main() -> None:
     window = {"fraction": args.fraction, "start_s": args.start_s, "duration_s": args.duration_s}
     results = []
     for rate in [float(r) for r in args.rates.split(",")] if args.rates else [None]:
-        points = [run_point(doc, engines, args.sim, args.trace, args.bound, rate=rate, requests=args.requests, seed=seed,
-                            **window)
+        points = [run_point(doc, engines, args.sim, args.trace, args.bound, rate=rate, requests=args.requests,
+                            seed=seed, **window)
                   for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])]
         if len(points) > 1:
             print_means(rate, [[s for s, _ in p] for p in points])
