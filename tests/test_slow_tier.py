@@ -204,3 +204,55 @@ def test_spills_are_dropped_not_queued_when_the_store_is_behind():
     spill.spill_ahead(reads_in_flight=1)
     assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # no write beside a read
     assert (spill.dropped, spill.held_blocks, spill.writes_in_flight) == (3, 8, 0)  # 8: the staging blocks
+
+
+class HungReads(BehindStore):
+    """A store that holds every block and whose reads finish only when `finish()` is called
+    (a disk whose reads hang)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[int] = []
+
+    def contains(self, block_hash: int) -> bool:
+        return True
+
+    def contains_run(self, block_hashes: Sequence[int]) -> int:
+        return len(block_hashes)
+
+    def record(self, block_hashes: Sequence[int], num_hits_above: int) -> None:
+        pass
+
+    def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
+        self.reads.append(ref.block_hash)
+        return -len(self.reads)
+
+    def finish(self) -> None:
+        self._done = [(-i, True) for i in range(1, len(self.reads) + 1)]
+
+
+def test_a_read_that_hangs_is_given_up_and_its_request_computes(monkeypatch):
+    from tieredkv.cache import lower_tier
+
+    clock = [100.0]
+    monkeypatch.setattr(lower_tier.time, "monotonic", lambda: clock[0])
+    store, pool = HungReads(), BlockPool(8)
+    lower = lower_tier.LowerTier(store, pool, torch.zeros((8, *BLOCK_SHAPE)), AdmitAll())
+    free = pool.num_free  # (less the spill's staging blocks)
+    assert lower.plan("r", [ref(1), ref(2), ref(3)], load_from=16) == 3
+    clock[0] += lower_tier.STALLED_READ_S - 0.1
+    lower.retire()
+    assert lower.arriving("r") and lower.stalled_loads == 0
+    clock[0] += 0.2
+    lower.retire()
+    # given up: the request no longer waits (it computes those tokens) and the planner learns how long it waited
+    assert not lower.arriving("r") and lower.stalled_loads == 3
+    assert lower.reads_in_flight == 3  # the store still owns the reads...
+    [landed] = lower.landed_loads()
+    assert landed.num_blocks == 3 and landed.seconds > lower_tier.STALLED_READ_S
+    lower.landed("r")
+    assert pool.num_free == free - 3  # ...so their CPU blocks stay taken until they report
+    store.finish()
+    lower.retire()
+    assert lower.reads_in_flight == 0 and pool.num_free == free
+    assert lower.failed_loads == 0 and lower.loaded_blocks == 3  # late, intact: cached

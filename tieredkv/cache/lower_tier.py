@@ -15,6 +15,9 @@ Operations:
   spills ahead; `close()` first writes the CPU tier's cached blocks down (`persist`).
 
 Reads come first: while any is in flight, spills are dropped, never queued (`Spill.behind`).
+A read not finished `STALLED_READ_S` after it was submitted (a disk that hangs) is given up: its
+request stops waiting for it and computes those tokens; its CPU block stays taken until the
+store reports the read.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from tieredkv.tiers.backend import BlockRef, BlockStore
 # held_run asks the tier about this many blocks first, then twice as many each time
 FIRST_LOOKUP_BLOCKS = 64
 MAX_LOOKUP_BLOCKS = 1024
+# a read in flight this long is given up for its request (its tokens are computed instead)
+STALLED_READ_S = 10.0
 
 
 class LoadWait(Enum):
@@ -70,8 +75,10 @@ class LowerTier:
         self._load_from: dict[str, int | None] = {}
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
         self._reads: dict[int, tuple[str, Block, BlockRef]] = {}  # read job -> what it fills
+        self._submitted: dict[int, float] = {}  # read job -> when, in submission order
         self._reads_left: dict[str, int] = {}  # request -> its reads in flight
         self._orphans: set[int] = set()  # reads whose request let go of them before they finished
+        self._given_up: set[int] = set()  # stalled reads their request no longer waits for
         # requests found with nothing to compute before their loads land: not matched again
         # (O(prompt) each step, which starved the I/O threads of the GIL) until they have
         self._waiting: set[str] = set()
@@ -79,6 +86,7 @@ class LowerTier:
         self._landed: list[LandedLoad] = []
         self.loaded_blocks = 0
         self.failed_loads = 0
+        self.stalled_loads = 0
 
     # ------------------------------------------------------------------ lookups
 
@@ -134,6 +142,7 @@ class LowerTier:
                 break
             held.append(taken[0])
             self._reads[job] = (request_id, taken[0], ref)
+            self._submitted[job] = time.monotonic()
             started += 1
         self._reads_left[request_id] = self._reads_left.get(request_id, 0) + started
         return started
@@ -198,10 +207,11 @@ class LowerTier:
 
     def _finish_read(self, job: int, ok: bool) -> None:
         request_id, block, ref = self._reads.pop(job)
-        self._reads_left[request_id] -= 1
-        if not self._reads_left[request_id]:
-            del self._reads_left[request_id]
-            self._stop_clock(request_id)
+        del self._submitted[job]
+        if job in self._given_up:
+            self._given_up.discard(job)
+        else:
+            self._read_done(request_id)
         if ok:
             self.cpu_pool.cache(block, ref.block_hash, ref.parent_hash, ref.token_ids)
             # read back for one request, it does not displace what admission chose to keep (it
@@ -213,6 +223,31 @@ class LowerTier:
         if job in self._orphans:
             self._orphans.discard(job)
             self.cpu_pool.release([block])
+
+    def _read_done(self, request_id: str) -> None:
+        """One read fewer for the request to wait for; the last one stops its clock."""
+        self._reads_left[request_id] -= 1
+        if not self._reads_left[request_id]:
+            del self._reads_left[request_id]
+            self._stop_clock(request_id)
+
+    def _give_up_stalled(self) -> None:
+        """Stop waiting for the reads submitted `STALLED_READ_S` ago or more: their requests
+        compute those tokens; each block is released when the store reports its read."""
+        too_old = time.monotonic() - STALLED_READ_S
+        for job, submitted in self._submitted.items():
+            if submitted > too_old:
+                break  # in submission order: the rest are younger
+            if job in self._given_up:
+                continue
+            request_id, block, _ = self._reads[job]
+            self._given_up.add(job)
+            self.stalled_loads += 1
+            held = self._loads.get(request_id)
+            if held is not None and block in held:
+                held.remove(block)
+                self._orphans.add(job)
+            self._read_done(request_id)
 
     def _stop_clock(self, request_id: str) -> None:
         clock = self._clocks.pop(request_id, None)
@@ -247,6 +282,8 @@ class LowerTier:
         """Book the finished reads (and writes), then spill ahead if no read is in flight."""
         for job, ok in self.spill.poll():
             self._finish_read(job, ok)
+        if self._submitted:
+            self._give_up_stalled()
         self.spill.spill_ahead(len(self._reads))
 
     def stats(self) -> dict[str, int | str]:
@@ -255,6 +292,7 @@ class LowerTier:
             **self.spill.stats(),
             "nvme_loaded_blocks": self.loaded_blocks,
             "nvme_failed_loads": self.failed_loads,
+            "nvme_stalled_loads": self.stalled_loads,
         }
 
     def close(self) -> None:
