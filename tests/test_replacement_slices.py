@@ -44,3 +44,16 @@ def test_multi_turn_slices_differ_by_arrival_seed_only(bench):
     assert bench.multi_turn_requests(config, 1.0, seed=0)[0] == default  # the config's seed is 0
     other = bench.multi_turn_requests(config, 1.0, seed=1)[0]
     assert other != default and sorted(other) == sorted(default) and gpu_blocks == 2048
+
+
+def test_slice_row_judges_every_policy_beside_lru_and_tinylfu(bench):
+    def judged(arc: int, wtinylfu: int) -> dict[str, ReplayResult]:
+        found = results(lru=50, tinylfu=20, adaptive=50)
+        return found | {"arc": ReplayResult(200, arc, arc), "wtinylfu": ReplayResult(200, wtinylfu, wtinylfu)}
+
+    row = bench.slice_row("multi_turn_8b", 8, [3, 4], [judged(arc=52, wtinylfu=30), judged(arc=40, wtinylfu=50)])
+    # means 25.0 / 10.0 / 25.0 / 23.0 / 20.0 %; then adaptive, arc (worst -5.0 at seed 4, mean
+    # -2.0) and wtinylfu (worst -10.0 at seed 3, mean -5.0), each against LRU's 25%
+    assert row.split()[3:] == ["25.0", "10.0", "25.0", "23.0", "20.0",
+                               "+0.0", "(seed", "3)", "+0.0", "-5.0", "(seed", "4)", "-2.0",
+                               "-10.0", "(seed", "3)", "-5.0"]
