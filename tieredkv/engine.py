@@ -444,7 +444,8 @@ class LLM(LLMEngine):
                 params = [sampling_params]
             wrong = next((p for p in params if p is not None and not isinstance(p, SamplingParams)), None)
             if wrong is not None:
-                raise ValueError(f"sampling_params: expected a SamplingParams or one per prompt, got {type(wrong).__name__}")
+                raise ValueError("sampling_params: expected a SamplingParams or one per prompt, "
+                                 f"got {type(wrong).__name__}")
             if len(params) != len(prompts):
                 raise ValueError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts; give one or one per prompt"
