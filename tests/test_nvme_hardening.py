@@ -29,9 +29,9 @@ from tests.test_nvme_store import (
 )
 from tieredkv import LLM, SamplingParams
 from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.nvme import STORE_FILE_NAME, NVMeStore
 from tieredkv.tiers.nvme.io_backends import IOCompletion, SyncBackend
 from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES
-from tieredkv.tiers.nvme.store import STORE_FILE_NAME, NVMeStore
 
 TINY_BLOCK_BYTES = 2048  # tiny-llama, block size 4, float32
 LOAD_WINS = {"d2h_bytes_per_s": 1e15, "h2d_bytes_per_s": 1e15, "prefill_s_per_token": 1e-3,

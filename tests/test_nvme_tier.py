@@ -12,7 +12,7 @@ import pytest
 
 from tests.reference import make_prompts, settle_writes
 from tieredkv import LLM, SamplingParams
-from tieredkv.tiers.nvme.store import STORE_FILE_NAME
+from tieredkv.tiers.nvme import STORE_FILE_NAME
 
 NEW_TOKENS = 40
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)

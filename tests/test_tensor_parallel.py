@@ -24,7 +24,7 @@ from tieredkv.experiment.harness import run_experiment
 from tieredkv.experiment.restart import _empty_store
 from tieredkv.parallel.ranks import RankFailure
 from tieredkv.parallel.sharded_tiers import rank_fingerprint
-from tieredkv.tiers.nvme.store import STORE_FILE_NAME, NVMeStore
+from tieredkv.tiers.nvme import STORE_FILE_NAME, NVMeStore
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)

@@ -20,7 +20,7 @@ from tests.reference import make_prompts, settle_writes
 from tests.remote_worker import LOAD_WINS, remote_llm
 from tests.test_remote_tier import generate, settled_stats
 from tests.test_tier_hardening import NEW_TOKENS, short_back_offs, tiny_llm, tokens
-from tieredkv.tiers.nvme.store import STORE_FILE_NAME
+from tieredkv.tiers.nvme import STORE_FILE_NAME
 
 FCFS = {"cost_model": LOAD_WINS, "scheduling_policy": "fcfs"}  # loads counted as remote hits (see test_remote_tier)
 

@@ -19,7 +19,7 @@ import pytest
 from tests.reference import make_prompts, settle_writes
 from tests.test_nvme_hardening import file_size_limit
 from tieredkv import LLM, SamplingParams
-from tieredkv.tiers.nvme.store import STORE_FILE_NAME
+from tieredkv.tiers.nvme import STORE_FILE_NAME
 
 BLOCK_BYTES = 2048  # tiny-llama, block size 4, float32
 NEW_TOKENS = 8
@@ -100,9 +100,9 @@ def short_back_offs(monkeypatch) -> None:
     """Failed writes pause spilling, and a store that cannot make its file waits, 0.1, 0.2, then
     0.4 s (not 1 s up to a minute)."""
     from tieredkv.cache import spill
-    from tieredkv.tiers.nvme import store
+    from tieredkv.tiers.nvme import file_keeper
 
-    for module, name in ((spill, "PAUSE"), (store, "REOPEN")):
+    for module, name in ((spill, "PAUSE"), (file_keeper, "REOPEN")):
         monkeypatch.setattr(module, f"{name}_FIRST_S", 0.1, raising=False)
         monkeypatch.setattr(module, f"{name}_MAX_S", 0.4, raising=False)
 

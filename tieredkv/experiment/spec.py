@@ -319,7 +319,7 @@ def _ours(folder: str) -> bool:
 
 def check_store(nvme_path: str) -> None:
     """ValueError if another process holds the store at `nvme_path` (the store locks its file)."""
-    from tieredkv.tiers.nvme.store import STORE_FILE_NAME
+    from tieredkv.tiers.nvme import STORE_FILE_NAME
 
     file = os.path.join(nvme_path, STORE_FILE_NAME) if os.path.isdir(nvme_path) else nvme_path
     if not os.path.isfile(file):

@@ -58,10 +58,12 @@ class StoreInUseError(RuntimeError):
 @dataclass(frozen=True)
 class ScanResult:
     """What a scan of the slot headers found: (sequence, block hash, slot) of each block of
-    this model, oldest write first, and the number of slots whose header is damaged."""
+    this model, oldest write first, and the number of slots whose header is damaged;
+    `reformatted`: there was no scan, a damaged file was formatted anew."""
 
     blocks: list[tuple[int, int, int]]
     damaged: int
+    reformatted: bool = False
 
 
 class SlotFile:

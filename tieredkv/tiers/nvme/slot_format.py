@@ -18,7 +18,8 @@ so a torn write (old header over new payload, half a header, ...) never verifies
 
 Operations: `SlotGeometry.for_block` (layout arithmetic), `pack_header` / `parse_header` /
 `header_matches`, `pack_superblock` / `parse_superblock`, `fingerprint_digest`,
-`aligned_empty` / `AlignedBufferPool` / `byte_view` / `is_aligned` (buffers for O_DIRECT).
+`aligned_empty` / `AlignedBufferPool` / `byte_view` / `is_aligned` (buffers for O_DIRECT),
+`check_block` / `check_ids` (a caller's block and ids, as a store's submits take them).
 """
 
 from __future__ import annotations
@@ -253,6 +254,31 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
             f"need a contiguous CPU tensor, got device={tensor.device} contiguous={tensor.is_contiguous()}"
         )
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def check_block(block: torch.Tensor, name: str, block_bytes: int, block_size: int, num_tokens: int) -> torch.Tensor:
+    """The bytes of `block` (the argument called `name`) as flat uint8, if it is one contiguous
+    CPU block of `block_bytes` for at most `block_size` tokens; else ValueError saying which."""
+    if block.device.type != "cpu" or not block.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous CPU tensor (a view of one CPU block)")
+    flat = block.reshape(-1).view(torch.uint8)
+    if flat.numel() != block_bytes:
+        raise ValueError(f"{name} holds {flat.numel()} bytes; blocks are {block_bytes}")
+    if num_tokens > block_size:
+        raise ValueError(f"{num_tokens} token ids, more than block_size={block_size}")
+    return flat
+
+
+def check_ids(block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> tuple[int, ...]:
+    """The token ids as a slot header holds them, if both hashes are unsigned 64-bit and every
+    id unsigned 32-bit; else ValueError."""
+    for name, value in (("block_hash", block_hash), ("parent_hash", parent_hash)):
+        if not 0 <= value <= MAX_U64:
+            raise ValueError(f"{name}={value} is not an unsigned 64-bit hash")
+    tokens = tuple(int(t) for t in token_ids)
+    if any(not 0 <= t < 1 << 32 for t in tokens):
+        raise ValueError("token ids must lie in [0, 2**32)")
+    return tokens
 
 
 def is_aligned(tensor: torch.Tensor, alignment: int = ALIGN) -> bool:

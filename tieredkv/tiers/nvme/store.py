@@ -44,14 +44,12 @@ return None), `files_lost` is counted, the lost file is closed once no job uses 
 returns), and the next job's thread makes a new file (and directory); if that fails (a full
 disk), submits start nothing until a retry, after 1 s, then twice as long each time up to a
 minute (logged once).
-Layout: slot_format.py; I/O: slot_io.py.
+Layout: slot_format.py; I/O: slot_io.py; the file, its loss and remaking: file_keeper.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import itertools
 import logging
 import os
@@ -64,21 +62,15 @@ import torch
 
 from tieredkv.replacement import ReplacementPolicy
 from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.nvme.file_keeper import FileKeeper
 from tieredkv.tiers.nvme.io_backends import BlockIO, IOBackend, IOOp, make_backend
-from tieredkv.tiers.nvme.slot_file import STORE_FILE_NAME, SlotFile, remove_empty_dirs, store_file
-from tieredkv.tiers.nvme.slot_format import (
-    MAX_U64,
-    SlotGeometry,
-    SlotHeader,
-    fingerprint_digest,
-)
+from tieredkv.tiers.nvme.slot_format import SlotGeometry, SlotHeader, check_block, check_ids, fingerprint_digest
 from tieredkv.tiers.nvme.slot_index import Declined, SlotIndex
 from tieredkv.tiers.nvme.slot_io import SlotIO, SlotJob
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_DEPTH = 32  # I/Os in flight
-REOPEN_FIRST_S, REOPEN_MAX_S = 1.0, 60.0  # waits before remaking a lost file after a failure
 
 _COUNTERS = (
     "hits misses writes bytes_read bytes_written evictions write_rejected write_declined restored "
@@ -107,7 +99,6 @@ class NVMeStore:
         `policy`: which block a full store gives up (module docstring)."""
         self.policy = policy
         self.geometry = SlotGeometry.for_block(capacity_bytes, block_bytes, block_size)
-        self.path, made_dir = store_file(path)
         self._fingerprint = fingerprint_digest(fingerprint)
         self._cond = threading.Condition()
         self._jobs: dict[int, SlotJob] = {}  # in flight
@@ -116,41 +107,24 @@ class NVMeStore:
         self._ids = itertools.count(1)
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._said: set[str] = set()  # the kinds of fault logged as a warning already
-        self._generation, self._sequence, self._closed = 0, 0, False
-        self._retired: dict[int, SlotFile] = {}  # generation -> a file lost under us, open while its jobs run
-        self._reopen_at, self._reopen_wait = 0.0, REOPEN_FIRST_S  # no file: when to try making one
-        self._reopen_fault = "io_errors"  # what jobs fail with while no file can be made
+        self._sequence, self._closed = 0, False
         # time with reads in flight: bytes read over it is the read bandwidth the engine gets
         self._reads_in_flight, self._read_busy_since, self._read_busy_s = 0, 0.0, 0.0
-        self._file: SlotFile | None = None
+        files = None
         try:
-            self._file = SlotFile(self.path, self.geometry, self._owns_file)
+            self._files = files = FileKeeper(path, self.geometry)
+            self.path = files.path
             self.index = SlotIndex(self.geometry.num_slots, policy)
             if isinstance(backend, str):
                 backend = make_backend(backend, queue_depth, os.path.dirname(self.path))
             self._load_index(backend)
         except BaseException:
-            self._undo_open(backend, made_dir)
+            if not isinstance(backend, str):
+                backend.close()
+            if files is not None:
+                files.discard()
             raise
-        self._io = SlotIO(backend, self.geometry, self._fingerprint, queue_depth, self._finish, self._open_lost)
-
-    def _undo_open(self, backend: IOBackend | BlockIO, made_dir: str | None) -> None:
-        """Opening failed: close what was opened, remove the file and folders it created."""
-        if not isinstance(backend, str):
-            backend.close()
-        if self._file is not None:
-            self._file.close()
-            if self._file.created:
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path)
-        if made_dir is not None:
-            remove_empty_dirs(os.path.dirname(self.path), made_dir)
-
-    @property
-    def _owns_file(self) -> bool:
-        """The file is the store's own (named by the store in a directory), so a damaged one
-        may be formatted; a file the caller named must show the store's magic."""
-        return os.path.basename(self.path) == STORE_FILE_NAME
+        self._io = SlotIO(backend, self.geometry, self._fingerprint, queue_depth, self._finish, self._files.open_for)
 
     @property
     def num_slots(self) -> int:
@@ -184,15 +158,14 @@ class NVMeStore:
         Either way `src` is free at once.
         """
         block_hash, parent_hash = ref.block_hash, ref.parent_hash
-        payload = self._check_block(src, "src", ref.token_ids)
-        tokens = self._check_ids(block_hash, parent_hash, ref.token_ids)
+        payload, tokens = self._check_args(ref, src, "src")
         self._check_file()
         with self._cond:
             self.index.offered(block_hash)
             if self._closed or self.index.known(block_hash):
                 self.index.touch(block_hash)
                 return None
-            if self._file is None and time.monotonic() < self._reopen_at:
+            if self._files.waiting():
                 return None
             reservation = self.index.reserve(block_hash, parent_hash)
             if reservation is None or isinstance(reservation, Declined):
@@ -210,8 +183,7 @@ class NVMeStore:
     def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
         """Start loading the block into `dst`; a job id, or None if it is not stored (a miss)."""
         block_hash, parent_hash = ref.block_hash, ref.parent_hash
-        payload = self._check_block(dst, "dst", ref.token_ids)
-        tokens = self._check_ids(block_hash, parent_hash, ref.token_ids)
+        payload, tokens = self._check_args(ref, dst, "dst")
         self._check_file()
         with self._cond:
             slot = None if self._closed else self.index.pin(block_hash, parent_hash)
@@ -283,6 +255,7 @@ class NVMeStore:
         bandwidth the caller got, the disk shared as it was)."""
         with self._cond:
             out: dict[str, int | str | bool] = dict(self._counts)
+            file = self._files.current
             busy = self._read_busy_s + (time.monotonic() - self._read_busy_since if self._reads_in_flight else 0.0)
             out.update(
                 read_busy_s=busy,
@@ -292,7 +265,7 @@ class NVMeStore:
                 in_flight=len(self._jobs),
                 backend=self.backend.name,
                 policy=self.policy,
-                o_direct=self._file is not None and self._file.o_direct,
+                o_direct=file is not None and file.o_direct,
             )
         return out
 
@@ -301,7 +274,7 @@ class NVMeStore:
         lost), or (counted) if that failed."""
         with self._cond:
             self._cond.wait_for(lambda: not self._jobs)
-            file = self._file
+            file = self._files.current
         if file is None:
             return False
         try:
@@ -321,10 +294,7 @@ class NVMeStore:
             self._closed = True
             self._cond.wait_for(lambda: not self._jobs)
         self._io.close()
-        if self._file is not None:
-            self._file.close()
-        for file in self._retired.values():
-            file.close(sync=False)
+        self._files.close()
 
     def __enter__(self) -> NVMeStore:
         return self
@@ -334,31 +304,11 @@ class NVMeStore:
 
     # ---------------------------------------------------------------- jobs
 
-    def _check_block(
-        self, block: torch.Tensor, name: str, token_ids: Sequence[int]
-    ) -> torch.Tensor:
-        if block.device.type != "cpu" or not block.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous CPU tensor (a view of one CPU block)")
-        flat = block.reshape(-1).view(torch.uint8)
-        if flat.numel() != self.geometry.block_bytes:
-            raise ValueError(
-                f"{name} holds {flat.numel()} bytes; blocks are {self.geometry.block_bytes}"
-            )
-        if len(token_ids) > self.geometry.block_size:
-            raise ValueError(
-                f"{len(token_ids)} token ids, more than block_size={self.geometry.block_size}"
-            )
-        return flat
-
-    @staticmethod
-    def _check_ids(block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> tuple[int, ...]:
-        for name, value in (("block_hash", block_hash), ("parent_hash", parent_hash)):
-            if not 0 <= value <= MAX_U64:
-                raise ValueError(f"{name}={value} is not an unsigned 64-bit hash")
-        tokens = tuple(int(t) for t in token_ids)
-        if any(not 0 <= t < 1 << 32 for t in tokens):
-            raise ValueError("token ids must lie in [0, 2**32)")
-        return tokens
+    def _check_args(self, ref: BlockRef, block: torch.Tensor, name: str) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """The block's bytes and token ids, checked (ValueError naming the bad argument)."""
+        g = self.geometry
+        payload = check_block(block, name, g.block_bytes, g.block_size, len(ref.token_ids))
+        return payload, check_ids(ref.block_hash, ref.parent_hash, ref.token_ids)
 
     def _new_job(
         self,
@@ -370,16 +320,15 @@ class NVMeStore:
         payload: torch.Tensor,
     ) -> SlotJob:
         """Register a job (lock held), on the current file (none yet: made when it is issued)."""
-        job = SlotJob(next(self._ids), op, block_hash, parent, tokens, slot, self._generation, payload)
-        if self._file is not None:
-            job.fd, job.o_direct = self._file.fd, self._file.o_direct
+        job = SlotJob(next(self._ids), op, block_hash, parent, tokens, slot, self._files.generation, payload)
+        self._files.attach(job)
         self._jobs[job.id] = job
         return job
 
     def _finish(self, job: SlotJob, fault: str | None) -> None:
         """Called by SlotIO when a job is done: update the index, the counters, the waiters."""
         with self._cond:
-            current = job.generation == self._generation
+            current = job.generation == self._files.generation
             ok = fault is None and (current or job.op == "read")  # a write to a lost file is lost
             if current and job.op == "write":
                 (self.index.commit if ok else self.index.abort)(job.block_hash)
@@ -402,11 +351,15 @@ class NVMeStore:
             self._close_retired()
             self._cond.notify_all()
 
+    def _close_retired(self) -> None:
+        """Close the lost files no job uses any more, so that their space returns (lock held)."""
+        self._files.close_unused({job.generation for job in self._jobs.values()})
+
     def _say_fault(self, job: SlotJob, fault: str, current: bool) -> None:
         """Log the first fault of each kind as a warning, the rest at debug level (lock held): the
         stats count them all. Jobs on a lost file (said when it was lost) and internal errors
         (logged where they happen) are not said again."""
-        if fault in self._said or not current or self._file is None or fault == "internal_errors":
+        if fault in self._said or not current or self._files.current is None or fault == "internal_errors":
             logger.debug("NVMe %s of block %#x failed: %s", job.op, job.block_hash, fault)
             return
         self._said.add(fault)
@@ -417,83 +370,24 @@ class NVMeStore:
 
     def _check_file(self) -> None:
         """If the store file was deleted or replaced, forget its blocks; the next job makes a
-        new file (`_open_lost`, on the I/O side)."""
-        if self._file is None or not self._file.vanished():
+        new file (FileKeeper.open_for, on the I/O side)."""
+        if not self._files.vanished():
             return
         with self._cond:
-            if self._file is None or not self._file.vanished():
+            if not self._files.retire_vanished():
                 return  # another thread noticed meanwhile
-            logger.warning("NVMe store file %s vanished; its blocks are lost, starting anew", self.path)
             self._counts["files_lost"] += 1
-            self._retired[self._generation] = self._file  # in-flight jobs may still use it
-            self._generation += 1
             self.index = SlotIndex(self.num_slots, self.policy)
-            self._file, self._reopen_at, self._reopen_wait = None, 0.0, REOPEN_FIRST_S
             self._close_retired()
-
-    def _close_retired(self) -> None:
-        """Close the lost files no job uses any more, so that their space returns (lock held)."""
-        busy = {job.generation for job in self._jobs.values()}
-        for generation in [g for g in self._retired if g not in busy]:
-            self._retired.pop(generation).close(sync=False)
-
-    def _open_lost(self, job: SlotJob) -> str | None:
-        """On the issuing thread, for a job submitted while the file was lost: give it the file,
-        making a new one unless a failure was too recent; else the fault the job fails with."""
-        with self._cond:
-            if self._file is None and time.monotonic() >= self._reopen_at:
-                self._reopen_at = float("inf")  # this thread tries; jobs meanwhile fail
-            elif self._file is None:
-                return self._reopen_fault
-            else:
-                job.fd, job.o_direct = self._file.fd, self._file.o_direct
-                return None
-        try:
-            if self._owns_file:  # its directory may be gone with it
-                os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            file = SlotFile(self.path, self.geometry, self._owns_file)
-            file.format()
-        except (OSError, RuntimeError, ValueError) as exc:
-            self._reopen_failed(exc)
-            return self._reopen_fault
-        with self._cond:  # nobody replaces a missing file but this thread
-            if self._reopen_wait > REOPEN_FIRST_S:
-                logger.warning("NVMe store: made a new file %s; storing blocks again", self.path)
-            self._file, self._reopen_wait = file, REOPEN_FIRST_S
-            job.fd, job.o_direct = file.fd, file.o_direct
-        return None
-
-    def _reopen_failed(self, exc: Exception) -> None:
-        """Making a new file failed: wait before the next try, twice as long each time."""
-        with self._cond:
-            if self._reopen_wait == REOPEN_FIRST_S:
-                logger.error("NVMe store cannot make a new file %s: %s; blocks are not stored until it can "
-                             "(retrying after %.0f s, then up to every %.0f s)", self.path, exc, REOPEN_FIRST_S,
-                             REOPEN_MAX_S)
-            full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-            self._reopen_fault = "enospc" if full else "io_errors"
-            self._reopen_at = time.monotonic() + self._reopen_wait
-            self._reopen_wait = min(2 * self._reopen_wait, REOPEN_MAX_S)
 
     def _load_index(self, backend: BlockIO) -> None:
         """Find the blocks an earlier store left in the file, or format it. Damage found here
         is logged once and counted (`reformatted`, `scan_discarded`)."""
-        if not self._file.holds_slots():
-            if not self._file.was_empty:
-                why = "is damaged" if self._file.read_superblock() is None else "describes other slots"
-                logger.warning(
-                    "NVMe store %s: its superblock %s; formatting the file anew, its blocks are lost",
-                    self.path, why,
-                )
-                self._counts["reformatted"] += 1
-                self._file.wipe()  # no stale or damaged slot header survives the format
-            self._file.format()
-            return
-        scan = self._file.scan(backend, self._fingerprint)
+        scan = self._files.load(backend, self._fingerprint)
         self.index.restore([(block_hash, slot) for _, block_hash, slot in scan.blocks])
         self._sequence = scan.blocks[-1][0] if scan.blocks else 0
-        self._counts["restored"] = len(scan.blocks)
-        self._counts["scan_discarded"] = scan.damaged
+        self._counts["restored"], self._counts["scan_discarded"] = len(scan.blocks), scan.damaged
+        self._counts["reformatted"] = int(scan.reformatted)
         if scan.damaged:
             logger.warning(
                 "NVMe store %s: %d slot headers are damaged and were discarded at start-up "
