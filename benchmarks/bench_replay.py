@@ -1,9 +1,8 @@
 """The CPU tier's and the NVMe store's replacement policies replayed offline (CPU, no model,
 ~30 s each): for each trace and tier size, the tier's hit rate (leading hit blocks of each
-request over the blocks asked of the tier) under lru, tinylfu, adaptive (the default), arc, farc
-(ARC with a frequency-guarded T2) and wtinylfu (policies that choose their own victims, not in the
-engine) and Belady's MIN with bypass. "vs best": each of adaptive, arc, farc and wtinylfu minus
-max(lru, tinylfu), points.
+request over the blocks asked of the tier) under lru, tinylfu, adaptive (the default), arc and
+wtinylfu (policies that choose their own victims, not in the engine) and Belady's MIN with bypass.
+"vs best": each of adaptive, arc and wtinylfu minus max(lru, tinylfu), points.
 
 Traces, each derived with no model by `cache/trace.py`'s `simulate` (a GPU tier of cached
 blocks in LRU order, offering what it evicts, asking the CPU tier for the blocks past its hits):
@@ -19,15 +18,15 @@ blocks in LRU order, offering what it evicts, asking the CPU tier for the blocks
 `--tier store`: the NVMe store below a CPU tier under its default policy (adaptive). The store
 is offered each block the CPU tier lets go (evicted, or turned down by its admission) and asked
 for each request's blocks past the CPU tier's leading hits; it is replayed through the store's
-own index (`tiers/nvme/slot_index.py`, chain parents from the requests); arc, farc and wtinylfu,
-which the index cannot express, through the offline tier of `cache/trace.py` `replay`. multi_turn_8b: a 4 GiB
+own index (`tiers/nvme/slot_index.py`, chain parents from the requests); arc and wtinylfu, which
+the index cannot express, through the offline tier of `cache/trace.py` `replay`. multi_turn_8b: a 4 GiB
 CPU tier, stores of 4, 8 and 16 GiB; Mooncake: a 16 GiB CPU tier, stores of 16, 40 and 128 GiB.
 
 `--slices N` (with full traces): held-out slices instead of one matrix. Each Mooncake trace is
 sampled N times (`experiment/traces.py` `select`: a `--fraction` of its conversations, seeds
 `--seed` .. `--seed` + N - 1) and multi_turn_8b is drawn with N arrival seeds; for each tier size
-it prints the worst and the mean over slices of adaptive - max(lru, tinylfu), and the same for arc,
-farc and wtinylfu (Belady is skipped).
+it prints the worst and the mean over slices of adaptive - max(lru, tinylfu), and the same for arc
+and wtinylfu (Belady is skipped).
 
     python benchmarks/bench_replay.py
     python benchmarks/bench_replay.py --tier store
@@ -56,7 +55,7 @@ ENGINE_BLOCK_BYTES = 2 << 20  # one 16-token block of llama-3-8b KV (bfloat16)
 TRACE_BLOCK_TOKENS = 512  # Mooncake's hash ids
 TRACE_BLOCK_BYTES = ENGINE_BLOCK_BYTES * TRACE_BLOCK_TOKENS // 16
 MOONCAKE_GPU_BYTES = 16 * GiB
-ONLINE: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "adaptive", "arc", "farc", "wtinylfu")
+ONLINE: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "adaptive", "arc", "wtinylfu")
 BASELINES = ("lru", "tinylfu", "belady")  # the rest are judged against max(lru, tinylfu)
 
 Requests = list[tuple[tuple[int, ...], tuple[int, ...]]]

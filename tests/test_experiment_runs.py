@@ -145,7 +145,7 @@ def test_result_json_describes_what_produced_it(tmp_path):
     assert result["metrics"]["completed"] == 4 and result["metrics"]["p90_ttft_ms"] > 0
     replayed = result["cpu_tier_replay"]  # its CPU tier's block trace, replayed under each policy
     assert replayed["capacity_blocks"] == engine["tiers"]["cpu"]["blocks"] and replayed["requested_blocks"] > 0
-    assert set(replayed["hit_rate"]) == {"lru", "tinylfu", "adaptive", "arc", "farc", "wtinylfu", "belady"}
+    assert set(replayed["hit_rate"]) == {"lru", "tinylfu", "adaptive", "arc", "wtinylfu", "belady"}
     assert all(0 <= rate <= 1 for rate in replayed["hit_rate"].values())
     assert not (folder / "nvme").exists()  # a store in the results folder is scratch
     del result["engine"]

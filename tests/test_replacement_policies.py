@@ -1,9 +1,7 @@
-"""The replacement policies that choose their victims (ARC, ARC with a frequency-guarded T2,
-adaptive W-TinyLFU): exact eviction orders on small hand-built sequences, ARC's target moving
-toward the ghost list that was asked for, the guard keeping part of a loop resident where ARC keeps
-none (and its cost on a stream of blocks reused once), W-TinyLFU's window admitting what its
-filter turns away from main and its window share hill-climbed on the hit rate; and their
-offline replay."""
+"""The replacement policies that choose their victims (ARC, adaptive W-TinyLFU): exact eviction
+orders on small hand-built sequences, ARC's target moving toward the ghost list that was asked
+for, W-TinyLFU's window admitting what its filter turns away from main and its window share
+hill-climbed on the hit rate; and their offline replay."""
 
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ from tieredkv.replacement_policies import (
     SAMPLE_PER_BLOCK,
     STEP_DECAY,
     WINDOW_STEP,
-    FilteredARC,
     WTinyLFU,
     make_replacement,
     request,
@@ -63,68 +60,6 @@ def test_arc_keeps_its_ghost_lists_within_twice_the_capacity():
 def test_arc_with_no_capacity_turns_every_block_away():
     arc = ARC(0)
     assert arc.offer(7) == 7 and 7 not in arc
-
-
-def test_filtered_arc_evicts_t1_when_the_offered_block_was_asked_for_no_more_than_t2s_victim():
-    arcs = ARC(3), FilteredARC(3)
-    for arc in arcs:  # as in the first ARC test: 1 hit (T2), 4 evicts 2, 2 asked for as a B1 ghost
-        for h in (1, 2, 3):
-            arc.offer(h)
-        request(arc, (1,))
-        assert arc.offer(4) == 2
-        request(arc, (2,))
-        assert arc.offer(2) == 3
-        assert (list(arc.recent), list(arc.frequent), arc.recent_target) == ([4], [1, 2], 1.0)
-    arc, guarded = arcs
-    # T1 (1 block) is not above p = 1: ARC evicts T2's LRU block 1; 5 was never asked for and 1
-    # once, so the guarded ARC evicts T1's LRU block 4 instead
-    assert arc.offer(5) == 1 and guarded.offer(5) == 4
-    assert list(guarded.frequent) == [1, 2] and list(guarded.recent_ghosts) == [3, 4]
-    guarded.record((6, 6))
-    assert guarded.offer(6) == 1  # asked for twice, more than 1: T2's LRU block goes, to B2
-    assert list(guarded.recent) == [5, 6] and list(guarded.frequent_ghosts) == [1]
-
-
-def test_filtered_arc_turns_the_block_away_when_t1_is_empty():
-    guarded = FilteredARC(2)
-    guarded.offer(1)
-    guarded.offer(2)
-    assert request(guarded, (1, 2)) == 2 and not guarded.recent
-    assert guarded.offer(3) == 3 and 3 not in guarded and list(guarded.frequent) == [2, 1]
-
-
-def test_a_loop_grown_past_the_tier_keeps_a_resident_part_under_the_guard_and_none_under_arc():
-    def hits_per_round(arc: ARC) -> list[int]:
-        found = []
-        for users, rounds in ((4, 2), (6, 5)):  # 4 users in turn (they fit), then 6 (they do not)
-            for _ in range(rounds):
-                hits = 0
-                for h in range(users):  # a user asks for its block, then the GPU lets it go
-                    hits += request(arc, (h,))
-                    arc.offer(h)
-                found.append(hits)
-        return found
-
-    arc, guarded = ARC(4), FilteredARC(4)
-    # ARC: the newcomers 4 and 5 enter T1, which is empty and under p = 0, so T2's LRU block goes
-    # each time, and T2 turns into an LRU over a loop of 6: from the third round on nothing is hit
-    assert hits_per_round(arc) == [0, 4, 4, 3, 0, 0, 0]
-    # guarded: 4 and 5 are asked for no more often than T2's blocks 0-3, and T1 is empty, so they
-    # are turned away; 0-3 stay, and are hit every round
-    assert hits_per_round(guarded) == [0, 4, 4, 4, 4, 4, 4]
-    assert list(guarded.frequent) == [0, 1, 2, 3]
-
-
-def test_the_guards_cost_blocks_reused_once_fill_t2_and_new_ones_are_turned_away():
-    trace = BlockTrace()
-    for h in range(20):  # each block offered, then asked for once, two offers later
-        trace.offer(h)
-        if h >= 2:
-            trace.request((h - 2,))
-    hits = {policy: replay(trace, 4, policy).hit_blocks for policy in ("lru", "arc", "farc")}
-    # the guard keeps T2's blocks, each hit once and never asked for again, against new blocks
-    # asked for no more often (not yet, or once, then the counts halve): 2 of 18 hits
-    assert hits == {"lru": 12, "arc": 16, "farc": 2}
 
 
 def test_wtinylfu_window_admits_what_the_filter_then_keeps_out_of_main():
@@ -183,8 +118,7 @@ def test_wtinylfu_a_shrinking_window_hands_its_lru_blocks_to_probation():
 
 def test_make_replacement_names_the_choices():
     assert isinstance(make_replacement("arc", 4), ARC) and isinstance(make_replacement("wtinylfu", 4), WTinyLFU)
-    assert isinstance(make_replacement("farc", 4), FilteredARC)
-    with pytest.raises(ValueError, match="expected one of arc, farc, wtinylfu"):
+    with pytest.raises(ValueError, match="expected one of arc, wtinylfu"):
         make_replacement("lfu", 4)  # type: ignore[arg-type]
 
 
@@ -193,6 +127,6 @@ def test_replay_of_the_new_policies_counts_leading_hits():
     for h in (1, 2, 3, 4):
         trace.offer(h)
     trace.request((1, 2, 9, 3))  # 1, 2 lead; 3 is resident past a miss
-    for policy in ("arc", "farc", "wtinylfu"):
+    for policy in ("arc", "wtinylfu"):
         result = replay(trace, 8, policy)
         assert (result.requested_blocks, result.hit_blocks, result.resident_blocks) == (4, 2, 3)

@@ -1,4 +1,4 @@
-"""Replacement policies that choose their victims: ARC, ARC with a guarded T2, adaptive W-TinyLFU.
+"""Replacement policies that choose their victims: ARC and adaptive W-TinyLFU, over block hashes.
 
 The rules of `replacement.py` keep the tier's LRU order and only answer whether an offered block
 takes the LRU victim's place. The policies here own the eviction order: each holds the tier's
@@ -12,13 +12,6 @@ and those hit since (`T2`), each in LRU order, and the hashes lately evicted fro
 ghost lowers it; a full tier evicts `T1`'s LRU block while `T1` is above `p`, else `T2`'s. A
 block asked for as a ghost enters `T2` when it is offered again.
 
-`FilteredARC` (`farc`): ARC whose frequent list is guarded by TinyLFU's counts
-(`FrequencyAdmission`, halved every `GUARD_PERIOD_PER_BLOCK` x capacity requested blocks). Where
-ARC would evict T2's LRU block for an offered block asked for no more often lately, T1's LRU block
-goes instead, and the offered block is turned away if T1 is empty. Under a loop over more history
-than the tier holds, T2 then keeps a resident part (ARC's T2 is LRU over the loop and keeps
-none); the cost: blocks hit once and never again hold T2 against new ones just as well.
-
 `WTinyLFU` (Caffeine; Einziger et al., "Adaptive Software Cache Management", Middleware 2018):
 an offered block enters a small LRU window; the window's LRU block then competes for the main
 region (segmented LRU: probation, and protected, `PROTECTED_SHARE` of it, for blocks hit in
@@ -29,7 +22,7 @@ capacity requested blocks it moves one step the way that last helped (the other 
 hit rate fell), and the step decays. A window of the whole tier is LRU; an empty one, TinyLFU
 admission in front of a segmented LRU.
 
-All count hits as `GhostTier` does: a request's leading resident blocks, touched tail first so
+Both count hits as `GhostTier` does: a request's leading resident blocks, touched tail first so
 that the head of a chain is the last of them to be evicted; an offered block already resident is
 touched (not a hit).
 
@@ -48,14 +41,13 @@ from typing import Literal, Protocol, get_args
 
 from tieredkv.replacement import FrequencyAdmission, leading_run
 
-EvictingPolicy = Literal["arc", "farc", "wtinylfu"]
+EvictingPolicy = Literal["arc", "wtinylfu"]
 
 PROTECTED_SHARE = 0.8  # of W-TinyLFU's main region: Caffeine's
 INITIAL_WINDOW_SHARE = 0.01  # Caffeine's
 WINDOW_STEP = 0.0625  # the first hill-climbing step, a share of the tier: Caffeine's
 STEP_DECAY = 0.98  # each step is this much of the one before: Caffeine's
 SAMPLE_PER_BLOCK = 10  # requested blocks per tier block in a hill-climbing sample: Caffeine's
-GUARD_PERIOD_PER_BLOCK = 4  # FilteredARC's counts halve after 4 requested blocks per tier block
 
 
 class Replacement(Protocol):
@@ -128,12 +120,8 @@ class ARC:
         from_frequent = self._returning.pop(block_hash, None)
         self.recent_ghosts.pop(block_hash, None)  # a ghost offered again before it was asked for
         self.frequent_ghosts.pop(block_hash, None)
-        left = None
-        if len(self.recent) + len(self.frequent) >= self.capacity:
-            victims = self._victims(block_hash, from_frequent is True)
-            if victims is None:
-                return block_hash
-            left = self._evict(victims)
+        full = len(self.recent) + len(self.frequent) >= self.capacity
+        left = self._replace(from_frequent is True) if full else None
         (self.recent if from_frequent is None else self.frequent)[block_hash] = None
         self._trim_ghosts()
         return left
@@ -142,17 +130,16 @@ class ARC:
         self.recent.pop(block_hash, None)
         self.frequent.pop(block_hash, None)
 
-    def _victims(self, candidate: int, asked_as_frequent_ghost: bool) -> OrderedDict[int, None] | None:
-        """The list whose LRU block makes room for `candidate`: T1 while it is above its target,
-        else T2 (None: turn `candidate` away)."""
+    def _replace(self, asked_as_frequent_ghost: bool) -> int:
+        """Evict T1's LRU block into B1 while T1 is above its target, else T2's into B2."""
         t1 = len(self.recent)
         over = t1 > self.recent_target or (asked_as_frequent_ghost and t1 >= self.recent_target)
-        return self.recent if self.recent and (over or not self.frequent) else self.frequent
-
-    def _evict(self, victims: OrderedDict[int, None]) -> int:
-        """Evict the LRU block of `victims` (T1 or T2) into its ghost list (B1 or B2)."""
-        victim = victims.popitem(last=False)[0]
-        (self.recent_ghosts if victims is self.recent else self.frequent_ghosts)[victim] = None
+        if self.recent and (over or not self.frequent):
+            victim = self.recent.popitem(last=False)[0]
+            self.recent_ghosts[victim] = None
+        else:
+            victim = self.frequent.popitem(last=False)[0]
+            self.frequent_ghosts[victim] = None
         return victim
 
     def _trim_ghosts(self) -> None:
@@ -262,33 +249,10 @@ class WTinyLFU:
             self.probation[self.protected.popitem(last=False)[0]] = None
 
 
-class FilteredARC(ARC):
-    """ARC whose T2 is guarded by TinyLFU's counts (module docstring)."""
-
-    def __init__(self, capacity_blocks: int) -> None:
-        super().__init__(capacity_blocks)
-        self.frequency = FrequencyAdmission(capacity_blocks)
-        self.frequency.period = max(1, GUARD_PERIOD_PER_BLOCK * capacity_blocks)
-
-    def record(self, block_hashes: Sequence[int]) -> None:
-        self.frequency.record(block_hashes)
-        super().record(block_hashes)
-
-    def _victims(self, candidate: int, asked_as_frequent_ghost: bool) -> OrderedDict[int, None] | None:
-        """ARC's choice, unless it is T2 and `candidate` was asked for no more often lately than
-        T2's LRU block: then T1 (None, turned away, if T1 is empty)."""
-        victims = super()._victims(candidate, asked_as_frequent_ghost)
-        if victims is self.recent or self.frequency.admits(candidate, next(iter(self.frequent))):
-            return victims
-        return self.recent or None
-
-
 def make_replacement(policy: EvictingPolicy, capacity_blocks: int) -> ARC | WTinyLFU:
     """The policy named `policy` for a tier of `capacity_blocks` blocks."""
     if policy == "arc":
         return ARC(capacity_blocks)
-    if policy == "farc":
-        return FilteredARC(capacity_blocks)
     if policy == "wtinylfu":
         return WTinyLFU(capacity_blocks)
     raise ValueError(f"replacement policy {policy!r}: expected one of {', '.join(get_args(EvictingPolicy))}")

@@ -6,9 +6,8 @@ A trace records what was asked of the CPU tier while the engine ran:
   were looked for in the CPU tier.
 
 `replay(trace, capacity, policy)` runs the same trace through a CPU tier of `capacity` blocks
-under `lru`, `tinylfu`, `adaptive` (the engine's rules, `replacement.py`), `arc`, `farc`,
-`wtinylfu` (policies that choose their own victims, `replacement_policies.py`; not in the engine)
-or `belady`
+under `lru`, `tinylfu`, `adaptive` (the engine's rules, `replacement.py`), `arc`, `wtinylfu`
+(policies that choose their own victims, `replacement_policies.py`; not in the engine) or `belady`
 (on each offer to a full tier, drop whichever of the resident blocks and the offered one is
 requested again furthest in the future: Belady's MIN with bypass, the best any policy can do
 for blocks taken one by one). A request's hits are counted as in the engine, its leading
@@ -33,9 +32,9 @@ from typing import Literal, NamedTuple
 from tieredkv.replacement import GhostTier, leading_run, make_admission
 from tieredkv.replacement_policies import EvictingPolicy, Replacement, make_replacement, request
 
-ReplayPolicy = Literal["lru", "tinylfu", "adaptive", "arc", "farc", "wtinylfu", "belady"]
-REPLAY_POLICIES: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "adaptive", "arc", "farc", "wtinylfu", "belady")
-EVICTING: tuple[EvictingPolicy, ...] = ("arc", "farc", "wtinylfu")
+ReplayPolicy = Literal["lru", "tinylfu", "adaptive", "arc", "wtinylfu", "belady"]
+REPLAY_POLICIES: tuple[ReplayPolicy, ...] = ("lru", "tinylfu", "adaptive", "arc", "wtinylfu", "belady")
+EVICTING: tuple[EvictingPolicy, ...] = ("arc", "wtinylfu")
 
 
 class BlockTrace:
@@ -70,7 +69,7 @@ def replay(trace: BlockTrace, capacity: int, policy: ReplayPolicy) -> ReplayResu
     """The trace through a tier of `capacity` blocks under `policy` (module docstring)."""
     if policy == "belady":
         return _replay_belady(trace.events, capacity)
-    if policy == "arc" or policy == "farc" or policy == "wtinylfu":
+    if policy == "arc" or policy == "wtinylfu":
         return _replay_evicting(trace.events, make_replacement(policy, capacity))
     admission = make_admission(policy, capacity)
     tier = GhostTier(capacity)
