@@ -1,7 +1,8 @@
 """The remote tier: KV blocks on a Redis server shared by engines, through redis-py's asyncio
 client. `store.py` is the `BlockStore`, `connection.py` the client, its thread and the server's
 health, `value_format.py` the keys and the verified values (NVMe slot headers), `index.py` what
-the engine knows is stored (and its budget), `jobs.py` the two-phase job bookkeeping, `chain.py`
+the engine knows is stored (and its budget), `ledger.py` that index with the counters, kept for
+the store's threads, `jobs.py` the two-phase job bookkeeping, `chain.py`
 a local store and the remote one as one store, `shards.py` several servers as one store,
 `reader.py` the reads straight into blocks.
 `open_remote(...)` is the engine's door: errors name the config keys."""

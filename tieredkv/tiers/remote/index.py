@@ -1,5 +1,5 @@
-"""What one engine knows about the blocks on the remote server (not thread-safe: the store
-holds its lock around every call).
+"""What one engine knows about the blocks on the remote server (not thread-safe: the store's
+ledger holds its lock around every call).
 
     index.stored(h)          # known stored: by this engine (owned) or seen stored by others
     index.absent(h)          # found absent lately: not asked again for MISS_MEMORY_S

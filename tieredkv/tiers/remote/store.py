@@ -22,7 +22,8 @@ The first bad value, and the first write the server refuses (out of memory), are
 Faults never raise: while the server is unreachable the tier is down (lookups miss, submits
 return None, jobs in flight fail) and a health check brings it back (see `connection.py`).
 `budget_bytes` bounds the bytes this engine stores: past it, it deletes the blocks it stored
-and used least recently. Counters: `stats()`.
+and used least recently. What the engine knows of the server's blocks, the budget and the
+counters (`stats()`) are kept in `ledger.py`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 
 from tieredkv.tiers.backend import BlockRef
-from tieredkv.tiers.nvme.slot_format import byte_view
+from tieredkv.tiers.nvme.slot_format import byte_view, check_block
 from tieredkv.tiers.remote.connection import (
     ANY_ERROR,
     CONNECT_TIMEOUT_S,
@@ -51,8 +51,8 @@ from tieredkv.tiers.remote.connection import (
     describe,
     redacted,
 )
-from tieredkv.tiers.remote.index import BlockIndex
 from tieredkv.tiers.remote.jobs import JobBook
+from tieredkv.tiers.remote.ledger import Ledger
 from tieredkv.tiers.remote.reader import DirectReads
 from tieredkv.tiers.remote.value_format import ValueLayout, Verdict, block_key, epoch_key
 
@@ -63,8 +63,6 @@ CLOSE_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 30.0  # the start-up read bandwidth probe, each of its steps
 PROBE_S = 0.5  # the probe reads for about this long at most (a slow server is measured quickly)
 READ_THREADS = 4  # reader threads (and their connections) per server
-_COUNTERS = ("hit_blocks stored_blocks errors misses corrupt write_skipped evicted_blocks bytes_read "
-             "bytes_written rejected_writes").split()
 
 
 @dataclass(eq=False)
@@ -93,14 +91,9 @@ class RemoteStore:
         self._key_suffix = key_suffix
         self.max_in_flight, self.pipeline_ops = max_in_flight, pipeline_ops
         self.jobs = JobBook()
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
-        self._said: set[str] = set()  # the kinds of fault logged as a warning already
-        self.index = BlockIndex()
-        self._writing: set[int] = set()
+        self.ledger = Ledger(self.layout, budget_bytes)
+        self._lock = threading.Lock()  # guards the queue and `_closed`
         self._queue: list[_Op] = []
-        # time with reads in flight: bytes read over it is the read bandwidth the engine gets
-        self._reads_in_flight, self._read_busy_since, self._read_busy_s = 0, 0.0, 0.0
         self._closed = False
         self._loop = LoopThread("tieredkv-remote")
         try:
@@ -133,13 +126,8 @@ class RemoteStore:
         block for `MISS_MEMORY_S`)."""
         if not self.link.up or self._closed:
             return 0
-        with self._lock:
-            candidates = []  # up to the first block known to be absent
-            for block_hash in block_hashes:
-                if self.index.absent(block_hash):
-                    break
-                candidates.append(block_hash)
-            stored = [self.index.stored(h) for h in candidates]
+        stored = self.ledger.known_run(block_hashes)
+        candidates = block_hashes[: len(stored)]  # up to the first block known to be absent
         ask = [h for h, known in zip(candidates, stored, strict=True) if not known]
         if ask:
             try:
@@ -157,24 +145,20 @@ class RemoteStore:
         if refused:
             raise refused[0]
         found = {h: r == 1 for h, r in zip(block_hashes, replies, strict=True)}
-        with self._lock:
-            for block_hash, there in found.items():
-                (self.index.remember if there else self.index.note_absent)(block_hash)
+        self.ledger.learn(found)
         return found
 
     def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
         """Start storing the block in `src`; None if nothing was started (module docstring)."""
         block = self._check_block(src, "src", ref)
-        with self._lock:
-            if self._closed or not self.link.up or ref.block_hash in self._writing:
-                return None
-            if self.index.stored(ref.block_hash):
-                self.index.touch(ref.block_hash)
-                return None
-            if not self._make_room():
-                self._counts["rejected_writes"] += 1
-                return None
-            self._writing.add(ref.block_hash)
+        if self._closed or not self.link.up:
+            return None
+        doomed = self.ledger.admit_write(ref.block_hash)
+        if doomed is None:
+            return None
+        if doomed:  # the least recently used blocks this engine stored, over its budget
+            keys = [self._key(h) for h in doomed]
+            self._loop.soon(lambda: self._spawn(self._delete(keys)))
         return self._enqueue("write", ref, block)
 
     def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
@@ -193,20 +177,15 @@ class RemoteStore:
     def stats(self) -> dict[str, int | str | bool]:
         """`remote_*` counters: blocks read back and stored, faults (each one cost a recompute
         or a lost write), and what this engine stores on the server."""
-        with self._lock:
-            out: dict[str, int | str | bool] = {f"remote_{name}": n for name, n in self._counts.items()}
-            out["remote_owned_blocks"] = len(self.index.owned)
+        out: dict[str, int | float | str | bool] = dict(self.ledger.stats())
         out["remote_errors"] += self.link.faults
-        out["remote_read_busy_s"] = self.read_busy_s()
         out["remote_connected"] = self.link.up
         out["remote_in_flight"] = self.jobs.in_flight
         return out
 
     def read_busy_s(self) -> float:
         """Seconds with reads in flight so far (`remote_bytes_read` over it: the read bandwidth)."""
-        with self._lock:
-            busy = self._read_busy_s
-            return busy + (time.monotonic() - self._read_busy_since if self._reads_in_flight else 0.0)
+        return self.ledger.read_busy_s()
 
     def close(self) -> None:
         """Finish the jobs in flight (each ends by a socket timeout at the latest), then
@@ -284,53 +263,27 @@ class RemoteStore:
         return block_key(self._fingerprint, block_hash) + self._key_suffix
 
     def _check_block(self, block: torch.Tensor, name: str, ref: BlockRef) -> torch.Tensor:
-        if block.device.type != "cpu" or not block.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous CPU tensor (a view of one CPU block)")
-        flat = block.reshape(-1).view(torch.uint8)
-        if flat.numel() != self.layout.block_bytes:
-            raise ValueError(f"{name} holds {flat.numel()} bytes; blocks are {self.layout.block_bytes}")
-        if len(ref.token_ids) > self.layout.block_size:
-            raise ValueError(f"{len(ref.token_ids)} token ids, more than block_size={self.layout.block_size}")
-        return flat
+        return check_block(block, name, self.layout.block_bytes, self.layout.block_size, len(ref.token_ids))
 
     def _enqueue(self, kind: Literal["read", "write"], ref: BlockRef, block: torch.Tensor) -> int:
         job = self.jobs.start()
+        if kind == "read":
+            self.ledger.reading()
         with self._lock:
-            if kind == "read":
-                if not self._reads_in_flight:
-                    self._read_busy_since = time.monotonic()
-                self._reads_in_flight += 1
             self._queue.append(_Op(job, kind, ref, block))
             first = len(self._queue) == 1
         if first:  # one wake-up for everything queued before the loop gets to it
             self._loop.soon(self._dispatch)
         return job
 
-    def _make_room(self) -> bool:
-        """Keep this engine's stored bytes within the budget for one more block (lock held):
-        delete the blocks it stored and used least recently; False if the writes in flight
-        alone fill the budget."""
-        if not self.budget_bytes:
-            return True
-        doomed = self.index.make_room(self.budget_bytes // self.layout.value_bytes, len(self._writing))
-        if doomed is None:
-            return False
-        if doomed:
-            self._counts["evicted_blocks"] += len(doomed)
-            keys = [self._key(h) for h in doomed]
-            self._loop.soon(lambda: self._spawn(self._delete(keys)))
-        return True
-
     def _forget_all(self) -> None:
         """The server's blocks are not the ones known (a new epoch): forget them all."""
-        with self._lock:
-            self.index.clear()
+        self.ledger.clear()
         self.reads.reset()
 
     def _fault(self, err: BaseException) -> None:
         """Count a failed operation; a fault of the link takes the tier down (any thread)."""
-        with self._lock:
-            self._counts["errors"] += 1
+        self.ledger.error()
         if isinstance(err, LINK_ERRORS):
             self.link.failed(err)  # at once: the next lookups must not wait for the server too
 
@@ -379,27 +332,13 @@ class RemoteStore:
         damaged = [key for key, verdict in zip(keys, verdicts, strict=True) if verdict == "corrupt"]
         if damaged:  # before the jobs are reported, so that no write of theirs finds them stored
             self._delete_now(damaged)
-        self._reads_done(len(ops))
+        self.ledger.reads_done(len(ops))
         for op, verdict in zip(ops, verdicts, strict=True):
             self.jobs.finish(op.job, verdict == "ok")
 
-    def _reads_done(self, count: int) -> None:
-        with self._lock:
-            self._reads_in_flight -= count
-            if not self._reads_in_flight:
-                self._read_busy_s += time.monotonic() - self._read_busy_since
-
     def _book_read(self, op: _Op, verdict: Verdict) -> Verdict:
-        """Count the outcome of one read."""
-        with self._lock:
-            if verdict == "ok":
-                self._counts["hit_blocks"] += 1
-                self._counts["bytes_read"] += self.layout.block_bytes
-                self.index.touch(op.ref.block_hash)
-            else:
-                self._counts["errors"] += 1
-                self._counts["misses" if verdict == "missing" else "corrupt"] += 1
-                self.index.forget(op.ref.block_hash)
+        """Count the outcome of one read; say the first value that does not verify."""
+        self.ledger.book_read(op.ref.block_hash, verdict)
         if verdict == "corrupt":
             self._say_once("corrupt", "a block value did not verify (truncated, damaged, or another block's); "
                            "it is deleted and the block recomputed")
@@ -409,10 +348,7 @@ class RemoteStore:
 
     def _say_once(self, kind: str, what: str) -> None:
         """Log the first fault of each kind as a warning, later ones at debug level (stats count them all)."""
-        with self._lock:
-            first = kind not in self._said
-            self._said.add(kind)
-        if first:
+        if self.ledger.first_fault(kind):
             logger.warning("remote tier %s: %s; the tier stays in use; stats count every such fault (remote_%s), "
                            "this log says it once", redacted(self.url), what, kind)
         else:
@@ -435,35 +371,16 @@ class RemoteStore:
             self._say_once("errors", f"the server refused {len(refused)} writes ({describe(refused[0])})")
         stored = {id(op): not isinstance(r, Exception) for (op, _), r in zip(todo, results, strict=True)}
         for op in ops:
-            self._finish_write(op, stored.get(id(op)))
-
-    def _finish_write(self, op: _Op, stored: bool | None) -> None:
-        """Book one write: `stored` True (sent), False (refused, e.g. out of memory) or None
-        (the server had the block already)."""
-        block_hash = op.ref.block_hash
-        with self._lock:
-            self._writing.discard(block_hash)
-            if stored is None:
-                self._counts["write_skipped"] += 1
-                self.index.remember(block_hash)
-            elif stored:
-                self._counts["stored_blocks"] += 1
-                self._counts["bytes_written"] += self.layout.value_bytes
-                self.index.own(block_hash)
-            else:
-                self._counts["errors"] += 1
-        self.jobs.finish(op.job, stored is not False)
+            sent = stored.get(id(op))  # None: the server had the block already
+            self.ledger.wrote(op.ref.block_hash, sent)
+            self.jobs.finish(op.job, sent is not False)
 
     def _fail(self, ops: list[_Op], err: BaseException) -> None:
         """Fail every job of a pipeline that did not run (loop or reader thread)."""
         if isinstance(err, LINK_ERRORS) and self.link.up:
             self.link.failed(err)
-        with self._lock:
-            self._counts["errors"] += len(ops)
-            for op in ops:
-                if op.kind == "write":
-                    self._writing.discard(op.ref.block_hash)
-        self._reads_done(sum(op.kind == "read" for op in ops))
+        writes = [op.ref.block_hash for op in ops if op.kind == "write"]
+        self.ledger.failed(writes, len(ops) - len(writes))
         for op in ops:
             self.jobs.finish(op.job, False)
 
