@@ -117,6 +117,9 @@ class Ledger:
                 self._index.forget(block_hash)
 
     def reads_done(self, count: int) -> None:
+        """`count` reads finished (or failed); the last one in flight ends the busy time."""
+        if not count:
+            return
         with self._lock:
             self._reads_in_flight -= count
             if not self._reads_in_flight:
