@@ -41,6 +41,16 @@ MAX_LOOKUP_BLOCKS = 1024
 STALLED_READ_S = 10.0
 
 
+class _Read(NamedTuple):
+    """A read in flight: the request it is for, the CPU block it fills, the block, and when it
+    was submitted."""
+
+    request_id: str
+    block: Block
+    ref: BlockRef
+    submitted: float
+
+
 class LoadWait(Enum):
     """Where a sequence found with nothing to compute before its loads land stands."""
 
@@ -74,8 +84,7 @@ class LowerTier:
         # request is here once its loads were planned, until it jumps over them or is freed
         self._load_from: dict[str, int | None] = {}
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
-        self._reads: dict[int, tuple[str, Block, BlockRef]] = {}  # read job -> what it fills
-        self._submitted: dict[int, float] = {}  # read job -> when, in submission order
+        self._reads: dict[int, _Read] = {}  # read job -> what it fills, in submission order
         self._reads_left: dict[str, int] = {}  # request -> its reads in flight
         self._orphans: set[int] = set()  # reads whose request let go of them before they finished
         self._given_up: set[int] = set()  # stalled reads their request no longer waits for
@@ -141,8 +150,7 @@ class LowerTier:
                 self.cpu_pool.release(taken)
                 break
             held.append(taken[0])
-            self._reads[job] = (request_id, taken[0], ref)
-            self._submitted[job] = time.monotonic()
+            self._reads[job] = _Read(request_id, taken[0], ref, time.monotonic())
             started += 1
         self._reads_left[request_id] = self._reads_left.get(request_id, 0) + started
         return started
@@ -179,7 +187,7 @@ class LowerTier:
         if not self.arriving(request_id):  # the common case (called on every admission and free)
             self.cpu_pool.release(held)
             return
-        in_flight = {id(block): job for job, (rid, block, _) in self._reads.items() if rid == request_id}
+        in_flight = {id(read.block): job for job, read in self._reads.items() if read.request_id == request_id}
         for block in held:
             job = in_flight.get(id(block))
             if job is None:
@@ -206,8 +214,7 @@ class LowerTier:
         return landed
 
     def _finish_read(self, job: int, ok: bool) -> None:
-        request_id, block, ref = self._reads.pop(job)
-        del self._submitted[job]
+        request_id, block, ref, _ = self._reads.pop(job)
         if job in self._given_up:
             self._given_up.discard(job)
         else:
@@ -235,12 +242,11 @@ class LowerTier:
         """Stop waiting for the reads submitted `STALLED_READ_S` ago or more: their requests
         compute those tokens; each block is released when the store reports its read."""
         too_old = time.monotonic() - STALLED_READ_S
-        for job, submitted in self._submitted.items():
+        for job, (request_id, block, _, submitted) in self._reads.items():
             if submitted > too_old:
                 break  # in submission order: the rest are younger
             if job in self._given_up:
                 continue
-            request_id, block, _ = self._reads[job]
             self._given_up.add(job)
             self.stalled_loads += 1
             held = self._loads.get(request_id)
@@ -282,7 +288,7 @@ class LowerTier:
         """Book the finished reads (and writes), then spill ahead if no read is in flight."""
         for job, ok in self.spill.poll():
             self._finish_read(job, ok)
-        if self._submitted:
+        if self._reads:
             self._give_up_stalled()
         self.spill.spill_ahead(len(self._reads))
 
