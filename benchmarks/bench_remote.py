@@ -17,11 +17,15 @@ printed with the range of the ratios (target: >= 80%). With `--redis-benchmark`,
 loopback peak for the same value size (`redis-benchmark -t set,get -d VALUE -P 16`, as many
 clients as the store has reader threads) runs in every round too, and the store's reads are
 printed as a ratio to its GET (the issue's target: >= 80%). Bytes counted are block payload bytes.
+`--servers K` instead times the engine's store over K servers started here (blocks spread by
+the tier's rendezvous hashing, `open_remote` with a list) against the same store on one of them,
+the same bytes, in alternating rounds (the issue's target for two servers: >= 1.8x one).
 `--read-sweep` instead times the store's reads alone for several block sizes and `recv_into`
 piece sizes (`reader.RECV_CHUNK_BYTES`), the measurement its default comes from.
 
     python benchmarks/bench_remote.py --size 1GiB --block 2MiB --rounds 3 --redis-benchmark
     python benchmarks/bench_remote.py --size 256MiB --read-sweep
+    python benchmarks/bench_remote.py --size 1GiB --servers 2
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from common import start_redis_server
 from redis.asyncio import Redis
 
 from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.remote import open_remote
 from tieredkv.tiers.remote import reader
 from tieredkv.tiers.remote.store import READ_THREADS, RemoteStore
 
@@ -127,9 +132,19 @@ def main() -> None:
     parser.add_argument("--read-threads", type=int, default=READ_THREADS, help="the store's reader threads")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--read-sweep", action="store_true", help="reads only, over block and recv piece sizes")
+    parser.add_argument("--servers", type=int, help="time K servers against one (starts K redis-servers)")
     parser.add_argument("--redis-benchmark", action="store_true", help="also run the C client's peak")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
+    if args.servers:
+        servers = [start_redis_server(args.server_bin) for _ in range(args.servers)]
+        try:
+            scaling(args, [url for _, url in servers])
+        finally:
+            for proc, _ in servers:
+                proc.terminate()
+                proc.wait()
+        return
 
     proc, url = (None, args.url) if args.url else start_redis_server(args.server_bin)
     try:
@@ -187,6 +202,43 @@ def run(args: argparse.Namespace, url: str) -> None:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "value_bytes": value_bytes, "gb_per_s": gbs, "median": med,
                        "redis_benchmark_get": c_gets}, f, indent=1)
+
+
+def scaling(args: argparse.Namespace, urls: list[str]) -> None:
+    """Write and read GB/s of the engine's store over all `urls` against over `urls[0]` alone."""
+    n = args.size // args.block
+    src = torch.randint(0, 256, (n, args.block), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    refs = [BlockRef(i + 1, i, tuple(range(16))) for i in range(n)]
+    secs: dict[str, list[tuple[float, float]]] = {"one": [], "all": []}
+    for r in range(args.rounds + 1):  # round 0 warms both up, untimed
+        for name in (("one", "all") if r % 2 else ("all", "one")):
+            for url in urls:
+                redis.Redis.from_url(url).flushall()
+            dst.zero_()
+            store = open_remote(urls[0] if name == "one" else tuple(urls), 0, args.block, FINGERPRINT, 16)
+            try:
+                t0 = time.perf_counter()
+                ok_w = all(store.wait([store.submit_write(ref, src[i]) for i, ref in enumerate(refs)]).values())
+                t1 = time.perf_counter()
+                ok_r = all(store.wait([store.submit_read(ref, dst[i]) for i, ref in enumerate(refs)]).values())
+                t2 = time.perf_counter()
+            finally:
+                store.close()
+            assert ok_w and ok_r and torch.equal(src, dst), f"{name}: a block failed or came back different"
+            if r:
+                secs[name].append((t1 - t0, t2 - t1))
+    print(f"{n * args.block / 2**30:.2f} GiB each way in {args.block >> 10} KiB blocks, {len(urls)} servers "
+          f"against one, {args.rounds} rounds; GB/s of payload, medians")
+    rates = {}
+    for i, what in enumerate(("write", "read")):
+        for name in secs:
+            rates[f"{name}_{what}"] = statistics.median(n * args.block / s[i] / 1e9 for s in secs[name])
+        print(f"  {what}: one server {rates[f'one_{what}']:5.2f}, {len(urls)} servers {rates[f'all_{what}']:5.2f} "
+              f"({rates[f'all_{what}'] / rates[f'one_{what}']:.2f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "servers": len(urls), "median_gb_per_s": rates, "secs": secs}, f, indent=1)
 
 
 SWEEP_BLOCKS = (256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)

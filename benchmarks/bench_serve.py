@@ -12,6 +12,10 @@ server in front of it).
     python benchmarks/bench_serve.py --model tiny-llama --device cpu --concurrency 8 \\
         --requests 32 --prompt 32 --new 16     # a smoke run anywhere
 
+After the timed drives each path also answers `--samples-n` samples (seeded, temperature 1) of
+four prompts, one request at a time, and the script checks that HTTP gave the tokens in-process
+did.
+
 `--py-spy DIR` samples the processes during each measured drive (py-spy, every thread, idle
 ones too, collapsed stacks): `in-process.txt` (the engine with its clients), `http-server.txt`
 and `http-client.txt`.
@@ -56,6 +60,7 @@ class Run:
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
     tokens: int = 0
+    samples: list[list[list[int]]] = field(default_factory=list)  # per seeded request, its n samples' ids
     cpu_s: float = 0.0  # CPU time of the process that ran the engine (in-process: with its clients)
     client_cpu_s: float = 0.0  # HTTP: CPU time of the client process (this one)
 
@@ -114,10 +119,20 @@ def in_process(config: EngineConfig, warm: list[list[int]], prompts: list[list[i
         with sampled(args.py_spy, "in-process", os.getpid()):
             run = await drive(stream, prompts, args.concurrency, args.new)
         run.cpu_s = _own_cpu_s() - start
+        for seed, prompt in enumerate(warm[:SEEDED_REQUESTS]):
+            out = await allm.generate(prompt, seeded(args.samples_n, seed, args.new))
+            run.samples.append([list(c.token_ids) for c in out.outputs])
         await allm.close()
         return run
 
     return asyncio.run(main())
+
+
+SEEDED_REQUESTS = 4
+
+
+def seeded(n: int, seed: int, new_tokens: int) -> SamplingParams:
+    return SamplingParams(n=n, seed=seed, temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
 
 
 def _own_cpu_s() -> float:
@@ -179,6 +194,13 @@ async def _http_runs(url: str, warm: list[list[int]], prompts: list[list[int]], 
         with sampled(args.py_spy, "http-server", server_pid), sampled(args.py_spy, "http-client", os.getpid()):
             run = await drive(stream, prompts, args.concurrency, args.new)
         run.cpu_s, run.client_cpu_s = _process_cpu_s(server_pid) - start, _own_cpu_s() - client_start
+        for seed, prompt in enumerate(warm[:SEEDED_REQUESTS]):
+            body = {"model": "bench", "prompt": prompt, "n": args.samples_n, "seed": seed, "temperature": 1.0,
+                    "max_tokens": args.new, "ignore_eos": True, "return_token_ids": True}
+            response = await client.post("/v1/completions", json=body)
+            response.raise_for_status()
+            choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+            run.samples.append([c["token_ids"] for c in choices])
         return run
 
 
@@ -212,6 +234,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=128, help="output tokens per request")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--samples-n", type=int, default=8, help="samples per seeded request (the tokens check)")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--py-spy", metavar="DIR", help="sample the processes of each measured drive into DIR")
     args = parser.parse_args()
@@ -235,6 +258,9 @@ def main() -> None:
     records = summarize("in-process AsyncLLM", base, None)
     http = over_http(config, warm, prompts, args)
     records += summarize("HTTP (tieredkv serve, loopback)", http, base)
+    same = sum(a == b for a, b in zip(base.samples, http.samples, strict=True))
+    records.append(report(f"n={args.samples_n} seeded requests whose samples over HTTP equal in-process", same,
+                          "requests", len(base.samples), "sent"))
     write_json(args.json, records)
 
 
