@@ -32,9 +32,11 @@ from tieredkv.tiers.nvme.io_backends import IOBackend
 
 Device = Literal["cpu", "cuda", "auto"]  # auto: CUDA when present
 DType = Literal["float32", "float16", "bfloat16", "auto"]  # auto: the checkpoint's (presets: float32)
+AllReduceMode = Literal["auto", "nccl"]  # auto: one-shot over peer memory for small messages where it can
 
 __all__ = [
-    "Device", "DType", "IOBackend", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig",
+    "Device", "DType", "AllReduceMode", "IOBackend", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
+    "ParallelConfig",
 ]
 
 _SIZE_UNITS = {
@@ -285,12 +287,17 @@ def check_remote_url(url: Any) -> str:
 class ParallelConfig:
     """How many processes run the model. `tensor_parallel_size` > 1 starts that many worker
     processes, each holding its share of every layer (and of every KV tier); on CUDA, rank r
-    runs on `cuda:r` (choose the GPUs with `CUDA_VISIBLE_DEVICES`)."""
+    runs on `cuda:r` (choose the GPUs with `CUDA_VISIBLE_DEVICES`). `all_reduce` says how the
+    ranks sum their partial outputs: "nccl" always through `torch.distributed` (NCCL, gloo on
+    the CPU); "auto" as well, but small messages between GPUs that can read each other's memory
+    go through a one-shot all-reduce in symmetric memory (`tieredkv.model.all_reduce`)."""
 
     tensor_parallel_size: int = 1
+    all_reduce: AllReduceMode = "auto"
 
     def __post_init__(self) -> None:
         _set(self, "tensor_parallel_size", as_int("tensor_parallel_size", self.tensor_parallel_size, 1))
+        check_choice("all_reduce", self.all_reduce, get_args(AllReduceMode))
 
 
 def cost_model_from_dict(doc: dict[str, Any]) -> CostModel:

@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from tieredkv.model.all_reduce import AllReduce
 from tieredkv.model.sharding import TPLayout, parallelize, rank_config, shard_model
 
 _TINY = dict(
@@ -83,14 +83,14 @@ def build_preset(
 
 
 def build_preset_shard(
-    name: str, layout: TPLayout, group: dist.ProcessGroup | None = None, seed: int = 0,
+    name: str, layout: TPLayout, all_reduce: AllReduce | None = None, seed: int = 0,
     dtype: torch.dtype = torch.float32, device: str = "cpu", attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """Rank `layout.rank`'s share of the preset (module docstring: tiny ones are cut from the
     whole model, full-size ones drawn in their rank's shape, replicated weights alike on all)."""
     if name.startswith("tiny-"):
         model = build_preset(name, seed, dtype, device, attn_implementation)
-        shard_model(model, layout, group)
+        shard_model(model, layout, all_reduce)
         return model
     full = preset_config(name)
     layout.check(full)
@@ -102,5 +102,5 @@ def build_preset_shard(
     embedding = model.get_input_embeddings().weight
     generator = torch.Generator(device=device).manual_seed(seed)  # the same on every rank
     embedding.data.normal_(0.0, full.initializer_range, generator=generator)
-    parallelize(model, layout, group)
+    parallelize(model, layout, all_reduce)
     return model.eval()

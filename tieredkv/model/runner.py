@@ -34,6 +34,7 @@ from transformers import (
 from tieredkv.config import CacheConfig, ModelConfig
 from tieredkv.memory import check_fits, fit_gpu_blocks
 from tieredkv.model import attention, fused, locate
+from tieredkv.model.all_reduce import AllReduce
 from tieredkv.model.cuda_graphs import MAX_MIXED_TOKENS, StepGraphs
 from tieredkv.model.presets import PRESETS, build_preset, build_preset_shard, preset_config
 from tieredkv.model.sharding import TPLayout, head_dim, num_kv_heads, shard_model
@@ -70,10 +71,10 @@ class KVSpec:
 
 
 def load_model(
-    config: ModelConfig, layout: TPLayout | None = None, group: torch.distributed.ProcessGroup | None = None
+    config: ModelConfig, layout: TPLayout | None = None, all_reduce: AllReduce | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Build a preset or load a local directory, with our paged attention installed; with a
-    `layout`, only that rank's share of it."""
+    `layout`, only that rank's share of it, summing its partial outputs through `all_reduce`."""
     attention.register()
     dtype = getattr(torch, config.dtype)
     impl = attention.ATTN_IMPLEMENTATION
@@ -81,13 +82,13 @@ def load_model(
         if layout is None:
             model = build_preset(config.model, config.seed, dtype, config.device, impl)
         else:
-            model = build_preset_shard(config.model, layout, group, config.seed, dtype, config.device, impl)
+            model = build_preset_shard(config.model, layout, all_reduce, config.seed, dtype, config.device, impl)
         fused.install(model, config.device)
         return model, None
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation=impl)
     check_model_type(model.config)
     if layout is not None:
-        shard_model(model, layout, group)
+        shard_model(model, layout, all_reduce)
     fused.install(model, config.device)
     return model.to(config.device).eval(), load_tokenizer(config.model)
 
@@ -142,13 +143,14 @@ class ModelRunner:
     """Runs packed batches of sequences through the model and the paged KV cache."""
 
     def __init__(
-        self, config: ModelConfig, layout: TPLayout | None = None, group: torch.distributed.ProcessGroup | None = None
+        self, config: ModelConfig, layout: TPLayout | None = None, all_reduce: AllReduce | None = None
     ) -> None:
         """`config` may hold "auto" and model ids; they are resolved here (`locate.resolve`).
-        With `layout`, this rank's share of the model (its collectives run over `group`)."""
+        With `layout`, this rank's share of the model (its partial outputs summed by
+        `all_reduce`, None: `dist.all_reduce` over the default group)."""
         self.config = config = locate.resolve(config)
         self.device = torch.device(config.device)
-        self.model, self.tokenizer = load_model(config, layout, group)
+        self.model, self.tokenizer = load_model(config, layout, all_reduce)
         # the whole model's architecture (a full-size preset's shard is built in its rank's shapes)
         self.hf_config = self.model.config if layout is None else load_hf_config(config.model)
         self.kv_spec = KVSpec.of(self.hf_config, config.dtype, layout)

@@ -15,8 +15,9 @@ head (one per rank, each on its own GPU and in its own CPU tier).
     Q=4, K=1, N=2:  rank 0: q heads 0,1 + kv head 0     rank 1: q heads 2,3 + kv head 0
 
 Operations: `TPLayout(rank, world)` (`check`, `kv_heads`, `describe`), `shard_model(model,
-layout, group)` for a full model, `parallelize(model, layout, group)` for one built with
-`rank_config` shapes.
+layout, all_reduce)` for a full model, `parallelize(model, layout, all_reduce)` for one built with
+`rank_config` shapes. `all_reduce` (`tieredkv.model.all_reduce`) sums the row-parallel outputs
+over its process group, which also gathers the logits.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
+
+from tieredkv.model.all_reduce import AllReduce
 
 
 @dataclass(frozen=True)
@@ -101,15 +104,14 @@ def rank_config(hf: PretrainedConfig, layout: TPLayout) -> PretrainedConfig:
 class RowParallelLinear(nn.Module):
     """`y = all_reduce(x @ W_r^T) + b`: rank r holds the input columns of its share."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, all_reduce: AllReduce) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.group = group
+        self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
-        dist.all_reduce(out, group=self.group)
+        out = self.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -148,9 +150,9 @@ def _has_tp_modules(layer: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def shard_model(model: nn.Module, layout: TPLayout, group: dist.ProcessGroup | None = None) -> None:
+def shard_model(model: nn.Module, layout: TPLayout, all_reduce: AllReduce | None = None) -> None:
     """Cut a full model down to rank `layout.rank`'s share, in place, and install the
-    all-reduces and the logits gather."""
+    all-reduces and the logits gather (None: `dist.all_reduce` over the default group)."""
     hf = model.config
     layout.check(hf)
     d = head_dim(hf)
@@ -167,21 +169,23 @@ def shard_model(model: nn.Module, layout: TPLayout, group: dist.ProcessGroup | N
         _keep_rows(ff.up_proj, mlp)
         attn.o_proj.weight.data = attn.o_proj.weight.data[:, q].clone()
         ff.down_proj.weight.data = ff.down_proj.weight.data[:, mlp].clone()
-    parallelize(model, layout, group)
+    parallelize(model, layout, all_reduce)
 
 
-def parallelize(model: nn.Module, layout: TPLayout, group: dist.ProcessGroup | None = None) -> None:
+def parallelize(model: nn.Module, layout: TPLayout, all_reduce: AllReduce | None = None) -> None:
     """Replace o_proj and down_proj (already holding this rank's input columns) by row-parallel
-    layers, and the LM head by this rank's rows of it, gathering the logits. (The head's
+    layers summing through `all_reduce` (None: `dist.all_reduce` over the default group), and
+    the LM head by this rank's rows of it, gathering the logits over the same group. (The head's
     weight is copied, not cut: it may be tied to the embedding, which stays whole.)"""
+    all_reduce = all_reduce or AllReduce()
     for layer in decoder_layers(model):
-        layer.self_attn.o_proj = _row_parallel(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj, group)
+        layer.self_attn.o_proj = _row_parallel(layer.self_attn.o_proj, all_reduce)
+        layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj, all_reduce)
     hf = model.config
     if layout.vocab_parallel(hf):
         vocab = hf.vocab_size // layout.world
         rows = model.lm_head.weight.data[layout.rank * vocab : (layout.rank + 1) * vocab].clone()
-        model.lm_head = VocabParallelHead(rows, layout.world, group)
+        model.lm_head = VocabParallelHead(rows, layout.world, all_reduce.group)
 
 
 def _rows(heads: range, dim: int) -> slice:
@@ -195,6 +199,6 @@ def _keep_rows(linear: nn.Linear, rows: slice) -> None:
     linear.out_features = linear.weight.shape[0]
 
 
-def _row_parallel(linear: nn.Linear, group: dist.ProcessGroup | None) -> RowParallelLinear:
+def _row_parallel(linear: nn.Linear, all_reduce: AllReduce) -> RowParallelLinear:
     bias = None if linear.bias is None else linear.bias.data
-    return RowParallelLinear(linear.weight.data, bias, group)
+    return RowParallelLinear(linear.weight.data, bias, all_reduce)

@@ -2,9 +2,10 @@
 CPU tier (memory it shares with the driver, which does the NVMe I/O), its transfer engine;
 rank 0 also draws each row's tokens, logprobs and beam candidates (as the one-rank decoder).
 
-`worker_main` joins torch.distributed (NCCL on CUDA, gloo on the CPU), loads the shard, then
-runs the driver's calls (`Worker.<method>(*args)`, one reply each) until the driver says stop or
-goes away. After an error it reports and exits: the driver stops the other ranks.
+`worker_main` joins torch.distributed (NCCL on CUDA, gloo on the CPU), sets up how the ranks
+sum their partial outputs (`make_all_reduce`: before any CUDA graph records one), loads the
+shard, then runs the driver's calls (`Worker.<method>(*args)`, one reply each) until the driver
+says stop or goes away. After an error it reports and exits: the driver stops the other ranks.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import transformers.models.qwen3.modeling_qwen3  # noqa: F401
 from tieredkv.calibrate import measure_bandwidth
 from tieredkv.config import CacheConfig, EngineConfig
 from tieredkv.logprobs import sampled_logprobs, top_logprobs
-from tieredkv.model.runner import ModelRunner
+from tieredkv.model.all_reduce import make_all_reduce
+from tieredkv.model.runner import ModelRunner, load_hf_config
 from tieredkv.model.sharding import TPLayout
 from tieredkv.parallel.plan import REPORTED_ERROR_EXIT, Drawn, StepPlan, StepReply
 from tieredkv.sampling import Sampler, SamplingParams
@@ -75,6 +77,13 @@ def _serve(worker: Worker, conn: connection.Connection) -> int:
         conn.send(("ok", result))
 
 
+def _largest_message(config: EngineConfig) -> int:
+    """Elements of the largest all-reduce a forward pass makes: hidden states of the most
+    tokens a step carries (or of a graphed decode batch, padded to `max_num_seqs`)."""
+    tokens = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+    return tokens * load_hf_config(config.model.model).hidden_size
+
+
 def _report(conn: connection.Connection, err: BaseException) -> None:
     try:
         conn.send(("error", (type(err).__name__, str(err), traceback.format_exc())))
@@ -97,7 +106,9 @@ class Worker:
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world)
         self._warm_up(device)
-        self.runner = ModelRunner(config.model, TPLayout(rank, world))
+        dtype = getattr(torch, config.model.dtype)
+        self.all_reduce = make_all_reduce(config.parallel.all_reduce, device, dtype, _largest_message(config))
+        self.runner = ModelRunner(config.model, TPLayout(rank, world), self.all_reduce)
         self.transfers: TransferEngine | None = None
         self._cpu_memory: mmap.mmap | None = None
         self._job_ids: dict[int, int] = {}  # this rank's transfer job id -> the driver's
