@@ -258,7 +258,7 @@ def test_an_experiment_runs_at_two_ranks(tmp_path):
     [summary] = run_experiment(str(path), str(tmp_path / "out"), use_tqdm=False).summaries
     assert summary.requests == 6 and summary.errors == 0
     result = json.loads((tmp_path / "out" / "tp" / "result.json").read_text())
-    assert result["engine"]["config"]["parallel"] == {"tensor_parallel_size": 2}
+    assert result["engine"]["config"]["parallel"] == {"tensor_parallel_size": 2, "all_reduce": "auto"}
     assert all(len(r["token_times"]) == 4 for r in result["requests"])
 
 
