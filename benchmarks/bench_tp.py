@@ -1,13 +1,17 @@
 """Tensor parallelism on two GPUs, in one run:
 
-- `llama-3-8b` (random bf16 weights), TP=2 against TP=1: a decode step (batch 64, context 2k)
-  and a prefill step (4 x 2k tokens), each timed as the engine runs it (inputs sent to the
-  ranks, forward pass, rank 0 samples); each against its memory floor (a rank's weights and KV
-  read at the HBM copy bandwidth measured in the same run). The collectives' share: the GPU time
-  of NCCL kernels in a step (profiler on the ranks, eager), the all-reduces of a step
-  (2 per layer) timed alone on the same activations, and beside NCCL's own 1 GiB bus bandwidth;
-  last, a decode step's all-reduces captured in one CUDA graph, as the graphed step runs them
-  (the eager timings include a Python launch per call and the ranks' skew).
+- `llama-3-8b` (random bf16 weights), TP=2 (`all_reduce: nccl`) against TP=1: a decode step
+  (batch 64, context 2k) and a prefill step (4 x 2k tokens), each timed as the engine runs it
+  (inputs sent to the ranks, forward pass, rank 0 samples); each against its memory floor (a
+  rank's weights and KV read at the HBM copy bandwidth measured in the same run). The
+  collectives' share: the GPU time of NCCL kernels in a step (profiler on the ranks, eager), the
+  all-reduces of a step (2 per layer) timed alone on the same activations, and beside NCCL's own
+  bus bandwidth at 1 GiB and at the step's message size; last, a decode step's all-reduces
+  captured in one CUDA graph, as the graphed step runs them (the eager timings include a Python
+  launch per call and the ranks' skew).
+- The same TP=2 engine with `all_reduce: auto`: its decode and prefill steps against the NCCL
+  engine's, and a decode step's all-reduces through the one-shot path in symmetric memory, alone
+  (eager) and in one CUDA graph, against NCCL's same figures.
 - Swap bandwidth at TP=2: a swap-out and a swap-in of `--swap-gib` of KV through the engine's
   transfers (both ranks copy their heads of the same blocks at once, each over its own link),
   against the sum of the two GPUs' pinned-copy peaks, each measured alone in the same run
@@ -25,6 +29,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -99,28 +104,54 @@ def rank_nccl_time(worker, plan: StepPlan, reps: int) -> float:
     return nccl_us / 1e6 / reps
 
 
-def rank_all_reduce_time(worker, tokens: int, reps: int) -> float:
-    """Seconds of one all-reduce of `tokens` hidden states (bf16), alone."""
-    hidden = worker.runner.hf_config.hidden_size
-    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
-    return time_cuda(lambda: dist.all_reduce(x), reps=reps, warmup=3)
+def rank_all_reduce_time(worker, tokens: int, reps: int, one_shot: bool = False) -> float:
+    """Seconds of one all-reduce of `tokens` hidden states (bf16), alone: NCCL's, or the
+    engine's one-shot path."""
+    x = hidden_states(worker, tokens)
+    fn = summer(worker, x, one_shot)
+    return time_cuda(lambda: fn(x), reps=reps, warmup=3)
 
 
-def rank_graphed_all_reduces(worker, tokens: int, count: int) -> float:
+def rank_graphed_all_reduces(worker, tokens: int, count: int, one_shot: bool = False) -> float:
     """Seconds of one all-reduce of `tokens` hidden states (bf16) when `count` of them run back
-    to back in one CUDA graph, as a graphed decode step runs them (no launch per call)."""
-    hidden = worker.runner.hf_config.hidden_size
-    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    to back in one CUDA graph, as a graphed decode step runs them (no launch per call): NCCL's,
+    or the engine's one-shot path."""
+    x = hidden_states(worker, tokens)
+    fn = summer(worker, x, one_shot)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # NCCL's first call on a stream sets up outside the capture
-        dist.all_reduce(x)
+        fn(x)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(count):
-            dist.all_reduce(x)
+            fn(x)
     return time_cuda(graph.replay, reps=10, warmup=2) / count
+
+
+def hidden_states(worker, tokens: int) -> torch.Tensor:
+    return torch.randn(tokens, worker.runner.hf_config.hidden_size, dtype=torch.bfloat16, device="cuda")
+
+
+def summer(worker, x: torch.Tensor, one_shot: bool) -> Callable[[torch.Tensor], object]:
+    """`dist.all_reduce` (in place), or the engine's one-shot path (a new tensor) if it takes `x`."""
+    if not one_shot:
+        return dist.all_reduce
+    why = rank_one_shot_refusal(worker, x.shape[0])
+    if why:
+        raise ValueError(f"the one-shot path does not take {tuple(x.shape)}: {why}")
+    return worker.all_reduce.one_shot
+
+
+def rank_one_shot_refusal(worker, tokens: int) -> str | None:
+    """Why this rank's engine does not sum `tokens` hidden states one-shot, or None."""
+    path = worker.all_reduce.one_shot
+    if path is None:
+        return worker.all_reduce.description
+    if not path.takes(hidden_states(worker, tokens)):
+        return f"{tokens} tokens of hidden states exceed its buffer of {path.buffer.numel()} bytes"
+    return None
 
 
 def rank_bus_bandwidth(worker, num_bytes: int) -> float:
@@ -148,10 +179,10 @@ def rank_pinned_peaks(worker, rank: int | None) -> tuple[float, float] | None:
 # ---------------------------------------------------------------------- TP=1 and TP=2
 
 
-def engine(model: str, tp: int, num_blocks: int, batch: int, cpu_bytes: int = 0) -> LLM:
+def engine(model: str, tp: int, num_blocks: int, batch: int, cpu_bytes: int = 0, all_reduce: str = "nccl") -> LLM:
     extra = {"cpu_cache_bytes": cpu_bytes, "preemption": "swap"} if cpu_bytes else {}
     return LLM(model=model, device="cuda", dtype="bfloat16", tensor_parallel_size=tp, num_gpu_blocks=num_blocks,
-               block_size=BLOCK_SIZE, max_num_seqs=batch, **extra)
+               block_size=BLOCK_SIZE, max_num_seqs=batch, all_reduce=all_reduce, **extra)
 
 
 def tp1_steps(llm: LLM, decode, prefill) -> tuple[float, float]:
@@ -192,26 +223,71 @@ def plan_of(llm: LLM, step) -> StepPlan:
                     new_requests=tuple(NewRequest(i, GREEDY, (None,)) for i in ids))
 
 
-def collectives(llm: LLM, decode, prefill, args, records: list, steps: dict) -> None:
+def collectives(llm: LLM, decode, prefill, args, records: list, steps: dict) -> dict[str, float]:
     """Per step: the GPU time of its NCCL kernels, the same all-reduces timed alone (NCCL's own
     time for that size: in-step efficiency is alone / in-step), and the bus bandwidth both reach
-    beside NCCL's peak on a 1 GiB all-reduce."""
+    beside NCCL's peak on a 1 GiB all-reduce and NCCL's own at the step's message size. Returns
+    the seconds of one all-reduce alone, per step."""
     ranks = llm.runner.ranks
     layers = llm.runner.hf_config.num_hidden_layers
     hidden = llm.runner.hf_config.hidden_size
     peak = min(ranks.call("apply", rank_bus_bandwidth, GiB))
     records.append(report("NCCL all-reduce bus bandwidth, 1 GiB", peak, "GB/s"))
+    alone_s = {}
     for name, step, tokens in (("decode", decode, args.batch), ("prefill", prefill, args.prefill_seqs * args.context)):
         nccl = max(ranks.call("apply", rank_nccl_time, plan_of(llm, step), 5))
-        alone = 2 * layers * max(ranks.call("apply", rank_all_reduce_time, tokens, 10))
+        alone_s[name] = max(ranks.call("apply", rank_all_reduce_time, tokens, 10))
+        alone = 2 * layers * alone_s[name]
         records.append(report(f"TP=2 {name} step: NCCL kernel time (profiler, eager)", nccl * 1e3, "ms",
                               steps[name] * 1e3, f"{name} step"))
         records.append(report(f"TP=2 {name} step: {2 * layers} all-reduces of {tokens} tokens, alone",
                               alone * 1e3, "ms", nccl * 1e3, "in-step NCCL time"))
-        step_bytes = 2 * layers * tokens * hidden * 2
-        bus = 2 * (ranks.world - 1) / ranks.world * step_bytes / nccl / 1e9
+        message = tokens * hidden * 2
+        same_size = min(ranks.call("apply", rank_bus_bandwidth, message))
+        records.append(report(f"NCCL all-reduce bus bandwidth, {name} message ({message / 2**20:.2f} MiB)",
+                              same_size, "GB/s", peak, "NCCL, 1 GiB"))
+        bus = 2 * (ranks.world - 1) / ranks.world * 2 * layers * message / nccl / 1e9
         records.append(report(f"TP=2 {name} step: all-reduce bus bandwidth in the step", bus, "GB/s",
                               peak, "NCCL, 1 GiB"))
+        print(f"  in the step / NCCL at the same message size: {bus / same_size:.1%}")
+    return alone_s
+
+
+@dataclass(frozen=True)
+class NCCLFigures:
+    """What the `all_reduce: nccl` engine measured, for the `auto` one to be read against."""
+
+    decode_s: float  # a decode step
+    prefill_s: float  # a prefill step
+    alone_s: float  # one decode all-reduce, alone (eager)
+    graphed_s: float  # one decode all-reduce of a CUDA graph of a step's all-reduces
+    decode_floor_s: float  # a decode step's memory floor per rank
+
+
+def one_shot(model: str, num_blocks: int, decode, prefill, args, records: list, nccl: NCCLFigures) -> None:
+    """A TP=2 engine with `all_reduce: auto`: its steps beside the NCCL engine's, and a decode
+    step's all-reduces through the one-shot path, alone and in one CUDA graph, against NCCL's."""
+    with engine(model, 2, num_blocks, args.batch, all_reduce="auto") as llm:
+        ranks = llm.runner.ranks
+        refusals = [why for why in ranks.call("apply", rank_one_shot_refusal, args.batch) if why]
+        if refusals:
+            print(f"  one-shot path not taken at the decode step: {refusals[0]}")
+        decode_s, prefill_s = tp2_steps(llm, decode, prefill)
+        records.append(report(f"TP=2 decode step, all_reduce auto, batch {args.batch}", decode_s * 1e3, "ms",
+                              nccl.decode_floor_s * 1e3, "memory floor per rank"))
+        print(f"  speed-up over all_reduce nccl (decode step): {nccl.decode_s / decode_s:.2f}x")
+        tokens = args.prefill_seqs * args.context
+        records.append(report(f"TP=2 prefill, all_reduce auto, {args.prefill_seqs} x {args.context} tokens",
+                              tokens / prefill_s, "tok/s", tokens / nccl.prefill_s, "all_reduce nccl"))
+        if refusals:
+            return
+        count = 2 * llm.runner.hf_config.num_hidden_layers
+        alone = max(ranks.call("apply", rank_all_reduce_time, args.batch, 10, True))
+        records.append(report(f"TP=2 decode: {count} all-reduces of {args.batch} tokens, one-shot, alone",
+                              count * alone * 1e3, "ms", count * nccl.alone_s * 1e3, "NCCL, alone"))
+        graphed = max(ranks.call("apply", rank_graphed_all_reduces, args.batch, count, True))
+        records.append(report(f"TP=2 decode: {count} all-reduces of {args.batch} tokens, one-shot, one CUDA graph",
+                              count * graphed * 1e3, "ms", count * nccl.graphed_s * 1e3, "NCCL, one CUDA graph"))
 
 
 def swap_bandwidth(llm: LLM, swap_bytes: int, records: list) -> None:
@@ -265,7 +341,8 @@ def main() -> None:
     swap_bytes = int(args.swap_gib * GiB)  # KV moved by each swap, both ranks together
     block_bytes = KVSpec.of(load_hf_config(args.model), "bfloat16").block_bytes(BLOCK_SIZE)
     swap_blocks = swap_bytes // block_bytes
-    with engine(args.model, 2, max(num_blocks, swap_blocks), args.batch, cpu_bytes=swap_bytes + GiB) as llm:
+    with engine(args.model, 2, max(num_blocks, swap_blocks), args.batch, cpu_bytes=swap_bytes + GiB,
+                all_reduce="nccl") as llm:
         two = tp2_steps(llm, decode, prefill)
         rank_kv = llm.runner.rank_kv_spec.block_bytes(1)
         floor2 = (max(llm.runner.ranks.call("apply", rank_weight_bytes)) + kv_read * rank_kv) / (hbm * 1e9)
@@ -279,12 +356,14 @@ def main() -> None:
         records.append(report(f"TP=2 prefill, {args.prefill_seqs} x {args.context} tokens", tokens / two[1], "tok/s",
                               2 * tokens / one[1], "twice TP=1"))
         print(f"  TP=2 speed-up over TP=1 (prefill): {one[1] / two[1]:.2f}x")
-        collectives(llm, decode, prefill, args, records, {"decode": two[0], "prefill": two[1]})
+        alone = collectives(llm, decode, prefill, args, records, {"decode": two[0], "prefill": two[1]})
         swap_bandwidth(llm, swap_bytes, records)
         layers = llm.runner.hf_config.num_hidden_layers
         graphed = max(llm.runner.ranks.call("apply", rank_graphed_all_reduces, args.batch, 2 * layers))
         records.append(report(f"TP=2 decode: {2 * layers} all-reduces of {args.batch} tokens in one CUDA graph",
                               2 * layers * graphed * 1e3, "ms", two[0] * 1e3, "decode step"))
+    nccl = NCCLFigures(two[0], two[1], alone["decode"], graphed, floor2)
+    one_shot(args.model, num_blocks, decode, prefill, args, records, nccl)
     write_json(args.json, records)
 
 
