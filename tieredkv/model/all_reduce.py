@@ -1,11 +1,11 @@
 """How the tensor-parallel ranks sum a tensor (the row-parallel layers' partial outputs).
 
-`torch.distributed.all_reduce` (NCCL on CUDA, gloo on the CPU) costs tens of microseconds per
-call whatever the size, which is most of a decode step's all-reduce time at TP=2. Small
-messages between GPUs that can read each other's memory go instead through a one-shot
-all-reduce in PyTorch's symmetric memory (`torch.ops.symm_mem.one_shot_all_reduce_copy_out`,
-one kernel): every rank copies its input into its buffer, a barrier over the signal pads, every
-rank reads all buffers through peer pointers and sums them.
+`torch.distributed.all_reduce` (NCCL on CUDA, gloo on the CPU) pays a fixed cost per call (its
+launch, its protocol's handshakes) that small messages do not amortize. Small messages between
+GPUs that can read each other's memory go instead through a one-shot all-reduce in PyTorch's
+symmetric memory (`torch.ops.symm_mem.one_shot_all_reduce_copy_out`, one kernel): every rank
+copies its input into its buffer, a barrier over the signal pads, every rank reads all buffers
+through peer pointers and sums them.
 
     rank 0: x0 ─copy─► buf0 ─┐ barrier ┌─ out = buf0 + buf1   (each rank reads the peer's buffer
     rank 1: x1 ─copy─► buf1 ─┘         └─ out = buf0 + buf1    over NVLink, its own locally)
@@ -35,12 +35,13 @@ logger = logging.getLogger(__name__)
 # Messages up to this size take the one-shot path. It covers a decode step of up to 256
 # sequences at hidden size 4096 in bf16 (256 x 4096 x 2 B = 2 MiB) while prefill chunks (2048
 # tokens: 16 MiB) stay on NCCL, whose ring spreads large messages over all its channels; the
-# one-shot kernel reads the whole peer buffer with at most 24 blocks. vLLM's custom all-reduce
-# also runs one-shot on two GPUs for every size it takes. benchmarks/bench_tp.py times both
-# paths at the decode step's size; move the limit where they cross.
+# one-shot kernel reads the whole peer buffer with at most 24 thread blocks (torch's launch
+# cap). vLLM's custom all-reduce also runs one-shot on two GPUs at every size it takes. Not yet
+# timed beyond a decode step: benchmarks/bench_tp.py compares both paths at `--batch` tokens
+# (64: 512 KiB; 256: 2 MiB), and the limit belongs where they cross.
 ONE_SHOT_MAX_BYTES = 2 << 20
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # what the symm_mem reduce kernels dispatch on
-_VECTOR_BYTES = 16  # the buffer's alignment; an input must match it (the op checks both alike)
+_VECTOR_BYTES = 16  # the op wants input and buffer (16-byte aligned) at one vector alignment
 
 
 class OneShot:
