@@ -45,8 +45,7 @@ from common import start_redis_server
 from redis.asyncio import Redis
 
 from tieredkv.tiers.backend import BlockRef
-from tieredkv.tiers.remote import open_remote
-from tieredkv.tiers.remote import reader
+from tieredkv.tiers.remote import open_remote, reader
 from tieredkv.tiers.remote.store import READ_THREADS, RemoteStore
 
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "": 1}
