@@ -3,6 +3,7 @@ restart, with every I/O backend, and when the disk misbehaves."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import random
@@ -12,6 +13,7 @@ import pytest
 
 from tests.reference import make_prompts, settle_writes
 from tieredkv import LLM, SamplingParams
+from tieredkv.policy import CostModel
 from tieredkv.tiers.nvme import STORE_FILE_NAME
 
 NEW_TOKENS = 40
@@ -275,3 +277,19 @@ def test_blocks_read_back_from_disk_are_evicted_before_those_admission_kept(tmp_
     assert [o.token_ids for o in outs] == [expected[0], expected[0], expected[1]]
     assert stats["nvme_loaded_blocks"] > 50 and stats["cpu_demoted_blocks"] > 0
     assert len(read_back) > 50 and order == sorted(order, reverse=True)  # all of them first in line
+
+
+def test_a_policy_set_on_the_scheduler_is_the_one_loads_are_planned_by(tmp_path, reference_outputs):
+    """Benchmarks force load-only or recompute-only by setting the scheduler's policy: the load
+    planner follows it as given, not its own policy with the rate it learned."""
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+    with tiered_llm(tmp_path) as llm:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert settle_writes(llm)["nvme_spilled_blocks"] > 0
+    recompute_wins = {**LOAD_WINS, "disk_read_bytes_per_s": 1.0}
+    with tiered_llm(tmp_path, cost_model=recompute_wins) as llm:
+        llm.scheduler.policy = dataclasses.replace(llm.scheduler.policy, cost=CostModel(**LOAD_WINS))
+        assert llm.scheduler.loads.policy is llm.scheduler.policy
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert llm.stats()["nvme_loaded_blocks"] > 0

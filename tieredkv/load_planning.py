@@ -4,6 +4,7 @@ that beats computing them, and the lower tier's load rate learned from the loads
 The scheduler asks; the KV manager moves the blocks.
 
 Operations:
+- `pin(policy)`: plan by another policy, its cost model as given (nothing learned over it).
 - `learn(computed_last_step)`: teach the observed load rate how long the loads that landed took.
 - `prefetch(waiting, backlog)`: start the lower-tier loads of the first waiting sequences, so
   that the reads overlap other work before their turn.
@@ -42,6 +43,10 @@ class LoadPlanner:
         # `compute_for_queues`: computed only because of the lower tier's and the GPU's queues
         self.lower_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0, "compute_for_queues": 0}
         self.cpu_hits_recomputed = 0  # CPU prefix blocks recomputed: copying them in was slower
+
+    def pin(self, policy: TierPolicy) -> None:
+        """Plan by `policy` from now on, its cost model as given: the learned rate is dropped."""
+        self.policy, self.observed_loads = policy, None
 
     def learn(self, computed_last_step: set[str]) -> None:
         """Teach the observed loads how long those that landed since the last step took (with

@@ -71,9 +71,10 @@ class Scheduler:
     """Owns the waiting, running and swapped queues and every sequence's progress."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: TierPolicy) -> None:
+        """`policy`: the cost model's choices (swap or recompute, load or compute); the load
+        planner holds it, and learns the lower tier's rate over it unless the config pins one."""
         self.config = config
         self.kv = kv
-        self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -93,6 +94,15 @@ class Scheduler:
         # compute before their KV lands, from the lower tier or copied in from the CPU tier. A
         # scheduling fact of this step, cleared at its end; the load state itself is the lower tier's
         self._loading: set[str] = set()
+
+    @property
+    def policy(self) -> TierPolicy:
+        return self.loads.policy
+
+    @policy.setter
+    def policy(self, policy: TierPolicy) -> None:
+        """Follow `policy` from now on, its cost model as given (no learned load rate)."""
+        self.loads.pin(policy)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
