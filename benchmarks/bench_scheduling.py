@@ -38,9 +38,10 @@ import yaml
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.config import EngineConfig, read_yaml
 from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
+from tieredkv.experiment.replay import ReplayWorkload
 from tieredkv.experiment.spec import variants
 from tieredkv.experiment.traces import prompt_token_ids
-from tieredkv.experiment.workloads import LongContextWorkload, ReplayWorkload, make_workload
+from tieredkv.experiment.workloads import LongContextWorkload, make_workload
 from tieredkv.policy import TierPolicy
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput

@@ -42,13 +42,13 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from tieredkv.config import EngineConfig, ModelConfig
 from tieredkv.experiment.metrics import RequestRecord, Summary, format_summary, summarize
+from tieredkv.experiment.replay import ReplayWorkload
 from tieredkv.experiment.results import device_name, result_document
 from tieredkv.experiment.spec import find_config, load_experiment
 from tieredkv.experiment.workloads import (
     LongDocQAWorkload,
     MultiTurnWorkload,
     PreemptionStormWorkload,
-    ReplayWorkload,
     Workload,
     describe_workload,
 )

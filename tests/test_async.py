@@ -126,7 +126,7 @@ async def test_abort_while_swapped():
     while not allm.engine.scheduler.swapped:
         await asyncio.sleep(0.001)
     victim = allm.engine.scheduler.swapped[0]
-    assert allm.engine.kv._swapped[victim.seq_id]  # it holds CPU blocks
+    assert allm.engine.kv.swap._blocks[victim.seq_id]  # it holds CPU blocks
     index = [t for t in tasks if not t.done()]
     for task in index:
         task.cancel()

@@ -78,7 +78,7 @@ def test_siblings_swapped_out_move_a_shared_block_once_and_share_it_again_on_the
     assert sim.kv.swap_out(b) and sim.kv.swap_out(a)
     # b moved its three blocks; a found the two full ones in the CPU tier and moved its own third
     assert sim.kv.stats()["bytes_d2h"] == 4 * BLOCK_BYTES
-    cpu_a, cpu_b = sim.kv._swapped[a.seq_id], sim.kv._swapped[b.seq_id]
+    cpu_a, cpu_b = sim.kv.swap._blocks[a.seq_id], sim.kv.swap._blocks[b.seq_id]
     assert cpu_a[:2] == cpu_b[:2] and cpu_a[2] is not cpu_b[2]
     assert [blk.ref_count for blk in cpu_a] == [2, 2, 1]
     sim.kv.pool.drop_unowned()  # the GPU forgets its cached copies: everything comes back by copy
@@ -155,11 +155,11 @@ def check_accounting(sched, sim) -> None:
     """Ref counts equal owners in both tiers; a block is free exactly when nobody owns it; every
     sequence reads back its own tokens' KV, on the GPU and in its swapped-out CPU blocks."""
     kv = sim.kv
-    gpu_owners = Counter(id(blk) for table in kv._tables.values() for blk in table)
+    gpu_owners = Counter(id(blk) for table in kv.tables._blocks.values() for blk in table)
     for blk in kv.pool.blocks:
         assert blk.ref_count == gpu_owners[id(blk)], f"GPU block {blk.block_id}"
         assert kv.pool.is_free(blk) == (blk.ref_count == 0), f"GPU block {blk.block_id}"
-    held = [*kv._swapped.values(), *kv.offload._held.values()]  # swapped sequences, copies in flight
+    held = [*kv.swap._blocks.values(), *kv.offload._held.values()]  # swapped sequences, copies in flight
     cpu_owners = Counter(id(blk) for blocks in held for blk in blocks)
     for blk in kv.offload.pool.blocks:
         assert blk.ref_count == cpu_owners[id(blk)], f"CPU block {blk.block_id}"
@@ -167,7 +167,7 @@ def check_accounting(sched, sim) -> None:
     for seq in sched.running:
         check_kv(sim, seq)
     for seq in sched.swapped:
-        cpu = kv._swapped[seq.seq_id]
+        cpu = kv.swap._blocks[seq.seq_id]
         for pos in range(seq.num_computed_tokens):
             got = kv.offload.tier.data[cpu[pos // BS].block_id, :, :, pos % BS]
             assert torch.all(got == seq.token_ids[pos]), f"{seq.seq_id}: swapped KV of token {pos}"

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from tieredkv.experiment.harness import run_experiment
-from tieredkv.experiment.metrics import RequestRecord, Slo, Summary, meets, slowest_mean
+from tieredkv.experiment.metrics import RequestRecord, Summary, slowest_mean
 from tieredkv.experiment.results import validate
+from tieredkv.experiment.slo import Slo, meets
 from tieredkv.experiment.spec import load_experiment
 from tieredkv.experiment.sweep import format_sweep
 from tieredkv.experiment.traces import TraceLine, prefix_hit_bound

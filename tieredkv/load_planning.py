@@ -20,7 +20,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from tieredkv.cache.manager import KVCacheManager, PrefixMatch
+from tieredkv.cache.manager import KVCacheManager
+from tieredkv.cache.prefix import PrefixMatch
 from tieredkv.policy import ObservedLoads, TierPolicy
 from tieredkv.sequence import Sequence
 

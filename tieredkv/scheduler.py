@@ -9,7 +9,8 @@ Each `schedule()`:
    while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow.
 That is `scheduling_policy: fcfs`. With `ttft` or `hrrn` (`tieredkv.scheduling`), step 1 takes the decodes
 only, and after step 2 the partly-prefilled and the waiting sequences share what is left of the
-budget in the policy's order (`_schedule_prefills`).
+budget in the policy's order (`_schedule_prefills`): what ranks them (waits, tokens left) is
+`PrefillRanking`'s (`tieredkv.prefill_ranking`).
 Before all that, the first waiting sequences start reading the later part of their prefix blocks
 found in the lower tier (disk, remote; as much as the policy says), so the reads overlap other
 work and the computation of the earlier part: what to load and what to compute is
@@ -31,7 +32,8 @@ only wait.
 
 A sequence whose KV is copied in from the CPU tier this step (swap-in, promoted prefix, loaded
 lower-tier blocks) joins the running queue but computes from the next step on: the copy overlaps
-this step's forward pass instead of stalling it.
+this step's forward pass instead of stalling it. At the end of each step, each sequence before its
+first token is told its TTFT phase (`PhaseMarks`, `tieredkv.ttft_phases`).
 
 The scheduler talks to blocks only through `KVCacheManager`.
 """
@@ -39,7 +41,6 @@ The scheduler talks to blocks only through `KVCacheManager`.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -48,9 +49,10 @@ from tieredkv.config import SchedulerConfig
 from tieredkv.load_planning import LoadPlanner
 from tieredkv.logprobs import TokenLogprobs
 from tieredkv.policy import TierPolicy
+from tieredkv.prefill_ranking import PrefillRanking
 from tieredkv.sampling import FailedSample
-from tieredkv.scheduling import PrefillCandidate, chunk_cost, chunk_tokens, prefill_order, share_budget
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
+from tieredkv.ttft_phases import PhaseMarks
 
 
 @dataclass
@@ -85,15 +87,8 @@ class Scheduler:
         self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
         self.loaded_skipped_tokens = 0  # prefill tokens jumped over: their KV came from the lower tier
         self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed
-        # waits (`ttft` aging, `hrrn` ratios): tokens scheduled so far, and that count when each sequence arrived
-        self.num_scheduled_tokens = 0
-        self._arrived_at: dict[str, int] = {}
-        # `ttft`: resident prefix tokens of waiting sequences as last matched, oldest match first
-        self._resident_tokens: dict[str, int] = {}
-        # this step's phase marks for the TTFT split (`_mark_phases`): sequences with nothing to
-        # compute before their KV lands, from the lower tier or copied in from the CPU tier. A
-        # scheduling fact of this step, cleared at its end; the load state itself is the lower tier's
-        self._loading: set[str] = set()
+        self.ranking = PrefillRanking(config, kv, policy)  # `ttft`, `hrrn`: waits and prefixes left
+        self.phases = PhaseMarks()  # this step's phase marks for the TTFT split
 
     @property
     def policy(self) -> TierPolicy:
@@ -106,7 +101,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self._arrived_at[seq.seq_id] = self.num_scheduled_tokens
+        self.ranking.arrived(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -129,8 +124,8 @@ class Scheduler:
         if blocked and not out.scheduled and not out.preempted:
             self._preempt_held(out)
         out.sampling = [s.seq for s in out.scheduled if s.samples]
-        self._mark_phases(out)
         self._last_scheduled = {s.seq.seq_id for s in out.scheduled}
+        self.phases.mark(self._last_scheduled, itertools.chain(self.running, self.waiting, self.swapped))
         return out
 
     def update(self, batch: SchedulerOutput, sampled_tokens: list[int]) -> list[Sequence]:
@@ -145,7 +140,7 @@ class Scheduler:
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit(item.seq)
-        self.num_scheduled_tokens += batch.num_tokens
+        self.ranking.scheduled(batch.num_tokens)
 
     def append(self, seqs: list[Sequence], tokens: list[int | FailedSample],
                logprobs: list[TokenLogprobs | None] | None = None) -> list[Sequence]:
@@ -163,10 +158,9 @@ class Scheduler:
     def fork(self, parent: Sequence, count: int) -> list[Sequence]:
         """`count` copies of `parent`, sharing its blocks, placed right after it in its queue."""
         children = [parent.fork() for _ in range(count)]
-        arrived = self._arrived_at.get(parent.seq_id, self.num_scheduled_tokens)
         for child in children:
             self.kv.fork(parent, child)
-            self._arrived_at[child.seq_id] = arrived  # a fork waited as long as its parent
+            self.ranking.forked(parent.seq_id, child.seq_id)
         queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
                  SequenceStatus.SWAPPED: self.swapped}[parent.status]
         at = queue.index(parent) + 1
@@ -295,13 +289,13 @@ class Scheduler:
         if got is None:
             return None
         self.waiting.remove(seq)
-        self._resident_tokens.pop(seq.seq_id, None)
+        self.ranking.admitted(seq.seq_id)
         self.loads.admitted(found, prefix)
         seq.num_computed_tokens = got.num_cached_tokens
         if not seq.recomputing:  # a client's prompt hit, not its own blocks found again
             seq.num_cached_tokens = got.num_cached_tokens
         if got.landing:  # its prefix is copied in from the CPU tier this step
-            self._loading.add(seq.seq_id)
+            self.phases.loading(seq.seq_id)
         return self._run(seq, n, got, out)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: float, prefilling: list[Sequence]) -> bool:
@@ -315,23 +309,15 @@ class Scheduler:
         seqs = prefilling + waiting
         if not seqs or budget <= 0:
             return False
-        candidates = [PrefillCandidate(self._to_compute(s), self._waited(s), self._done(s)) for s in seqs]
-        order = prefill_order(candidates, self.config.prefill_aging, self.config.scheduling_policy)
-        pairs = self._attention_weight() if out.scheduled else 0.0  # decodes ride in this step
-        wants = [chunk_cost(candidates[i].computed_tokens, candidates[i].remaining_tokens, pairs) for i in order]
-        cap = self.config.max_prefill_chunk_tokens
-        shares = share_budget(wants, budget, cap)
+        shares = self.ranking.share(seqs, budget, decodes_ride=bool(out.scheduled))
         backlog = self._prefill_backlog() if admit else 0
         slots = self._slots_taken()  # an upper bound once a preemption frees some
         blocked = False
-        for k, i in enumerate(order):
-            if budget <= 0:
-                break
-            seq, got, done = seqs[i], 0, candidates[i].computed_tokens
-            tokens = chunk_tokens(done, shares[k], pairs)
+        for i, tokens in shares:
+            seq, got = seqs[i], 0
             if i < len(prefilling):
                 if seq.status is SequenceStatus.RUNNING:  # not preempted for a sequence ahead
-                    lower = [seqs[j] for j in order[k + 1 :] if j < len(prefilling)]
+                    lower = [seqs[j] for j in shares.ranked_after() if j < len(prefilling)]
                     got = self._extend_prefill(out, seq, tokens, lower)
                     admit = admit and not out.preempted
             elif admit and tokens:
@@ -342,10 +328,7 @@ class Scheduler:
                     slots += seq.width if got is not None else 0
                 admit = got is not None
             blocked = blocked or got is None
-            n = got or 0
-            budget -= chunk_cost(done, n, pairs)
-            if n != tokens:  # it took less than its share: the rest goes to those after it
-                shares[k + 1 :] = share_budget(wants[k + 1 :], max(budget, 0), cap)
+            shares.took(got or 0)
         return blocked
 
     def _prefill_candidates(self) -> list[Sequence]:
@@ -362,9 +345,8 @@ class Scheduler:
             waiting.append(seq)
             if wait is LoadWait.LANDED:
                 landed.add(seq.seq_id)
-        stale = next((k for k in self._resident_tokens if k not in landed), None)
-        if waiting and stale is not None:
-            del self._resident_tokens[stale]
+        if waiting:
+            self.ranking.rematch_oldest(keep=landed)
         return waiting
 
     def _extend_prefill(self, out: SchedulerOutput, seq: Sequence, share: int, lower: list[Sequence]) -> int | None:
@@ -389,56 +371,10 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(seq, n))
         return n
 
-    def _to_compute(self, seq: Sequence) -> int:
-        """Tokens the sequence has left to compute; for a waiting one, less the prefix found
-        resident (GPU and CPU tiers) when it was last matched."""
-        if seq.status is not SequenceStatus.WAITING:
-            return seq.num_tokens - seq.num_computed_tokens
-        resident = self._resident_tokens.get(seq.seq_id)
-        if resident is None:
-            resident = self._resident_tokens[seq.seq_id] = self.kv.match_prefix(seq).num_tokens(self.kv.block_size)
-        return seq.num_tokens - resident
-
-    def _done(self, seq: Sequence) -> int:
-        """Tokens before the sequence's next chunk: computed, or found resident when waiting."""
-        if seq.status is not SequenceStatus.WAITING:
-            return seq.num_computed_tokens
-        return seq.num_tokens - self._to_compute(seq)
-
-    def _attention_weight(self) -> float:
-        """b/a of the cost model's prefill time a*N + b*N^2 (0 without a cost model)."""
-        cost = self.policy.cost
-        if cost is None or cost.prefill_s_per_token <= 0:
-            return 0.0
-        return cost.prefill_s_per_token_sq / cost.prefill_s_per_token
-
-    def _waited(self, seq: Sequence) -> int:
-        """Tokens scheduled (for anyone) since the sequence arrived."""
-        return self.num_scheduled_tokens - self._arrived_at.get(seq.seq_id, self.num_scheduled_tokens)
-
     def _wait_for_loads(self, seq: Sequence) -> None:
         """`seq` has nothing to compute this step before its KV lands from a lower tier."""
         self.load_waits += 1
-        self._loading.add(seq.seq_id)
-
-    def _mark_phases(self, out: SchedulerOutput) -> None:
-        """Tell each sequence still before its first token which phase it is in from now on
-        (`TtftSplit`): prefill if scheduled, loading if it waits for its KV, preempted if
-        swapped out or requeued, queued otherwise."""
-        now = time.monotonic()
-        scheduled = {s.seq.seq_id for s in out.scheduled}
-        for seq in itertools.chain(self.running, self.waiting, self.swapped):
-            if seq.first_token_time is not None:
-                continue
-            if seq.seq_id in scheduled:
-                seq.ttft_split.enter("prefill", now)
-            elif seq.seq_id in self._loading:
-                seq.ttft_split.enter("loading", now)
-            elif seq.status is SequenceStatus.SWAPPED or seq.recomputing and seq.status is SequenceStatus.WAITING:
-                seq.ttft_split.enter("preempted", now)
-            else:
-                seq.ttft_split.enter("queued", now)
-        self._loading.clear()
+        self.phases.loading(seq.seq_id)
 
     def _run(self, seq: Sequence, n: int, got: Allocation, out: SchedulerOutput) -> int:
         """Move `seq` to the running queue and schedule its `n` tokens, unless its KV is still
@@ -490,6 +426,5 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
                 break
-        self._arrived_at.pop(seq.seq_id, None)
-        self._resident_tokens.pop(seq.seq_id, None)
+        self.ranking.forget(seq.seq_id)
         self.kv.free(seq)

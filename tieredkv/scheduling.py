@@ -19,6 +19,8 @@ Operations:
 - `response_ratio(remaining_tokens, waited_tokens) -> float`: higher runs first (`hrrn`).
 - `prefill_order(candidates, aging, policy) -> list[int]`: the order of the prefill candidates.
 - `share_budget(wants, budget, cap) -> list[int]`: tokens for each, in that order.
+- `PrefillShares(candidates, budget, ...)`: one step's prefills in that order, each offered its
+  share as it comes; what one does not take goes to those after it.
 
 Aging counts work, not seconds: `waited_tokens` are the tokens the engine scheduled (for anyone)
 since the request arrived. A request with R tokens left ranks ahead of every request arriving
@@ -30,7 +32,7 @@ close to arrival order.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal, NamedTuple
 
 SchedulingPolicy = Literal["fcfs", "ttft", "hrrn"]
@@ -108,3 +110,40 @@ def chunk_tokens(done: int, budget: float, attention: float) -> int:
     while chunk_cost(done, n + 1, attention) <= budget + 1e-9:
         n += 1
     return max(n, 0)
+
+
+class PrefillShares:
+    """One step's prefill candidates in the policy's order, each offered its share of the
+    budget, each chunk charged for its attention (`chunk_cost`). Iterating yields (index into
+    the candidates, tokens offered) while budget is left; answer each with `took(n)`: a
+    candidate that takes less than its share leaves the rest to those after it."""
+
+    def __init__(self, candidates: Sequence[PrefillCandidate], budget: float, aging: float,
+                 policy: SchedulingPolicy, cap: int | None, attention: float) -> None:
+        self.candidates = candidates
+        self.order = prefill_order(candidates, aging, policy)
+        self.budget = budget
+        self._cap, self._attention = cap, attention
+        self._wants = [chunk_cost(candidates[i].computed_tokens, candidates[i].remaining_tokens, attention)
+                       for i in self.order]
+        self._shares = share_budget(self._wants, budget, cap)
+        self._at, self._offered = 0, 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for k, i in enumerate(self.order):
+            if self.budget <= 0:
+                return
+            self._at = k
+            self._offered = chunk_tokens(self.candidates[i].computed_tokens, self._shares[k], self._attention)
+            yield i, self._offered
+
+    def ranked_after(self) -> list[int]:
+        """The candidates after the one offered last, in order."""
+        return self.order[self._at + 1 :]
+
+    def took(self, n: int) -> None:
+        """The candidate offered last took `n` tokens."""
+        k = self._at
+        self.budget -= chunk_cost(self.candidates[self.order[k]].computed_tokens, n, self._attention)
+        if n != self._offered:  # it took less than its share: the rest goes to those after it
+            self._shares[k + 1 :] = share_budget(self._wants[k + 1 :], max(self.budget, 0), self._cap)

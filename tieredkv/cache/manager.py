@@ -15,8 +15,6 @@ Operations:
 - `computable(seq, budget, prefix) -> int`: the one question about those loads: how many
   tokens the sequence may compute now (0: wait for its loads); `load_wait(seq) -> LoadWait`:
   whether a sequence found with nothing to compute before its loads land still waits for them.
-The lower tier's per-request load state is `cache/lower_tier.py`'s (`LowerTier`); this module
-asks it, and copies the blocks it loaded onto the GPU.
 - `allocate(seq, num_new_tokens, prefix) -> Allocation | None`: blocks for the next tokens
   (`None`, with nothing changed, when the GPU pool is short); CPU hits are promoted. A block
   the new tokens write into that the sequence shares (a fork) is copied first.
@@ -30,46 +28,31 @@ asks it, and copies the blocks it loaded onto the GPU.
 - `block_table(seq)`: the block ids the model runner reads and writes.
 - `retire()` / `before_forward()`: finish transfers; order the next forward pass after them.
 
+What it composes: content keys and the prefix search (`cache/prefix.py`); each sequence's GPU
+blocks and copy-on-write (`cache/block_tables.py`); the CPU blocks of swapped-out sequences
+(`cache/swap.py`); the CPU tier and its transfers (`cache/offload.py`); the lower tier's
+per-request load state (`cache/lower_tier.py`: this module asks it, and copies the blocks it
+loaded onto the GPU).
+
 A sequence whose KV is still being copied in by a job submitted this step (`landing` in the
 results) computes from the next step on, so that this step's forward pass does not wait for
 the copy: it overlaps it.
-
-Copy-on-write: forked sequences share blocks by reference count. Only a shared block that is
-not full can be written (full blocks are never rewritten); the first sibling to write into it
-gets a copy, and the last one writes in place:
-
-    parent [b0 b1 b2*]      fork       a [b0 b1 b2*]  b [b0 b1 b2*]   (b2: 5 of 16 slots, ref 2)
-    a computes token 5:  a [b0 b1 b7]  b [b0 b1 b2]   (b7 = copy of b2, then slot 5 written)
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import NamedTuple
 
 from tieredkv.cache.block_pool import Block, BlockPool
-from tieredkv.cache.hashing import extend_block_hashes
+from tieredkv.cache.block_tables import BlockTables
 from tieredkv.cache.lower_tier import LandedLoad, LoadWait
 from tieredkv.cache.offload import CPUOffload
+from tieredkv.cache.prefix import BlockKeys, PrefixMatch, find_prefix, run_of
+from tieredkv.cache.swap import SwapSpace
 from tieredkv.sequence import Sequence
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.transfer.engine import TransferError
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Cached blocks holding the first tokens of a sequence: GPU blocks, then CPU blocks,
-    then blocks in the lower tier (usable once loaded into the CPU tier)."""
-
-    gpu_blocks: tuple[Block, ...] = ()
-    cpu_blocks: tuple[Block, ...] = ()
-    lower_refs: tuple[BlockRef, ...] = ()
-
-    def num_tokens(self, block_size: int) -> int:
-        """Tokens usable now (GPU and CPU hits)."""
-        return (len(self.gpu_blocks) + len(self.cpu_blocks)) * block_size
 
 
 class Allocation(NamedTuple):
@@ -116,6 +99,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, root_hash: int, offload: CPUOffload | None = None) -> None:
         self.block_size = block_size
         self.root_hash = root_hash
+        self.keys = BlockKeys(block_size, root_hash)
         self.offload = offload
         self.lower = offload.lower if offload is not None else None  # the tiers below the CPU tier
         # The eviction chain, wired here and nowhere else:
@@ -125,17 +109,13 @@ class KVCacheManager:
         #   CPU pool evicts a cached block ──► nothing: blocks being written to disk are held,
         #   so no allocation ever waits for the disk
         self.pool = BlockPool(num_blocks, on_evict=offload.demote if offload else None)
-        self._tables: dict[str, list[Block]] = {}
-        self._block_ids: dict[str, list[int]] = {}
-        self._num_committed: dict[str, int] = {}
-        self._swapped: dict[str, list[Block]] = {}
+        self.tables = BlockTables(self.pool)
+        self.swap = SwapSpace(offload) if offload is not None else None
         # H2D copies submitted this step and the GPU blocks they fill
         self._landing_jobs: set[int] = set()
         self._landing_blocks: set[int] = set()
-        self._copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) this step
         self.prefix_hit_tokens = 0
         self.gpu_hit_blocks = 0
-        self.cow_copies = 0
 
     @property
     def num_blocks(self) -> int:
@@ -146,7 +126,7 @@ class KVCacheManager:
 
     def block_table(self, seq: Sequence) -> list[int]:
         """Block ids of the sequence, in token order (do not modify)."""
-        return self._block_ids.get(seq.seq_id, [])
+        return self.tables.ids(seq.seq_id)
 
     def cpu_free_blocks(self) -> int:
         return self.offload.num_free if self.offload else 0
@@ -154,38 +134,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ prefix hits
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """The sequence's prefix found in each tier, in order: GPU blocks, then CPU blocks, then
-        blocks in the lower tier. Costs the blocks found, not the prompt (a waiting request is matched
-        again at each step it cannot be admitted)."""
-        refs = self._full_blocks(seq)
-        gpu, miss = _run_of(refs, self.pool.lookup)
-        if self.offload is None or miss is None:
-            return PrefixMatch(tuple(gpu))
-        cpu, miss = _run_of(itertools.chain([miss], refs), self.offload.lookup)
-        if miss is None or self.lower is None:
-            return PrefixMatch(tuple(gpu), tuple(cpu))
-        # the store verifies parent and tokens when it reads the block
-        start = len(gpu) + len(cpu)
-        stop = self.lower.held_run(self._hit_candidates(seq), start)
-        return PrefixMatch(tuple(gpu), tuple(cpu), tuple(self._block_refs(seq, start, stop)))
-
-    def _hit_candidates(self, seq: Sequence) -> list[int]:
-        """The hashes of the sequence's full blocks that a prefix hit may cover."""
-        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash)
-        return hashes[: (seq.num_tokens - 1) // self.block_size]
-
-    def _full_blocks(self, seq: Sequence, start: int = 0) -> Iterator[BlockRef]:
-        """The sequence's full blocks from block `start` on that a prefix hit may cover: at
-        least one token must be computed to get logits, so a full hit stops one block short."""
-        return self._block_refs(seq, start, (seq.num_tokens - 1) // self.block_size)
-
-    def _block_refs(self, seq: Sequence, start: int, stop: int) -> Iterator[BlockRef]:
-        """Content keys of the sequence's full blocks `start` to `stop - 1`."""
-        bs = self.block_size
-        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, bs, self.root_hash)
-        for i in range(start, stop):
-            parent = hashes[i - 1] if i else self.root_hash
-            yield BlockRef(hashes[i], parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+        """The sequence's prefix found in each tier (`find_prefix`)."""
+        return find_prefix(seq, self.keys, self.pool, self.offload)
 
     # ------------------------------------------------------------------ lower-tier loads
 
@@ -249,23 +199,23 @@ class KVCacheManager:
         if seq.num_computed_tokens % bs:
             found = []
         else:
-            found, _ = _run_of(self._full_blocks(seq, start), self.offload.lookup)
+            found, _ = run_of(self.keys.hit_refs(seq, start), self.offload.lookup)
         skipped = self._copy_loaded(seq, start, found) if found else 0
         self.lower.landed(seq.seq_id)
         return Landed(skipped * bs, skipped > 0)
 
     def _copy_loaded(self, seq: Sequence, start: int, cpu_blocks: list[Block]) -> int:
-        table = self._tables[seq.seq_id]
+        table = self.tables.blocks(seq.seq_id)
         need = start + len(cpu_blocks) - len(table)
         if need > self.pool.num_free:
             return 0
         for block in cpu_blocks:
             self.offload.pool.touch(block)
-        self._extend(seq.seq_id, self.pool.allocate(max(need, 0)) or [])
+        self.tables.extend(seq.seq_id, self.pool.allocate(max(need, 0)) or [])
         if not self._promote(cpu_blocks, table[start : start + len(cpu_blocks)]):
             return 0
         self._count_hit(seq, len(cpu_blocks) * self.block_size)
-        self._num_committed[seq.seq_id] = start + len(cpu_blocks)
+        self.tables.set_committed(seq.seq_id, start + len(cpu_blocks))
         return len(cpu_blocks)
 
     def _count_hit(self, seq: Sequence, num_tokens: int, num_gpu_blocks: int = 0) -> None:
@@ -280,7 +230,7 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> Allocation | None:
         """Blocks for `num_new_tokens` more tokens. A new sequence passes its `prefix`: the
         result says how many of its tokens the cache already holds."""
-        table = self._tables.get(seq.seq_id)
+        table = self.tables.blocks(seq.seq_id)
         if table is None:
             return self._allocate_new(seq, num_new_tokens, prefix or PrefixMatch())
         end = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
@@ -290,42 +240,22 @@ class KVCacheManager:
         if fresh is None:
             return None
         for i in shared:
-            self._copy_on_write(seq.seq_id, i, fresh.pop())
-        self._extend(seq.seq_id, fresh)
+            self.tables.copy_on_write(seq.seq_id, i, fresh.pop())
+        self.tables.extend(seq.seq_id, fresh)
         return EXTENDED
-
-    def _copy_on_write(self, seq_id: str, index: int, copy: Block) -> None:
-        """Give the sequence `copy` in place of its shared block `index`; the copy is made
-        before the next forward pass writes into it."""
-        table = self._tables[seq_id]
-        shared, table[index] = table[index], copy
-        self._block_ids[seq_id][index] = copy.block_id
-        self.pool.release([shared])  # its other owners keep it
-        self._copies.append((shared.block_id, copy.block_id))
-        self.cow_copies += 1
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) GPU block copies that the next forward pass must find done:
         run them on the compute stream after `before_forward()`, before the forward pass."""
-        copies, self._copies = self._copies, []
-        return copies
+        return self.tables.take_copies()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child`, a copy of `parent`, shares every block `parent` holds (GPU blocks, or the CPU
         blocks of a swapped-out parent); a later write into a shared block copies it first. Loads
         in flight are not shared: a child that needs them plans its own."""
-        table = self._tables.get(parent.seq_id)
-        if table is not None:
-            for block in table:
-                self.pool.touch(block)
-            self._tables[child.seq_id] = list(table)
-            self._block_ids[child.seq_id] = list(self._block_ids[parent.seq_id])
-            self._num_committed[child.seq_id] = self._num_committed[parent.seq_id]
-        swapped = self._swapped.get(parent.seq_id)
-        if swapped is not None:
-            for block in swapped:
-                self.offload.pool.touch(block)
-            self._swapped[child.seq_id] = list(swapped)
+        self.tables.share(parent.seq_id, child.seq_id)
+        if self.swap is not None:
+            self.swap.share(parent.seq_id, child.seq_id)
 
     def _allocate_new(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> Allocation | None:
         reused, promoted = prefix.gpu_blocks, list(prefix.cpu_blocks)
@@ -344,16 +274,15 @@ class KVCacheManager:
         landing = any(b.block_id in self._landing_blocks for b in reused)
         fresh = self.pool.allocate(need)
         assert fresh is not None, "free count checked above"
-        self._tables[seq.seq_id], self._block_ids[seq.seq_id] = [], []
-        self._extend(seq.seq_id, [*reused, *fresh])
+        self.tables.start(seq.seq_id, [*reused, *fresh])
         if self.offload is not None:
-            asked = self._hit_candidates(seq)
+            asked = self.keys.hit_candidates(seq)
             self.offload.requested(asked, len(reused))
             if self.lower is not None:
                 self.lower.requested(asked, len(reused) + len(promoted))
         num_promoted = self._promote(promoted, fresh)
         num_hit_blocks = len(reused) + num_promoted
-        self._num_committed[seq.seq_id] = num_hit_blocks
+        self.tables.set_committed(seq.seq_id, num_hit_blocks)
         self._count_hit(seq, num_hit_blocks * self.block_size, len(reused))
         return Allocation(num_hit_blocks * self.block_size, landing or num_promoted > 0)
 
@@ -376,50 +305,28 @@ class KVCacheManager:
         self._landing_jobs.add(job_id)
         self._landing_blocks.update(b.block_id for b in gpu_blocks)
 
-    def _extend(self, seq_id: str, blocks: list[Block]) -> None:
-        self._tables[seq_id].extend(blocks)
-        self._block_ids[seq_id].extend(b.block_id for b in blocks)
-
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's newly computed full blocks in the prefix cache."""
         full = seq.num_computed_tokens // self.block_size
-        done = self._num_committed[seq.seq_id]
+        done = self.tables.num_committed(seq.seq_id)
         if full <= done:
             return
-        table = self._tables[seq.seq_id]
-        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash)
-        for i in range(done, full):
-            parent = hashes[i - 1] if i else self.root_hash
-            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            self.pool.cache(table[i], hashes[i], parent, tokens)
-        self._num_committed[seq.seq_id] = full
+        table = self.tables.blocks(seq.seq_id)
+        for block, ref in zip(table[done:full], self.keys.refs(seq, done, full), strict=True):
+            self.pool.cache(block, *ref)
+        self.tables.set_committed(seq.seq_id, full)
 
     def swap_out(self, seq: Sequence) -> bool:
         """Copy the blocks holding the sequence's computed KV (the partial last one too) to the
-        CPU tier and free all of its GPU blocks. A full block the CPU tier holds already (a
-        sibling's, a demoted prefix) is shared instead of copied, and the full blocks copied are
-        made findable there. False (nothing changed) when there is nothing to keep, no CPU room,
-        or the copy fails."""
+        CPU tier (`SwapSpace.swap_out`) and free all of its GPU blocks. False (nothing changed)
+        when there is nothing to keep, no CPU room, or the copy fails."""
         keep = self.blocks_needed(seq.num_computed_tokens)
-        if self.offload is None or keep == 0:
+        if self.swap is None or keep == 0:
             return False
-        refs = list(self._block_refs(seq, 0, seq.num_computed_tokens // self.block_size))
-        found = [self.offload.lookup(*ref) for ref in refs] + [None] * (keep - len(refs))
-        shared = [block for block in found if block is not None]
-        for block in shared:  # held first: the copy below may evict unowned CPU blocks
-            self.offload.pool.touch(block)
-        to_copy = [i for i, block in enumerate(found) if block is None]
-        copied = self.offload.copy_out([self.block_table(seq)[i] for i in to_copy]) if to_copy else []
-        if copied is None:
-            self.offload.pool.release(shared)
+        refs = list(self.keys.refs(seq, 0, seq.num_computed_tokens // self.block_size))
+        if not self.swap.swap_out(seq.seq_id, self.block_table(seq)[:keep], refs):
             return False
-        for i, block in zip(to_copy, copied, strict=True):
-            found[i] = block
-            if i < len(refs):
-                self.offload.pool.cache(block, *refs[i])
-        self.offload.shared_swap_blocks += len(shared)
-        self._release_gpu(seq)
-        self._swapped[seq.seq_id] = found
+        self.tables.release(seq.seq_id)
         return True
 
     def swap_in(self, seq: Sequence, num_new_tokens: int) -> Allocation | KVLost | None:
@@ -428,10 +335,10 @@ class KVCacheManager:
         sequence holds nothing any more and must be recomputed). A full block found on the GPU
         (still cached, or a sibling's swapped in before) is shared instead of copied back; the
         full blocks copied are made findable at once (they are landing)."""
-        cpu_blocks = self._swapped[seq.seq_id]
-        refs = list(self._block_refs(seq, 0, seq.num_computed_tokens // self.block_size))
+        num_swapped = self.swap.num_blocks(seq.seq_id)
+        refs = list(self.keys.refs(seq, 0, seq.num_computed_tokens // self.block_size))
         num_blocks = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        assert num_blocks >= len(cpu_blocks), "swap_out keeps only the blocks of computed tokens"
+        assert num_blocks >= num_swapped, "swap_out keeps only the blocks of computed tokens"
         table: list[Block | None] = [self.pool.lookup(*ref) for ref in refs]
         table += [None] * (num_blocks - len(table))
         need = table.count(None)
@@ -442,45 +349,34 @@ class KVCacheManager:
             if block is not None:
                 self.pool.touch(block)
         fresh = iter(self.pool.allocate(need) or [])
-        to_copy = [i for i, block in enumerate(table[: len(cpu_blocks)]) if block is None]
+        to_copy = [i for i, block in enumerate(table[:num_swapped]) if block is None]
         table = [block if block is not None else next(fresh) for block in table]
-        del self._swapped[seq.seq_id]
-        self._tables[seq.seq_id], self._block_ids[seq.seq_id] = [], []
-        self._extend(seq.seq_id, table)
-        self._num_committed[seq.seq_id] = len(refs)
-        copied = set(to_copy)
-        self.offload.pool.release(block for i, block in enumerate(cpu_blocks) if i not in copied)
-        return self._copy_back(seq, refs, [cpu_blocks[i] for i in to_copy], [table[i] for i in to_copy])
+        self.tables.start(seq.seq_id, table)
+        self.tables.set_committed(seq.seq_id, len(refs))
+        return self._copy_back(seq, refs, {i: table[i] for i in to_copy})
 
-    def _copy_back(self, seq: Sequence, refs: list[BlockRef], cpu_blocks: list[Block],
-                   gpu_blocks: list[Block]) -> Allocation | KVLost:
-        """Copy a swapped sequence's CPU blocks into its new GPU blocks and cache the full ones."""
-        if cpu_blocks:
-            try:
-                self._land(self.offload.copy_in(cpu_blocks, [b.block_id for b in gpu_blocks]), gpu_blocks)
-            except TransferError as err:
-                self.free(seq)
-                return KVLost(str(err))
-        keys = {block.block_id: ref for block, ref in zip(self._tables[seq.seq_id], refs, strict=False)}
-        for block in gpu_blocks:
-            if block.block_id in keys:
-                self.pool.cache(block, *keys[block.block_id])
+    def _copy_back(self, seq: Sequence, refs: list[BlockRef], targets: dict[int, Block]) -> Allocation | KVLost:
+        """Copy a swapped sequence's CPU blocks into their new GPU `targets` (by index in its
+        table) and cache the full ones."""
+        try:
+            job_id = self.swap.copy_back(seq.seq_id, targets)
+        except TransferError as err:
+            self.free(seq)
+            return KVLost(str(err))
+        if job_id is not None:
+            self._land(job_id, list(targets.values()))
+        for i, block in targets.items():
+            if i < len(refs):
+                self.pool.cache(block, *refs[i])
         return SWAPPED_IN
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks in every tier and forget its load plan."""
-        self._release_gpu(seq)
-        swapped = self._swapped.pop(seq.seq_id, None)
-        if swapped:
-            self.offload.pool.release(swapped)
+        self.tables.release(seq.seq_id)
+        if self.swap is not None:
+            self.swap.release(seq.seq_id)
         if self.lower is not None:
             self.lower.forget(seq.seq_id)
-
-    def _release_gpu(self, seq: Sequence) -> None:
-        # last block first, so that it is evicted first
-        self.pool.release(reversed(self._tables.pop(seq.seq_id, [])))
-        self._block_ids.pop(seq.seq_id, None)
-        self._num_committed.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody owns, on the GPU and in the CPU tier (the lower tier
@@ -513,7 +409,7 @@ class KVCacheManager:
             "gpu_evictions": self.pool.num_evictions,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "gpu_hit_blocks": self.gpu_hit_blocks,
-            "cow_block_copies": self.cow_copies,
+            "cow_block_copies": self.tables.cow_copies,
         }
         if self.offload:
             stats.update(self.offload.stats())
@@ -522,16 +418,3 @@ class KVCacheManager:
     def close(self) -> None:
         if self.offload:
             self.offload.close()
-
-
-def _run_of(refs: Iterator[BlockRef],
-            lookup: Callable[[int, int, tuple[int, ...]], Block | None]) -> tuple[list[Block], BlockRef | None]:
-    """The blocks `lookup` finds for the first of `refs`, up to the first miss, and that miss
-    (None: every ref was found); what follows the miss is left in `refs`."""
-    found = []
-    for ref in refs:
-        block = lookup(ref.block_hash, ref.parent_hash, ref.token_ids)
-        if block is None:
-            return found, ref
-        found.append(block)
-    return found, None

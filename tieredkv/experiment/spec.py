@@ -35,7 +35,7 @@ from tieredkv.config import (
     resolve_paths,
     unknown_key,
 )
-from tieredkv.experiment.metrics import Slo
+from tieredkv.experiment.slo import Slo
 from tieredkv.experiment.workloads import WORKLOADS, Workload, make_workload
 
 RESULTS_MARK = ".tieredkv-results"  # a results folder `tieredkv run` made (and may empty)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tieredkv.experiment.metrics import ATTAINMENT, Summary
+from tieredkv.experiment.metrics import Summary
+from tieredkv.experiment.slo import ATTAINMENT
 from tieredkv.experiment.spec import Experiment, Run
 
 SWEPT = ("request_throughput", "output_throughput", "p90_ttft_ms", "p99_ttft_ms", "median_ttft_ms",

@@ -11,8 +11,11 @@ requests through `client.request(prompt, max_tokens, tag)` at the times it choos
 - `preemption_storm`: many long generations that together exceed the GPU KV budget.
 - `long_context`: prompts of heavy-tailed lengths (lognormal, clipped, e.g. to 2k-128k tokens),
   part of them starting with one of a few shared documents; Poisson arrivals.
-- `replay`: a JSONL trace: `{"time": s, "prompt": [ids] | "text": str, "max_tokens": n}` lines, or
-  the Mooncake FAST'25 format (`traces.py`), with a time window, sampling and time scaling.
+- `replay` (`replay.py`): a JSONL trace: `{"time": s, "prompt": [ids] | "text": str,
+  "max_tokens": n}` lines, or the Mooncake FAST'25 format (`traces.py`), with a time window,
+  sampling and time scaling.
+`make_workload(section)` builds one from its YAML keys; `describe_workload(workload)` says what it
+was, for result.json. What they share (the client, the clock, arrivals) is `sending.py`'s.
 
 Arrivals (`rate`): None sends requests at once, a number draws Poisson arrivals at that many
 requests (for `multi_turn`: users) per second. The same seed sends the same requests.
@@ -22,74 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import math
-import os
 import random
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, get_args
+from typing import Any
 
-from tieredkv.config import check_choice, check_int, unknown_key
-from tieredkv.experiment.traces import (
-    TraceFormat,
-    TraceLine,
-    TraceRequest,
-    prefix_hit_bound,
-    prompt_token_ids,
-    read_trace,
-    select,
-)
-
-FIRST_TOKEN_ID = 4  # ids below are often special tokens
-
-
-class Client(Protocol):
-    async def request(self, prompt: list[int] | str, max_tokens: int, tag: str, returning: bool = False) -> list[int]:
-        """Send one request; `returning` marks a prompt that extends one sent before (a later
-        turn, another question on a document), whose prefix some tier may still hold."""
-        ...
-
-
-def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
-
-
-def _check_fields(workload: Any) -> None:
-    for f in dataclasses.fields(workload):
-        value = getattr(workload, f.name)
-        if f.type in ("int", int) or (f.type == "int | None" and value is not None):
-            check_int(f"workload.{f.name}", value, 0 if f.name == "seed" else 1)
-        elif f.name.endswith("_s") and value is not None and (not isinstance(value, (int, float)) or value < 0):
-            raise ValueError(f"workload.{f.name}: expected seconds >= 0, got {value!r}")
-    rate = getattr(workload, "rate", None)
-    if rate is not None and (not isinstance(rate, (int, float)) or rate <= 0):
-        raise ValueError(f"workload.rate: expected requests per second > 0, or null for all at once, got {rate!r}")
-
-
-def _arrival_times(rng: random.Random, rate: float | None, n: int) -> list[float]:
-    """Seconds from the start of `n` Poisson arrivals at `rate` per second (all 0 for None);
-    leaves `rng` as it was, so the requests drawn after do not depend on the rate."""
-    if rate is None:
-        return [0.0] * n
-    times, t = [], 0.0
-    state = rng.getstate()
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        times.append(t)
-    rng.setstate(state)
-    return times
-
-
-def _clock() -> Callable[[float], Awaitable[None]]:
-    """`await at(t)`: sleep until `t` seconds after this call."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-
-    async def at(when: float) -> None:
-        await asyncio.sleep(max(0.0, start + when - loop.time()))
-
-    return at
+from tieredkv.config import unknown_key
+from tieredkv.experiment.replay import ReplayWorkload
+from tieredkv.experiment.sending import Client, arrival_times, check_fields, clock, random_tokens, send_all
 
 
 @dataclass(frozen=True)
@@ -109,7 +52,7 @@ class MultiTurnWorkload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_fields(self)
+        check_fields(self)
 
     @property
     def num_requests(self) -> int:
@@ -122,8 +65,8 @@ class MultiTurnWorkload:
         messages = [[random_tokens(rng, first if t == 0 else self.message_tokens, vocab_size)
                      for t in range(self.turns)] for _ in range(self.users)]
 
-        at = _clock()
-        arrivals = _arrival_times(rng, self.rate, self.users)
+        at = clock()
+        arrivals = arrival_times(rng, self.rate, self.users)
 
         async def user(u: int) -> None:
             await at(arrivals[u])
@@ -150,7 +93,7 @@ class LongDocQAWorkload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_fields(self)
+        check_fields(self)
 
     @property
     def num_requests(self) -> int:
@@ -161,7 +104,7 @@ class LongDocQAWorkload:
         docs = [random_tokens(rng, self.document_tokens, vocab_size) for _ in range(self.documents)]
         prompts = [(f"doc{d}/q{q}", docs[d] + random_tokens(rng, self.question_tokens, vocab_size), q > 0)
                    for q in range(self.questions) for d in range(self.documents)]
-        await _send_all(client, prompts, self.max_tokens, rng, self.rate)
+        await send_all(client, prompts, self.max_tokens, rng, self.rate)
 
 
 @dataclass(frozen=True)
@@ -175,7 +118,7 @@ class PreemptionStormWorkload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_fields(self)
+        check_fields(self)
 
     @property
     def num_requests(self) -> int:
@@ -185,112 +128,7 @@ class PreemptionStormWorkload:
         rng = random.Random(self.seed)
         prompts = [(f"gen{i}", random_tokens(rng, self.prompt_tokens, vocab_size), False)
                    for i in range(self.requests)]
-        await _send_all(client, prompts, self.max_tokens, rng, self.rate)
-
-
-@dataclass(frozen=True)
-class ReplayWorkload:
-    """Requests read from a JSONL trace (`traces.py`: this project's prompts format or the
-    Mooncake FAST'25 format), sent at their times.
-
-    Selection: lines in [`start_s`, `start_s + duration_s`) of the trace's clock, a seeded
-    `fraction` of its conversations, prompts of at most `max_input_tokens`, the first
-    `max_requests`. Times start at 0 and are multiplied by `time_scale` (0.5: twice as fast), or
-    divided by `speed` (2: twice as fast; the load a sweep raises), or scaled so that requests
-    arrive `rate` per second on average. Outputs are capped at
-    `max_output_tokens`; `max_tokens` is for prompts lines that do not say. A Mooncake hash id
-    stands for `block_tokens` tokens drawn from `seed`."""
-
-    path: str = ""
-    format: TraceFormat = "auto"
-    max_tokens: int = 16
-    max_output_tokens: int | None = None
-    time_scale: float = 1.0
-    speed: float | None = None
-    rate: float | None = None
-    start_s: float = 0.0
-    duration_s: float | None = None
-    fraction: float = 1.0
-    max_requests: int | None = None
-    max_input_tokens: int | None = None
-    block_tokens: int = 512
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.path or not isinstance(self.path, str):
-            raise ValueError("workload.path: a replay needs the JSONL file of requests")
-        check_choice("workload.format", self.format, get_args(TraceFormat))
-        _check_fields(self)
-        if not isinstance(self.time_scale, (int, float)) or isinstance(self.time_scale, bool) or self.time_scale < 0:
-            raise ValueError(
-                f"workload.time_scale: expected a factor >= 0 (0.5 replays twice as fast), got {self.time_scale!r}"
-            )
-        if self.rate is not None and self.time_scale != 1.0:
-            raise ValueError("workload.rate: set either rate (requests per second) or time_scale, not both")
-        if self.speed is not None and (isinstance(self.speed, bool) or not isinstance(self.speed, (int, float))
-                                       or not 0 < self.speed < float("inf")):
-            raise ValueError(f"workload.speed: expected a factor > 0 (2 replays twice as fast), got {self.speed!r}")
-        if self.speed is not None and (self.rate is not None or self.time_scale != 1.0):
-            raise ValueError("workload.speed: set either speed or rate / time_scale, not both "
-                             "(speed 2 is time_scale 0.5)")
-        if not isinstance(self.fraction, (int, float)) or isinstance(self.fraction, bool) or not 0 < self.fraction <= 1:
-            raise ValueError(
-                f"workload.fraction: expected a fraction of conversations in (0, 1], got {self.fraction!r}"
-            )
-
-    @functools.cached_property
-    def requests(self) -> list[TraceRequest]:
-        """The selected requests (the file is read and checked once)."""
-        return self._trace[1]
-
-    @functools.cached_property
-    def _trace(self) -> tuple[list[TraceLine], list[TraceRequest]]:
-        lines = _read_trace(self.path, self.format, self.block_tokens)
-        selected = select(
-            lines, block_tokens=self.block_tokens, start_s=self.start_s, duration_s=self.duration_s,
-            fraction=self.fraction, max_requests=self.max_requests, max_input_tokens=self.max_input_tokens,
-            time_scale=self.time_scale if self.speed is None else 1 / self.speed, rate=self.rate, seed=self.seed,
-        )
-        if not selected:
-            raise ValueError(f"workload: no line of {self.path} is selected; widen the window, fraction or limits")
-        return lines, selected
-
-    def describe(self) -> dict[str, Any]:
-        """The trace as replayed: its format, lines read and sent, returning ones, arrival span."""
-        lines, selected = self._trace
-        span = selected[-1].time_s
-        return {
-            "format": "mooncake" if lines[0].hash_ids else "prompts", "lines": len(lines),
-            "requests": len(selected), "returning": sum(r.returning for r in selected),
-            "conversations": len({r.conversation for r in selected}), "span_s": span,
-            "offered_rate": (len(selected) - 1) / span if span > 0 else None,
-            "prompt_tokens": sum(r.line.num_prompt_tokens or 0 for r in selected),
-            "prefix_hit_bound": prefix_hit_bound([r.line for r in selected], self.block_tokens)
-            if lines[0].hash_ids else None,
-        }
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.requests)
-
-    def output_tokens(self, request: TraceRequest) -> int:
-        n = request.line.output_tokens or self.max_tokens
-        return n if self.max_output_tokens is None else min(n, self.max_output_tokens)
-
-    async def run(self, client: Client, vocab_size: int) -> None:
-        at = _clock()
-        blocks: dict[int, list[int]] = {}
-
-        async def one(request: TraceRequest) -> None:
-            line = request.line
-            if line.hash_ids:
-                prompt = prompt_token_ids(line, self.block_tokens, vocab_size, self.seed, blocks)
-            else:
-                prompt = list(line.prompt) if isinstance(line.prompt, tuple) else line.prompt
-            await at(request.time_s)
-            await client.request(prompt, self.output_tokens(request), f"line{line.line}", request.returning)
-
-        await asyncio.gather(*(one(r) for r in self.requests))
+        await send_all(client, prompts, self.max_tokens, rng, self.rate)
 
 
 @dataclass(frozen=True)
@@ -315,7 +153,7 @@ class LongContextWorkload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_fields(self)
+        check_fields(self)
         if not self.min_prompt_tokens <= self.median_prompt_tokens <= self.max_prompt_tokens:
             raise ValueError(
                 f"workload.median_prompt_tokens: {self.median_prompt_tokens} is outside [min_prompt_tokens "
@@ -336,7 +174,7 @@ class LongContextWorkload:
         """Every request as (arrival second, tag, prompt, returning: its document was sent
         before), in arrival order."""
         rng = random.Random(self.seed)
-        times = _arrival_times(rng, self.rate, self.requests)
+        times = arrival_times(rng, self.rate, self.requests)
         lengths = [self._length(rng) for _ in range(self.requests)]
         docs = [rng.randrange(self.documents) if rng.random() < self.shared_fraction else None for _ in lengths]
         needed = {d: max(n for n, e in zip(lengths, docs, strict=True) if e == d) for d in set(docs) - {None}}
@@ -356,39 +194,13 @@ class LongContextWorkload:
         return min(max(n, self.min_prompt_tokens), self.max_prompt_tokens)
 
     async def run(self, client: Client, vocab_size: int) -> None:
-        at = _clock()
+        at = clock()
 
         async def one(when: float, tag: str, prompt: list[int], returning: bool) -> None:
             await at(when)
             await client.request(prompt, self.max_tokens, tag, returning)
 
         await asyncio.gather(*(one(*request) for request in self.plan(vocab_size)))
-
-
-def _read_trace(path: str, fmt: TraceFormat, block_tokens: int) -> list[TraceLine]:
-    """`read_trace`, once per file version (every load point of a sweep replays the same file)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return read_trace(path, fmt, block_tokens)  # which says what is wrong
-    return _read_trace_version(path, fmt, block_tokens, st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=4)
-def _read_trace_version(path: str, fmt: TraceFormat, block_tokens: int, mtime_ns: int, size: int) -> list[TraceLine]:
-    return read_trace(path, fmt, block_tokens)
-
-
-async def _send_all(client: Client, prompts: list[tuple[str, list[int], bool]], max_tokens: int,
-                    rng: random.Random, rate: float | None) -> None:
-    at = _clock()
-    times = _arrival_times(rng, rate, len(prompts))
-
-    async def one(when: float, tag: str, prompt: list[int], returning: bool) -> None:
-        await at(when)
-        await client.request(prompt, max_tokens, tag, returning)
-
-    await asyncio.gather(*(one(t, *request) for t, request in zip(times, prompts, strict=True)))
 
 
 WORKLOADS: dict[str, type] = {

@@ -1,0 +1,84 @@
+"""What every workload shares: the client its requests go through, the clock it sends them by,
+Poisson arrivals, seeded token ids, and the check of its fields.
+
+Operations:
+- `Client`: `await client.request(prompt, max_tokens, tag, returning)` sends one request.
+- `clock()`: `await at(t)` sleeps until `t` seconds after the call.
+- `arrival_times(rng, rate, n)`: Poisson arrivals at `rate` per second (None: all at once);
+  `send_all(client, prompts, max_tokens, rng, rate)`: send prompts at such times.
+- `random_tokens(rng, n, vocab_size)`: seeded token ids (none of the low, often special, ones).
+- `check_fields(workload)`: a workload's counts, seconds and rate, checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from tieredkv.config import check_int
+
+FIRST_TOKEN_ID = 4  # ids below are often special tokens
+
+
+class Client(Protocol):
+    async def request(self, prompt: list[int] | str, max_tokens: int, tag: str, returning: bool = False) -> list[int]:
+        """Send one request; `returning` marks a prompt that extends one sent before (a later
+        turn, another question on a document), whose prefix some tier may still hold."""
+        ...
+
+
+def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
+
+
+def check_fields(workload: Any) -> None:
+    for f in dataclasses.fields(workload):
+        value = getattr(workload, f.name)
+        if f.type in ("int", int) or (f.type == "int | None" and value is not None):
+            check_int(f"workload.{f.name}", value, 0 if f.name == "seed" else 1)
+        elif f.name.endswith("_s") and value is not None and (not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"workload.{f.name}: expected seconds >= 0, got {value!r}")
+    rate = getattr(workload, "rate", None)
+    if rate is not None and (not isinstance(rate, (int, float)) or rate <= 0):
+        raise ValueError(f"workload.rate: expected requests per second > 0, or null for all at once, got {rate!r}")
+
+
+def arrival_times(rng: random.Random, rate: float | None, n: int) -> list[float]:
+    """Seconds from the start of `n` Poisson arrivals at `rate` per second (all 0 for None);
+    leaves `rng` as it was, so the requests drawn after do not depend on the rate."""
+    if rate is None:
+        return [0.0] * n
+    times, t = [], 0.0
+    state = rng.getstate()
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        times.append(t)
+    rng.setstate(state)
+    return times
+
+
+def clock() -> Callable[[float], Awaitable[None]]:
+    """`await at(t)`: sleep until `t` seconds after this call."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def at(when: float) -> None:
+        await asyncio.sleep(max(0.0, start + when - loop.time()))
+
+    return at
+
+
+async def send_all(client: Client, prompts: list[tuple[str, list[int], bool]], max_tokens: int,
+                   rng: random.Random, rate: float | None) -> None:
+    """Send `(tag, prompt, returning)` requests at `arrival_times` drawn from `rng`."""
+    at = clock()
+    times = arrival_times(rng, rate, len(prompts))
+
+    async def one(when: float, tag: str, prompt: list[int], returning: bool) -> None:
+        await at(when)
+        await client.request(prompt, max_tokens, tag, returning)
+
+    await asyncio.gather(*(one(t, *request) for t, request in zip(times, prompts, strict=True)))

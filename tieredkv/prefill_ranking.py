@@ -1,0 +1,98 @@
+"""What the scheduler's prefills are ranked by (`scheduling_policy` `ttft`, `hrrn`): how long each
+sequence has waited, counted in tokens of work scheduled since it arrived, and how many tokens
+it has left to compute, a waiting one's resident prefix (GPU and CPU tiers) counting as computed.
+The policy's maths over those numbers is `tieredkv.scheduling`.
+
+Operations:
+- `arrived(seq_id)` / `forked(parent_id, child_id)` / `forget(seq_id)`: a sequence's wait starts
+  (a fork has waited as long as its parent), and ends.
+- `scheduled(num_tokens)`: a step's tokens were computed: the clock of waits.
+- `admitted(seq_id)`: a waiting sequence was admitted: its resident prefix is not needed any more;
+  `rematch_oldest(keep)`: forget the oldest resident prefix (not of `keep`), matched again when next
+  asked for: one a step, as matching costs.
+- `share(seqs, budget, decodes_ride) -> PrefillShares`: the sequences ranked, with their shares of
+  `budget`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from tieredkv.cache.manager import KVCacheManager
+from tieredkv.config import SchedulerConfig
+from tieredkv.policy import TierPolicy
+from tieredkv.scheduling import PrefillCandidate, PrefillShares
+from tieredkv.sequence import Sequence, SequenceStatus
+
+
+class PrefillRanking:
+    """Each sequence's wait and, for waiting ones, its resident prefix as last matched."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: TierPolicy) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        # waits (`ttft` aging, `hrrn` ratios): tokens scheduled so far, and that count when each sequence arrived
+        self.num_scheduled_tokens = 0
+        self._arrived_at: dict[str, int] = {}
+        # `ttft`: resident prefix tokens of waiting sequences as last matched, oldest match first
+        self._resident_tokens: dict[str, int] = {}
+
+    def arrived(self, seq_id: str) -> None:
+        self._arrived_at[seq_id] = self.num_scheduled_tokens
+
+    def forked(self, parent_id: str, child_id: str) -> None:
+        self._arrived_at[child_id] = self._arrived_at.get(parent_id, self.num_scheduled_tokens)
+
+    def forget(self, seq_id: str) -> None:
+        self._arrived_at.pop(seq_id, None)
+        self._resident_tokens.pop(seq_id, None)
+
+    def scheduled(self, num_tokens: int) -> None:
+        self.num_scheduled_tokens += num_tokens
+
+    def admitted(self, seq_id: str) -> None:
+        self._resident_tokens.pop(seq_id, None)
+
+    def rematch_oldest(self, keep: Collection[str]) -> None:
+        """Forget the oldest resident prefix not of `keep`: it is matched again when next asked for."""
+        stale = next((k for k in self._resident_tokens if k not in keep), None)
+        if stale is not None:
+            del self._resident_tokens[stale]
+
+    def share(self, seqs: list[Sequence], budget: float, decodes_ride: bool) -> PrefillShares:
+        """`seqs` in the policy's order with their shares of `budget`; `decodes_ride`: decodes
+        run in this step (each prefill chunk is then charged for its attention, as the cost model
+        says)."""
+        candidates = [PrefillCandidate(self._to_compute(s), self._waited(s), self._done(s)) for s in seqs]
+        attention = self._attention_weight() if decodes_ride else 0.0
+        config = self.config
+        return PrefillShares(candidates, budget, config.prefill_aging, config.scheduling_policy,
+                             config.max_prefill_chunk_tokens, attention)
+
+    def _to_compute(self, seq: Sequence) -> int:
+        """Tokens the sequence has left to compute; for a waiting one, less the prefix found
+        resident (GPU and CPU tiers) when it was last matched."""
+        if seq.status is not SequenceStatus.WAITING:
+            return seq.num_tokens - seq.num_computed_tokens
+        resident = self._resident_tokens.get(seq.seq_id)
+        if resident is None:
+            resident = self._resident_tokens[seq.seq_id] = self.kv.match_prefix(seq).num_tokens(self.kv.block_size)
+        return seq.num_tokens - resident
+
+    def _done(self, seq: Sequence) -> int:
+        """Tokens before the sequence's next chunk: computed, or found resident when waiting."""
+        if seq.status is not SequenceStatus.WAITING:
+            return seq.num_computed_tokens
+        return seq.num_tokens - self._to_compute(seq)
+
+    def _attention_weight(self) -> float:
+        """b/a of the cost model's prefill time a*N + b*N^2 (0 without a cost model)."""
+        cost = self.policy.cost
+        if cost is None or cost.prefill_s_per_token <= 0:
+            return 0.0
+        return cost.prefill_s_per_token_sq / cost.prefill_s_per_token
+
+    def _waited(self, seq: Sequence) -> int:
+        """Tokens scheduled (for anyone) since the sequence arrived."""
+        return self.num_scheduled_tokens - self._arrived_at.get(seq.seq_id, self.num_scheduled_tokens)
