@@ -2,8 +2,8 @@
 
 Modules: `info` (`EngineInfo`: the engine's facts, fixed at start-up), `thread` (the loop in a
 thread of this process), `process` (the loop in an engine process of its own: this side),
-`child` (that process's main loop), `deltas` (each step's outputs as per-request deltas, and
-the outputs rebuilt from them).
+`child` (that process's main loop), `messages` (what the two processes send each other),
+`deltas` (each step's outputs as per-request deltas, and the outputs rebuilt from them).
 
 Both loops take the same calls from the event loop (`add`, `abort`, `reset_prefix_cache`,
 `stats`, `drained`, `close`) and hand every step's outputs to an `OutputSink` in one call on the
