@@ -1,14 +1,17 @@
 """The cost of the HTTP path: one workload through in-process `AsyncLLM`, then through
-`tieredkv serve` (a subprocess on this host) with a streaming client over loopback HTTP.
+`tieredkv serve` (a subprocess on this host) with a streaming client over loopback HTTP, once
+per `--server-modes` entry: `process` (the server's default: the engine in a process of its
+own) and `thread` (`--engine-loop thread`: the engine in a thread of the server's process).
 Same engine configuration, same requests (random token-id prompts, greedy, EOS ignored, so
 every request yields exactly `--new` tokens), `--concurrency` streams at a time. Prints output
-tokens/s, TTFT / ITL p50 and the CPU time per output token of the process that runs the engine
-(in-process: the engine with its clients; HTTP: the server, not the client) of each, and the
+tokens/s, TTFT / ITL p50 and the CPU time per output token of the processes that run the engine
+(in-process: the engine with its clients; HTTP: the server and its engine process, not the
+client) of each, and the
 HTTP figures as ratios to the in-process ones (the peak of this measurement: the engine with no
 server in front of it).
 
     python benchmarks/bench_serve.py [--model llama-3-8b] [--concurrency 64] [--requests 256]
-        [--prompt 1024] [--new 128] [--json out.json]
+        [--prompt 1024] [--new 128] [--server-modes process,thread] [--json out.json]
     python benchmarks/bench_serve.py --model tiny-llama --device cpu --concurrency 8 \\
         --requests 32 --prompt 32 --new 16     # a smoke run anywhere
 
@@ -17,8 +20,8 @@ four prompts, one request at a time, and the script checks that HTTP gave the to
 did.
 
 `--py-spy DIR` samples the processes during each measured drive (py-spy, every thread, idle
-ones too, collapsed stacks): `in-process.txt` (the engine with its clients), `http-server.txt`
-and `http-client.txt`.
+ones too, collapsed stacks): `in-process.txt` (the engine with its clients),
+`http-<mode>-server.txt` (with its engine process) and `http-<mode>-client.txt`.
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ def sampled(folder: str | None, name: str, pid: int) -> Iterator[None]:
         return
     out = os.path.join(folder, f"{name}.txt")
     spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "100", "--threads", "--idle",
-                            "--format", "raw", "--output", out, "--nonblocking"], stdout=subprocess.DEVNULL)
+                            "--subprocesses", "--format", "raw", "--output", out, "--nonblocking"],
+                           stdout=subprocess.DEVNULL)
     try:
         yield
     finally:
@@ -141,19 +145,22 @@ def _own_cpu_s() -> float:
 
 
 def _process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of another process (Linux /proc)."""
+    """User + system CPU seconds of another process and of its live children (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + sum(map(_process_cpu_s, children))
 
 
-def start_server(config: EngineConfig, folder: str) -> tuple[subprocess.Popen, str]:
-    """`tieredkv serve` on a free port with the same engine keys; (process, base URL)."""
+def start_server(config: EngineConfig, folder: str, mode: str) -> tuple[subprocess.Popen, str]:
+    """`tieredkv serve --engine-loop mode` on a free port with the same engine keys; (process, base URL)."""
     doc = config.to_dict()
     path = os.path.join(folder, "engine.yaml")
     with open(path, "w") as f:
         yaml.safe_dump({**doc["model"], "cache": doc["cache"], "scheduler": doc["scheduler"]}, f)
-    command = [sys.executable, "-m", "tieredkv.cli", "serve", path, "--port", "0", "--served-model-name", "bench"]
+    command = [sys.executable, "-m", "tieredkv.cli", "serve", path, "--port", "0", "--served-model-name", "bench",
+               "--engine-loop", mode]
     # the server runs the tieredkv this script imported
     root = os.path.dirname(os.path.dirname(os.path.abspath(tieredkv.__file__)))
     path_env = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
@@ -166,17 +173,18 @@ def start_server(config: EngineConfig, folder: str) -> tuple[subprocess.Popen, s
     raise SystemExit(f"the server exited ({proc.wait()}) before it listened")
 
 
-def over_http(config: EngineConfig, warm: list[list[int]], prompts: list[list[int]], args) -> Run:
+def over_http(config: EngineConfig, warm: list[list[int]], prompts: list[list[int]], args, mode: str) -> Run:
     with tempfile.TemporaryDirectory() as folder:
-        proc, url = start_server(config, folder)
+        proc, url = start_server(config, folder, mode)
         try:
-            return asyncio.run(_http_runs(url, warm, prompts, args, proc.pid))
+            return asyncio.run(_http_runs(url, warm, prompts, args, proc.pid, mode))
         finally:
             proc.terminate()
             proc.wait(timeout=60)
 
 
-async def _http_runs(url: str, warm: list[list[int]], prompts: list[list[int]], args, server_pid: int) -> Run:
+async def _http_runs(url: str, warm: list[list[int]], prompts: list[list[int]], args, server_pid: int,
+                     mode: str) -> Run:
     limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
 
@@ -191,7 +199,8 @@ async def _http_runs(url: str, warm: list[list[int]], prompts: list[list[int]], 
 
         await drive(stream, warm, args.concurrency, args.new)
         start, client_start = _process_cpu_s(server_pid), _own_cpu_s()
-        with sampled(args.py_spy, "http-server", server_pid), sampled(args.py_spy, "http-client", os.getpid()):
+        with (sampled(args.py_spy, f"http-{mode}-server", server_pid),
+              sampled(args.py_spy, f"http-{mode}-client", os.getpid())):
             run = await drive(stream, prompts, args.concurrency, args.new)
         run.cpu_s, run.client_cpu_s = _process_cpu_s(server_pid) - start, _own_cpu_s() - client_start
         for seed, prompt in enumerate(warm[:SEEDED_REQUESTS]):
@@ -235,6 +244,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128, help="output tokens per request")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--samples-n", type=int, default=8, help="samples per seeded request (the tokens check)")
+    parser.add_argument("--server-modes", type=_modes, default=["process"],
+                        help="comma-separated --engine-loop values of the servers to measure (process, thread; "
+                        "default: process)")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--py-spy", metavar="DIR", help="sample the processes of each measured drive into DIR")
     args = parser.parse_args()
@@ -256,12 +268,21 @@ def main() -> None:
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the server process needs the memory the engine held
     records = summarize("in-process AsyncLLM", base, None)
-    http = over_http(config, warm, prompts, args)
-    records += summarize("HTTP (tieredkv serve, loopback)", http, base)
-    same = sum(a == b for a, b in zip(base.samples, http.samples, strict=True))
-    records.append(report(f"n={args.samples_n} seeded requests whose samples over HTTP equal in-process", same,
-                          "requests", len(base.samples), "sent"))
+    for mode in args.server_modes:
+        http = over_http(config, warm, prompts, args, mode)
+        records += summarize(f"HTTP (tieredkv serve --engine-loop {mode}, loopback)", http, base)
+        same = sum(a == b for a, b in zip(base.samples, http.samples, strict=True))
+        records.append(report(f"{mode}: n={args.samples_n} seeded requests whose samples over HTTP equal "
+                              "in-process", same, "requests", len(base.samples), "sent"))
     write_json(args.json, records)
+
+
+def _modes(text: str) -> list[str]:
+    modes = text.split(",")
+    wrong = [m for m in modes if m not in ("process", "thread")]
+    if wrong or not modes:
+        raise argparse.ArgumentTypeError(f"expected process, thread or both (comma-separated), got {text!r}")
+    return modes
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from tests.redis_server import RedisServer, wait_until
 from tests.remote_worker import BLOCK_BYTES, GREEDY, LOAD_WINS, NEW_TOKENS, prompts, remote_llm
 from tieredkv import LLM
 from tieredkv.config import EngineConfig
+from tieredkv.engine_core.info import EngineInfo
 from tieredkv.serve.server import startup_report
 from tieredkv.tiers.remote import connection
 
@@ -46,7 +47,7 @@ def test_prefixes_come_back_from_the_remote_tier(redis_server, tmp_path, expecte
     nvme = {"nvme_bytes": "4MiB", "io_backend": "sync"} if with_nvme else {}
     with remote_llm(redis_server.url, **({"nvme_path": str(tmp_path / "a")} if nvme else {}), **nvme) as llm:
         assert generate(llm) == expected
-        report = dict(line.split("  ", 1) for line in startup_report(llm).splitlines())
+        report = dict(line.split("  ", 1) for line in startup_report(EngineInfo.of(llm)).splitlines())
     stats = llm.stats()  # closed: every write done, those at shutdown too
     assert report["remote tier"].strip() == f"{redis_server.url}, connected, storing what the server keeps"
     assert (report["NVMe tier"].strip() == "none") != with_nvme and ("nvme_slots_total" in stats) == with_nvme

@@ -33,6 +33,7 @@ from tieredkv.cache.tier_chain import OneRankStores, build_tiers
 from tieredkv.calibrate import DiskProbe, calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, RESULTS_VAR, EngineConfig, read_yaml, resolve_paths
 from tieredkv.decode import Decoder
+from tieredkv.limits import RequestLimits
 from tieredkv.model import locate
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -80,6 +81,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, tiers.offload)
         policy = TierPolicy(config.scheduler.preemption, self.block_bytes, block_size, self._cost_model())
         self.scheduler = Scheduler(config.scheduler, self.kv, policy)
+        self.limits = RequestLimits(self.runner.hf_config.vocab_size, self.runner.max_model_len, num_blocks,
+                                    block_size, config.scheduler.max_num_seqs)
         if self.runner.device.type == "cuda" and not config.model.enforce_eager:
             self.runner.capture_graphs(min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH))
         self.decoder = Decoder(self.scheduler, self._decode_token if self.tokenizer is not None else None)
@@ -141,14 +144,8 @@ class LLMEngine:
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Seq:
         """Validate a request (ValueError if it can never run) without queueing it. Reads no
         state that `step()` changes, so it may run beside a step. RuntimeError once closed."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
-        vocab_size = self.runner.hf_config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab_size:
-            raise ValueError(f"logprobs: {params.logprobs} exceeds the vocabulary ({vocab_size} tokens); ask for fewer")
-        name = "best_of" if params.best_of is not None else "n"
-        token_ids, request_id = self._new_request(prompt, request_id, params.max_tokens, name, params.num_samples)
+        params = self.limits.check_params(params)
+        token_ids, request_id = self._new_request(prompt, request_id, lambda n: self.limits.check_sampling(n, params))
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
         generators = [self._generator(params, i) for i in range(params.num_samples)]
         seq = Seq(request_id, token_ids, params, self.runner.eos_token_ids, generators[0], detokenizer)
@@ -161,8 +158,8 @@ class LLMEngine:
         its result is `seq.group.result(...)` once it has finished."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
-        token_ids, request_id = self._new_request(prompt, request_id, params.max_tokens, "beam_width",
-                                                  params.beam_width)
+        token_ids, request_id = self._new_request(prompt, request_id, lambda n: self.limits.check_request(
+            n, params.max_tokens, "beam_width", params.beam_width))
         # beams never stop by themselves: the beam search ends them
         beam_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True)
         seq = Seq(request_id, token_ids, beam_params, self.runner.eos_token_ids)
@@ -170,10 +167,10 @@ class LLMEngine:
         BeamGroup(seq, params, self.runner.eos_token_ids, decode)
         return seq
 
-    def _new_request(self, prompt: Prompt, request_id: str | None, max_tokens: int, width_name: str,
-                     width: int) -> tuple[list[int], str]:
-        """A request's token ids and id, checked: it fits the model and the GPU tier, its
-        `width` sequences (samples, beams) fit `max_num_seqs`, and its id is free."""
+    def _new_request(self, prompt: Prompt, request_id: str | None,
+                     check: Callable[[int], None]) -> tuple[list[int], str]:
+        """A request's token ids and id, checked: its id is free, and `check(num_prompt_tokens)`
+        (`RequestLimits`: it fits the model, the GPU tier and `max_num_seqs`) passes."""
         self._check_open()
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id: expected a string, got {type(request_id).__name__}")
@@ -181,11 +178,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        self._check_fits(len(token_ids), max_tokens)
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        if width > max_num_seqs:
-            raise ValueError(f"{width_name}: {width} sequences per request exceed max_num_seqs ({max_num_seqs}); "
-                             f"raise max_num_seqs or lower {width_name}")
+        check(len(token_ids))
         return token_ids, request_id
 
     def _decode_token(self, token_id: int) -> str:
@@ -213,21 +206,7 @@ class LLMEngine:
     def max_request_tokens(self) -> int:
         """The longest request (prompt + output) that can ever run: the model's length, and the
         whole GPU tier."""
-        return min(self.runner.max_model_len, self.kv.num_blocks * self.kv.block_size)
-
-    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        total = num_prompt_tokens + max_tokens
-        if total > self.runner.max_model_len:
-            raise ValueError(
-                f"prompt: {num_prompt_tokens} tokens + max_tokens {max_tokens} = {total} exceeds the model's "
-                f"maximum length {self.runner.max_model_len}; shorten the prompt or lower max_tokens"
-            )
-        blocks = self.kv.blocks_needed(total)
-        if blocks > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt: {num_prompt_tokens} tokens + max_tokens {max_tokens} need {blocks} KV blocks but the GPU "
-                f"tier has {self.kv.num_blocks}; raise num_gpu_blocks or shorten the request"
-            )
+        return self.limits.max_request_tokens
 
     def _generator(self, params: SamplingParams, sample: int = 0) -> torch.Generator | None:
         """The generator of a request's sample (seeded with `seed + sample`)."""

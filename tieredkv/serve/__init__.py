@@ -30,6 +30,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", help="the name clients use in `model` (default: --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000; 0: any free)")
+    serve.add_argument("--engine-loop", choices=("process", "thread"), default="process",
+                       help="where the engine loop runs: a process of its own, so the web server never holds "
+                       "the GIL it needs (default), or a thread of the server's process")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -44,7 +47,8 @@ def main(args: argparse.Namespace) -> int:
     from tieredkv.serve.server import serve
 
     try:
-        serve(engine_config(args.config, args.model), args.host, args.port, args.served_model_name)
+        serve(engine_config(args.config, args.model), args.host, args.port, args.served_model_name,
+              engine_process=args.engine_loop == "process")
     except ValueError as err:
         print(f"tieredkv: error: {err}", file=sys.stderr)
         return 2

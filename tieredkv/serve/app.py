@@ -4,7 +4,8 @@ Routes (following vLLM's OpenAI server): `GET /v1/models`, `POST /v1/completions
 `POST /v1/chat/completions`, `GET /health`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`.
 A bad request is a 400 with an OpenAI error object whose `param` names the field (a body over
 `MAX_BODY_BYTES`: a 413, refused before it is read); an engine failure is a 500 for the requests
-it touched, and the server keeps serving. Prompts are tokenized in worker threads, so a long one
+it touched, and the server keeps serving. Once an engine process has died, /health and every
+generation answer 503. Prompts are tokenized in worker threads, so a long one
 does not hold up the streams the event loop sends.
 """
 
@@ -64,13 +65,13 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if allm.healthy else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": model, "object": "model", "created": started, "owned_by": "tieredkv",
-                "root": allm.engine.config.model.model, "parent": None,
-                "max_model_len": allm.engine.max_request_tokens}
+                "root": allm.info.config.model.model, "parent": None,
+                "max_model_len": allm.info.limits.max_request_tokens}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -85,7 +86,7 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         handlers.check_model(body.model)
         tokens = await asyncio.to_thread(_tokenize, allm, body)
-        return {"count": len(tokens), "max_model_len": allm.engine.max_request_tokens, "tokens": tokens}
+        return {"count": len(tokens), "max_model_len": allm.info.limits.max_request_tokens, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -93,14 +94,14 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
         tokenizer = _tokenizer(allm, "tokens")
         if body.tokens:
             try:
-                allm.engine.tokenize(body.tokens)
+                allm.tokenize(body.tokens)
             except ValueError as err:
                 raise BadRequest("tokens", str(err).replace("prompt:", "tokens:", 1)) from None
         return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        metrics.update(model, allm.stats())
+        metrics.update(model, await asyncio.to_thread(allm.stats))  # an engine process answers between steps
         text, content_type = metrics.exposition()
         return Response(text, media_type=content_type)
 
@@ -108,6 +109,9 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
 
 
 async def _generate(handlers: OpenAIHandlers, job: Any, stream: bool, raw: Request) -> Response:
+    if not handlers.allm.healthy:
+        message = "the engine is not running (its process exited); restart the server"
+        return JSONResponse(error_body(message, "ServiceUnavailableError", 503), status_code=503)
     if stream:
         return StreamingResponse(handlers.stream(job), media_type="text/event-stream", headers=SSE_HEADERS)
     try:
@@ -140,7 +144,7 @@ async def _disconnected(raw: Request) -> None:
 
 
 def _tokenizer(allm: AsyncLLM, param: str) -> Any:
-    tokenizer = allm.engine.tokenizer
+    tokenizer = allm.tokenizer
     if tokenizer is None:
         raise BadRequest(param, f"{param}: the model directory has no tokenizer")
     return tokenizer
@@ -149,7 +153,7 @@ def _tokenizer(allm: AsyncLLM, param: str) -> Any:
 def _tokenize(allm: AsyncLLM, body: TokenizeRequest) -> list[int]:
     if body.messages is not None:
         try:
-            return chat_prompt(allm.engine.tokenizer, body.messages)
+            return chat_prompt(allm.tokenizer, body.messages)
         except ValueError as err:
             raise BadRequest("messages", str(err)) from None
     if body.prompt is None:

@@ -74,7 +74,7 @@ class OpenAIHandlers:
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         self.check_model(request.model)
         try:
-            ids = chat_prompt(self.allm.engine.tokenizer, request.messages)
+            ids = chat_prompt(self.allm.tokenizer, request.messages)
         except ValueError as err:
             raise BadRequest("messages", str(err)) from None
         field_name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -84,20 +84,20 @@ class OpenAIHandlers:
 
     def _job(self, kind: str, prefix: str, request: SamplingFields, prompts: list[list[int]],
              params: list[SamplingParams]) -> Job:
-        tokenizer = self.allm.engine.tokenizer
+        tokenizer = self.allm.tokenizer
         return Job(kind, f"{prefix}-{uuid.uuid4().hex}", self.model, prompts, params, request.include_usage,
-                   token_text=None if tokenizer is None else self.allm.engine._decode_token,
+                   token_text=None if tokenizer is None else self.allm.decode_token,
                    token_ids=tokenizer is None or request.return_token_ids,
                    ids_as_tokens=request.return_tokens_as_token_ids)
 
     def _text(self, ids: list[int]) -> str:
         """A prompt's text: through the tokenizer, or its ids as "token_id:N"."""
-        tokenizer = self.allm.engine.tokenizer
+        tokenizer = self.allm.tokenizer
         return "".join(map(id_text, ids)) if tokenizer is None else tokenizer.decode(ids)
 
     def _tokenize(self, prompt: str | list[int], field_name: str) -> list[int]:
         try:
-            return self.allm.engine.tokenize(prompt)
+            return self.allm.tokenize(prompt)
         except ValueError as err:
             raise BadRequest(field_name, str(err)) from None
 
@@ -106,7 +106,7 @@ class OpenAIHandlers:
         """Parameters for one prompt; no limit means all the room the model and the cache leave."""
         if limit is not None and limit < 1:
             raise BadRequest(field_name, f"{field_name}: expected an integer >= 1, got {limit}")
-        longest = self.allm.engine.max_request_tokens
+        longest = self.allm.info.limits.max_request_tokens
         room = longest - len(ids)
         if room < 1:
             raise BadRequest(prompt_field, f"{prompt_field}: {len(ids)} tokens leave no room to generate within "
@@ -116,7 +116,7 @@ class OpenAIHandlers:
                              f"maximum length of {longest} tokens; ask for at most {room}")
         params = sampling_params(request, limit if limit is not None else room)
         try:  # the engine's own checks (length, vocabulary), before the response starts
-            self.allm.engine.make_sequence(ids, params)
+            self.allm.check_request(ids, params)
         except ValueError as err:
             param = param_of(str(err))
             raise BadRequest(prompt_field if param == "prompt" else param, str(err)) from None

@@ -1,0 +1,67 @@
+"""What the server and its engine process say to each other over their connection (pickled).
+
+To the engine: `NewRequest`, `Abort`, `Call` (stats, prefix-cache reset), `Shutdown`.
+From it: `Ready` (or `StartFailed`) once, then `StepOutputs` (one per step: every request's
+delta), `Rejected` (a request the engine refused), `Reply` (to a `Call`), `StepFailed`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Literal, NamedTuple
+
+from tieredkv.engine_core.deltas import OutputDelta
+from tieredkv.engine_core.info import EngineInfo
+
+CallName = Literal["stats", "reset_prefix_cache"]
+
+
+class Abort(NamedTuple):
+    request_id: str
+
+
+class Call(NamedTuple):
+    call_id: int
+    name: CallName
+
+
+class Shutdown(NamedTuple):
+    """Abort what is open, release the tiers, exit."""
+
+
+class Ready(NamedTuple):
+    info: EngineInfo
+
+
+class StartFailed(NamedTuple):
+    error: BaseException
+
+
+class StepOutputs(NamedTuple):
+    deltas: list[OutputDelta]
+
+
+class Rejected(NamedTuple):
+    request_id: str
+    error: BaseException
+
+
+class Reply(NamedTuple):
+    call_id: int
+    value: Any
+    error: BaseException | None = None
+
+
+class StepFailed(NamedTuple):
+    """A step raised: every unfinished request fails with `error`."""
+
+    error: BaseException
+
+
+def portable(err: BaseException) -> BaseException:
+    """`err` if it survives pickling, else a RuntimeError with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+    return err

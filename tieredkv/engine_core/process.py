@@ -1,0 +1,235 @@
+"""`ProcessCore`: the engine loop in an engine process of its own (this is the server's side).
+
+A server's event loop sending tokens holds the GIL; an engine loop in the same process waits
+for it on every step. In a process of its own ("spawn"; not daemonic, so it may start its
+tensor-parallel ranks) the engine steps without waiting for the server.
+
+This side sends requests, aborts and calls over a pipe; a reader thread receives (its `recv`
+releases the GIL) and hands each step's message to the event loop in one call, where the
+outputs are rebuilt from their deltas and go to the sink. If the engine process dies, every
+open stream fails with a RuntimeError, and so does every later call: `healthy` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+from typing import Any
+
+from tieredkv.config import EngineConfig
+from tieredkv.engine_core import NewRequest, OutputSink
+from tieredkv.engine_core.child import run_engine
+from tieredkv.engine_core.deltas import OutputRebuilder
+from tieredkv.engine_core.info import EngineInfo
+from tieredkv.engine_core.messages import (
+    Abort,
+    Call,
+    CallName,
+    Ready,
+    Rejected,
+    Reply,
+    Shutdown,
+    StartFailed,
+    StepFailed,
+    StepOutputs,
+)
+
+logger = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 30.0  # a stats call waits at most this long for the engine (it answers between steps)
+STOP_TIMEOUT_S = 30.0  # `close` waits this long for the engine process to exit, then kills it
+
+
+class ProcessCore:
+    """Starts the engine process for `config` and waits until its engine is built (its error,
+    if it fails to build: a ValueError for a bad config). Outputs go to `sink`."""
+
+    def __init__(self, config: EngineConfig, sink: OutputSink) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=run_engine, args=(config, child_conn), name="tieredkv-engine", daemon=False)
+        self._proc.start()
+        child_conn.close()  # the child's end lives in the child only: its exit closes the pipe
+        # runs before multiprocessing's own exit hook (registered earlier), which would wait for
+        # a child that was never closed forever
+        atexit.register(self._at_exit)
+        self.info = self._started()
+        self._sink = sink
+        self._send_lock = threading.Lock()  # sends come from the event loop and from `stats` callers
+        self._calls: dict[int, concurrent.futures.Future] = {}  # under `_send_lock`
+        self._call_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: RuntimeError | None = None  # set once the engine process has died
+        # the event loop's: requests not finished yet, and who waits for there to be none
+        self._open: dict[str, OutputRebuilder] = {}
+        self._drained: list[asyncio.Future[None]] = []
+        self._reader = threading.Thread(target=self._read, name="tieredkv-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _started(self) -> EngineInfo:
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._proc.join()
+            raise RuntimeError(f"the engine process exited with code {self._proc.exitcode} while starting; "
+                               "see its error above") from None
+        if isinstance(message, StartFailed):
+            self._proc.join()
+            atexit.unregister(self._at_exit)
+            raise message.error
+        assert isinstance(message, Ready), f"the engine process starts with Ready, got {type(message).__name__}"
+        return message.info
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None
+
+    # ------------------------------------------------------------------ from the event loop
+
+    def add(self, request: NewRequest) -> None:
+        """Send a request (RuntimeError if the engine process is gone)."""
+        self._loop = asyncio.get_running_loop()
+        self._send(request)
+        self._open[request.request_id] = OutputRebuilder(request.prompt_token_ids)
+
+    def abort(self, request_id: str) -> None:
+        with contextlib.suppress(RuntimeError):  # a dead engine holds nothing
+            self._send(Abort(request_id))
+
+    async def reset_prefix_cache(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        return await asyncio.wrap_future(self._call("reset_prefix_cache"))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats (blocks until it answers, between two steps; any thread)."""
+        return self._call("stats").result(timeout=STATS_TIMEOUT_S)
+
+    async def drained(self) -> None:
+        """Return once every request sent has finished, been aborted or failed."""
+        if self._open:
+            done = asyncio.get_running_loop().create_future()
+            self._drained.append(done)
+            await done
+
+    async def close(self) -> None:
+        """Stop the engine process (it releases its tiers) and the reader."""
+        await self.drained()
+        with contextlib.suppress(RuntimeError):  # it may have died already
+            self._send(Shutdown())
+        await asyncio.to_thread(self._stop)
+
+    def _stop(self) -> None:
+        self._proc.join(STOP_TIMEOUT_S)
+        self._kill()
+        self._reader.join(STOP_TIMEOUT_S)  # it saw the pipe close
+        self._conn.close()
+        atexit.unregister(self._at_exit)
+
+    def _at_exit(self) -> None:
+        """The interpreter exits without `close`: closing the pipe tells the engine to shut down."""
+        self._conn.close()
+        self._proc.join(STOP_TIMEOUT_S)
+        self._kill()
+
+    def _kill(self) -> None:
+        if self._proc.is_alive():
+            logger.warning("the engine process did not stop; killing it")
+            self._proc.kill()
+            self._proc.join()
+
+    def _send(self, message: object) -> None:
+        """Send `message`; RuntimeError if the engine process is gone."""
+        with self._send_lock:
+            self._send_locked(message)
+
+    def _send_locked(self, message: object) -> None:
+        if self.error is None:
+            with contextlib.suppress(OSError):  # it died; the reader is about to say so
+                self._conn.send(message)
+                return
+        raise self.error or RuntimeError("the engine process exited; restart the server")
+
+    def _call(self, name: CallName) -> concurrent.futures.Future:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._send_lock:
+            call_id = next(self._call_ids)
+            self._send_locked(Call(call_id, name))
+            self._calls[call_id] = done
+        return done
+
+    # ------------------------------------------------------------------ the reader thread
+
+    def _read(self) -> None:
+        """Receive until the connection closes; each message goes where it belongs."""
+        try:
+            while True:
+                message = self._conn.recv()
+                if isinstance(message, Reply):
+                    self._settle(message)
+                else:
+                    self._post(self._on_message, message)
+        except (EOFError, OSError):
+            self._died()
+
+    def _settle(self, reply: Reply) -> None:
+        with self._send_lock:
+            done = self._calls.pop(reply.call_id)
+        if reply.error is not None:
+            done.set_exception(reply.error)
+        else:
+            done.set_result(reply.value)
+
+    def _died(self) -> None:
+        """The connection closed: by `close`, or because the engine process died."""
+        self._proc.join(STOP_TIMEOUT_S)
+        with self._send_lock:
+            self.error = RuntimeError(f"the engine process exited (code {self._proc.exitcode}); "
+                                      "restart the server")
+            calls, self._calls = self._calls, {}
+        for done in calls.values():
+            done.set_exception(self.error)
+        self._post(self._fail_open, self.error)
+
+    def _post(self, callback: Any, *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(callback, *args)
+
+    # ------------------------------------------------------------------ on the event loop
+
+    def _on_message(self, message: StepOutputs | Rejected | StepFailed) -> None:
+        if isinstance(message, StepOutputs):
+            outputs = []
+            for delta in message.deltas:
+                rebuilder = self._open.get(delta.request_id)
+                if rebuilder is None:  # failed here already
+                    continue
+                outputs.append(rebuilder.apply(delta))
+                if delta.finished:
+                    del self._open[delta.request_id]
+            self._sink.deliver(outputs)
+        elif isinstance(message, Rejected):
+            self._open.pop(message.request_id, None)
+            self._sink.fail(message.request_id, message.error)
+        else:  # the streams fail; their aborts come back as outputs
+            self._sink.fail(None, message.error)
+        self._wake_drained()
+
+    def _fail_open(self, err: BaseException) -> None:
+        """The engine process died: every request it had fails."""
+        self._open.clear()
+        self._sink.fail(None, err)
+        self._wake_drained()
+
+    def _wake_drained(self) -> None:
+        if not self._open:
+            for done in self._drained:
+                if not done.done():
+                    done.set_result(None)
+            self._drained.clear()

@@ -1,0 +1,158 @@
+"""`ThreadCore`: the engine loop in a thread of this process.
+
+The loop steps while there is work, so it never waits for the event loop between two steps.
+Only that thread changes the engine: requests added or aborted, and prefix-cache resets, are
+handed to it under a lock and applied between steps. Each step's outputs go to the event loop
+in one batch (`call_soon_threadsafe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+from tieredkv.engine import LLMEngine
+from tieredkv.engine_core import NewRequest, OutputSink
+from tieredkv.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ThreadCore:
+    """Runs `engine` in a thread while it has work; outputs go to `sink` on the event loop.
+    `engine` may be replaced before the first request (a subclass that instruments `step`)."""
+
+    healthy = True  # a failed step fails its requests; the loop takes new ones
+
+    def __init__(self, engine: LLMEngine, sink: OutputSink) -> None:
+        self.engine, self._sink = engine, sink
+        # handed from the event loop to the engine thread, under `_lock`
+        self._lock = threading.Lock()
+        self._pending: list[NewRequest] = []
+        self._aborts: list[str] = []
+        self._resets: list[asyncio.Future[int]] = []
+        self._thread: threading.Thread | None = None  # alive while the engine has work
+        self._stopped: asyncio.Future[None] | None = None  # resolved when that thread ends
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, request: NewRequest) -> None:
+        """Queue a request before the next step."""
+        self._hand_over(self._pending, request)
+
+    def abort(self, request_id: str) -> None:
+        """End a request before the next step; its last output goes to the sink."""
+        self._hand_over(self._aborts, request_id)
+
+    async def reset_prefix_cache(self) -> int:
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._hand_over(self._resets, done)
+        return await done
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    async def drained(self) -> None:
+        """Return once the engine thread has stopped (no work left, or the engine failed)."""
+        while True:
+            with self._lock:
+                stopped = self._stopped
+            if stopped is None:
+                return
+            await stopped
+            with self._lock:
+                if self._stopped is stopped:  # no thread started since
+                    return
+
+    async def close(self) -> None:
+        """Release the engine's tiers, once every request has ended."""
+        await self.drained()
+        self.engine.close()
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _hand_over(self, queue: list, item: object) -> None:
+        """Give the engine thread a request, an abort or a reset; start the thread if it is
+        not running (it stops when the engine runs out of work)."""
+        with self._lock:
+            queue.append(item)
+            if self._thread is None:
+                self._loop = asyncio.get_running_loop()
+                self._stopped = self._loop.create_future()
+                self._thread = threading.Thread(target=self._run, name="tieredkv-engine", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        """Step while there is work; each step's outputs go to the event loop in one batch."""
+        loop, stopped = self._loop, self._stopped  # this thread's: a later thread gets new ones
+        assert loop is not None and stopped is not None, "started by _hand_over"
+        try:
+            self._step_while_busy(loop)
+        except Exception as err:  # the engine broke: every waiting stream gets the error
+            if loop.is_closed():  # nobody is left to deliver to (the event loop ended with requests open)
+                with self._lock:
+                    self._thread = None
+                return
+            logger.exception("engine loop failed")
+            with self._lock:
+                self._thread, resets = None, _take(self._resets)
+            loop.call_soon_threadsafe(self._fail_all, err, resets)
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(stopped.set_result, None)
+
+    def _step_while_busy(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Apply what was handed over, step, post the outputs; return when nothing is left."""
+        while True:
+            aborted, resets = self._apply_handed_over(loop)
+            if aborted:
+                loop.call_soon_threadsafe(self._sink.deliver, aborted)
+            if resets:
+                loop.call_soon_threadsafe(_settle, resets, self.engine.reset_prefix_cache())
+            if not self.engine.has_unfinished() and self._idle():
+                return
+            outputs = self.engine.step()
+            if outputs:
+                loop.call_soon_threadsafe(self._sink.deliver, outputs)
+
+    def _apply_handed_over(
+        self, loop: asyncio.AbstractEventLoop
+    ) -> tuple[list[RequestOutput], list[asyncio.Future[int]]]:
+        """Enqueue new requests (one the engine refuses fails its stream) and end aborted ones
+        (their last outputs returned) between two steps; the resets asked for meanwhile."""
+        with self._lock:
+            pending, aborts, resets = _take(self._pending), _take(self._aborts), _take(self._resets)
+        for request in pending:
+            try:
+                self.engine.add_request(request.prompt_token_ids, request.params, request.request_id)
+            except ValueError as err:
+                loop.call_soon_threadsafe(self._sink.fail, request.request_id, err)
+        ended = [self.engine.abort(request_id) for request_id in aborts]
+        return [out for out in ended if out is not None], resets
+
+    def _idle(self) -> bool:
+        """Stop the thread if nothing was handed over since the last look (under the lock, so
+        a request handed over after this starts a new thread)."""
+        with self._lock:
+            if self._pending or self._aborts or self._resets:
+                return False
+            self._thread = None
+            return True
+
+    def _fail_all(self, err: Exception, resets: list[asyncio.Future[int]]) -> None:
+        self._sink.fail(None, err)
+        for done in resets:
+            if not done.done():
+                done.set_exception(err)
+
+
+def _take(items: list) -> list:
+    taken = items[:]
+    items.clear()
+    return taken
+
+
+def _settle(resets: list[asyncio.Future[int]], dropped: int) -> None:
+    for done in resets:
+        if not done.done():  # its caller may have been cancelled meanwhile
+            done.set_result(dropped)
