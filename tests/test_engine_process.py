@@ -142,3 +142,18 @@ def test_a_dead_engine_process_ends_the_streams_and_the_server_answers_503(chat_
         refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert refused.status_code == 503 and "not running" in refused.json()["error"]["message"]
     assert proc not in engine_processes()
+
+
+async def test_an_engine_process_starts_its_tensor_parallel_ranks(in_thread):
+    """The engine process is not daemonic: it starts the ranks of `tensor_parallel_size: 2`
+    itself, and their tokens are the one-rank engine's."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = await in_thread.generate(PROMPT, greedy)
+    before = engine_processes()
+    ranked = AsyncLLM(model=in_thread.info.config.model.model, engine_process=True, tensor_parallel_size=2, **ENGINE)
+    try:
+        got = await ranked.generate(PROMPT, greedy)
+    finally:
+        await ranked.close()
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert engine_processes() == before
