@@ -34,7 +34,6 @@ class ThreadCore:
         self._aborts: list[str] = []
         self._resets: list[asyncio.Future[int]] = []
         self._thread: threading.Thread | None = None  # alive while the engine has work
-        self._stopped: asyncio.Future[None] | None = None  # resolved when that thread ends
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, request: NewRequest) -> None:
@@ -54,16 +53,16 @@ class ThreadCore:
         return self.engine.stats()
 
     async def drained(self) -> None:
-        """Return once the engine thread has stopped (no work left, or the engine failed)."""
+        """Return once the engine thread has stopped (no work left, or the engine failed), and
+        the outputs it posted before have been delivered. Any event loop may wait: the thread
+        may have been started from another one, since closed."""
         while True:
             with self._lock:
-                stopped = self._stopped
-            if stopped is None:
+                thread = self._thread
+            if thread is None:
                 return
-            await stopped
-            with self._lock:
-                if self._stopped is stopped:  # no thread started since
-                    return
+            # the join's result is posted to this loop after everything the thread posted to it
+            await asyncio.to_thread(thread.join)
 
     async def close(self) -> None:
         """Release the engine's tiers, once every request has ended."""
@@ -79,14 +78,13 @@ class ThreadCore:
             queue.append(item)
             if self._thread is None:
                 self._loop = asyncio.get_running_loop()
-                self._stopped = self._loop.create_future()
                 self._thread = threading.Thread(target=self._run, name="tieredkv-engine", daemon=True)
                 self._thread.start()
 
     def _run(self) -> None:
         """Step while there is work; each step's outputs go to the event loop in one batch."""
-        loop, stopped = self._loop, self._stopped  # this thread's: a later thread gets new ones
-        assert loop is not None and stopped is not None, "started by _hand_over"
+        loop = self._loop  # this thread's: a later thread gets its own
+        assert loop is not None, "started by _hand_over"
         try:
             self._step_while_busy(loop)
         except Exception as err:  # the engine broke: every waiting stream gets the error
@@ -98,8 +96,6 @@ class ThreadCore:
             with self._lock:
                 self._thread, resets = None, _take(self._resets)
             loop.call_soon_threadsafe(self._fail_all, err, resets)
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(stopped.set_result, None)
 
     def _step_while_busy(self, loop: asyncio.AbstractEventLoop) -> None:
         """Apply what was handed over, step, post the outputs; return when nothing is left."""
