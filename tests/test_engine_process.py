@@ -5,11 +5,15 @@ server answers 503 once its engine process has died; closing leaves no process b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
@@ -157,3 +161,42 @@ async def test_an_engine_process_starts_its_tensor_parallel_ranks(in_thread):
         await ranked.close()
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert engine_processes() == before
+
+
+async def test_a_cancelled_prefix_cache_reset_leaves_the_engine_serving(child):
+    reset = asyncio.ensure_future(child.reset_prefix_cache())
+    await asyncio.sleep(0)  # the call is sent; its reply comes to nobody
+    reset.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reset
+    out = await asyncio.wait_for(child.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0)), 30)
+    assert out.finished and child.healthy
+
+
+def test_close_on_another_event_loop_after_a_stream_left_early(chat_model_dir):
+    allm = AsyncLLM(model=chat_model_dir, engine_process=True, **ENGINE)
+    [proc] = [p for p in engine_processes() if p.pid == allm._core._proc.pid]
+
+    async def leave_early() -> None:
+        async for _ in allm.generate_stream(PROMPT, LONG):
+            break
+
+    asyncio.run(leave_early())  # that loop is closed with the request's last output on its way
+    asyncio.run(asyncio.wait_for(allm.close(), 30))
+    assert proc.exitcode == 0
+
+
+def test_a_script_that_never_closes_its_engine_process_exits_promptly(chat_model_dir, tmp_path):
+    script = tmp_path / "forgets_to_close.py"
+    script.write_text(
+        "import asyncio\n"
+        "from tieredkv import AsyncLLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    allm = AsyncLLM(model={chat_model_dir!r}, engine_process=True, num_gpu_blocks=64)\n"
+        "    asyncio.run(allm.generate('hello', SamplingParams(max_tokens=2)))\n"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    assert "did not stop" not in done.stderr and time.monotonic() - start < 25

@@ -71,6 +71,7 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, conn: Connection, inbox: queue.SimpleQueue[Inbound]) -> None:
         self.engine, self.conn, self.inbox = engine, conn, inbox
         self.encoder = DeltaEncoder()
+        self.live: set[str] = set()  # requests added and not finished
 
     def run(self) -> None:
         while True:
@@ -83,11 +84,18 @@ class EngineLoop:
             if self.engine.has_unfinished():
                 try:
                     outputs += self.engine.step()
-                except Exception as err:  # the server fails every stream; their aborts come back
+                except Exception as err:  # every open request fails, and is aborted here
                     logger.exception("engine step failed")
                     self.conn.send(StepFailed(portable(err)))
+                    outputs += self._abort_all()
+            self.live.difference_update(out.request_id for out in outputs if out.finished)
             if outputs:
                 self.conn.send(StepOutputs([self.encoder.encode(out) for out in outputs]))
+
+    def _abort_all(self) -> list[RequestOutput]:
+        """End every open request (a failed step leaves none to retry); their last outputs."""
+        ended = [self.engine.abort(request_id) for request_id in sorted(self.live)]
+        return [out for out in ended if out is not None]
 
     def _arrived(self, block: bool) -> list[Inbound]:
         """What the server sent since the last look (waiting for something if `block`)."""
@@ -103,6 +111,7 @@ class EngineLoop:
         if isinstance(message, NewRequest):
             try:
                 self.engine.add_request(message.prompt_token_ids, message.params, message.request_id)
+                self.live.add(message.request_id)
             except ValueError as err:
                 self.conn.send(Rejected(message.request_id, err))
         elif isinstance(message, Abort):

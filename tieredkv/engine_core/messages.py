@@ -26,7 +26,7 @@ class Call(NamedTuple):
 
 
 class Shutdown(NamedTuple):
-    """Abort what is open, release the tiers, exit."""
+    """Release the tiers and exit (the server sends it once its requests have ended)."""
 
 
 class Ready(NamedTuple):

@@ -5,9 +5,10 @@ for it on every step. In a process of its own ("spawn"; not daemonic, so it may 
 tensor-parallel ranks) the engine steps without waiting for the server.
 
 This side sends requests, aborts and calls over a pipe; a reader thread receives (its `recv`
-releases the GIL) and hands each step's message to the event loop in one call, where the
-outputs are rebuilt from their deltas and go to the sink. If the engine process dies, every
-open stream fails with a RuntimeError, and so does every later call: `healthy` turns False.
+releases the GIL), rebuilds each step's outputs from their deltas and hands them to the event
+loop in one call, to the sink. Which requests are open is the reader's to keep (under a lock):
+it holds whatever loop sent them, even one closed since. If the engine process dies, every open
+stream fails with a RuntimeError, and so does every later call: `healthy` turns False.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from tieredkv.engine_core.messages import (
     Reply,
     Shutdown,
     StartFailed,
-    StepFailed,
     StepOutputs,
 )
+from tieredkv.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +60,23 @@ class ProcessCore:
         # runs before multiprocessing's own exit hook (registered earlier), which would wait for
         # a child that was never closed forever
         atexit.register(self._at_exit)
-        self.info = self._started()
+        try:
+            self.info = self._started()
+        except BaseException:
+            atexit.unregister(self._at_exit)
+            self._conn.close()
+            raise
         self._sink = sink
-        self._send_lock = threading.Lock()  # sends come from the event loop and from `stats` callers
-        self._calls: dict[int, concurrent.futures.Future] = {}  # under `_send_lock`
+        # under `_lock`: sends (from the event loop and `stats` callers), the calls waiting for
+        # their replies, the requests not finished yet (the reader's), the engine's death
+        self._lock = threading.Lock()
+        self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.error: RuntimeError | None = None  # set once the engine process has died
-        # the event loop's: requests not finished yet, and who waits for there to be none
         self._open: dict[str, OutputRebuilder] = {}
-        self._drained: list[asyncio.Future[None]] = []
+        self._idle = threading.Event()  # set while no request is open
+        self._idle.set()
+        self.error: RuntimeError | None = None  # set once the engine process has died
+        self._loop: asyncio.AbstractEventLoop | None = None  # where outputs go: the last sender's
         self._reader = threading.Thread(target=self._read, name="tieredkv-engine-reader", daemon=True)
         self._reader.start()
 
@@ -81,7 +89,6 @@ class ProcessCore:
                                "see its error above") from None
         if isinstance(message, StartFailed):
             self._proc.join()
-            atexit.unregister(self._at_exit)
             raise message.error
         assert isinstance(message, Ready), f"the engine process starts with Ready, got {type(message).__name__}"
         return message.info
@@ -95,8 +102,10 @@ class ProcessCore:
     def add(self, request: NewRequest) -> None:
         """Send a request (RuntimeError if the engine process is gone)."""
         self._loop = asyncio.get_running_loop()
-        self._send(request)
-        self._open[request.request_id] = OutputRebuilder(request.prompt_token_ids)
+        with self._lock:
+            self._send_locked(request)
+            self._open[request.request_id] = OutputRebuilder(request.prompt_token_ids)
+            self._idle.clear()
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(RuntimeError):  # a dead engine holds nothing
@@ -111,20 +120,21 @@ class ProcessCore:
         return self._call("stats").result(timeout=STATS_TIMEOUT_S)
 
     async def drained(self) -> None:
-        """Return once every request sent has finished, been aborted or failed."""
-        if self._open:
-            done = asyncio.get_running_loop().create_future()
-            self._drained.append(done)
-            await done
+        """Return once every request sent has finished, been aborted or failed (and its last
+        output was handed to this loop)."""
+        while not self._idle.is_set():
+            await asyncio.to_thread(self._idle.wait, 0.5)  # short waits: a cancelled one ends soon
 
     async def close(self) -> None:
-        """Stop the engine process (it releases its tiers) and the reader."""
-        await self.drained()
-        with contextlib.suppress(RuntimeError):  # it may have died already
-            self._send(Shutdown())
+        """Stop the engine process (it releases its tiers) and the reader, once the open
+        requests have ended or `STOP_TIMEOUT_S` has passed."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.drained(), STOP_TIMEOUT_S)
         await asyncio.to_thread(self._stop)
 
     def _stop(self) -> None:
+        with contextlib.suppress(RuntimeError):  # it may have died already
+            self._send(Shutdown())
         self._proc.join(STOP_TIMEOUT_S)
         self._kill()
         self._reader.join(STOP_TIMEOUT_S)  # it saw the pipe close
@@ -132,10 +142,13 @@ class ProcessCore:
         atexit.unregister(self._at_exit)
 
     def _at_exit(self) -> None:
-        """The interpreter exits without `close`: closing the pipe tells the engine to shut down."""
-        self._conn.close()
+        """The interpreter exits without `close`: tell the engine to shut down (closing our end
+        alone would not: the reader thread's `recv` keeps the socket open)."""
+        with contextlib.suppress(RuntimeError, OSError):
+            self._send(Shutdown())
         self._proc.join(STOP_TIMEOUT_S)
         self._kill()
+        self._conn.close()
 
     def _kill(self) -> None:
         if self._proc.is_alive():
@@ -145,7 +158,7 @@ class ProcessCore:
 
     def _send(self, message: object) -> None:
         """Send `message`; RuntimeError if the engine process is gone."""
-        with self._send_lock:
+        with self._lock:
             self._send_locked(message)
 
     def _send_locked(self, message: object) -> None:
@@ -157,7 +170,7 @@ class ProcessCore:
 
     def _call(self, name: CallName) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
-        with self._send_lock:
+        with self._lock:
             call_id = next(self._call_ids)
             self._send_locked(Call(call_id, name))
             self._calls[call_id] = done
@@ -172,40 +185,23 @@ class ProcessCore:
                 message = self._conn.recv()
                 if isinstance(message, Reply):
                     self._settle(message)
-                else:
-                    self._post(self._on_message, message)
+                elif isinstance(message, StepOutputs):
+                    self._post(self._sink.deliver, self._rebuild(message))
+                elif isinstance(message, Rejected):
+                    self._close_request(message.request_id)
+                    self._post(self._sink.fail, message.request_id, message.error)
+                else:  # StepFailed: the streams fail; their aborts come back as outputs
+                    self._post(self._sink.fail, None, message.error)
         except (EOFError, OSError):
-            self._died()
+            pass
+        except BaseException:
+            logger.exception("the engine process's reader failed")
+        self._died()
 
-    def _settle(self, reply: Reply) -> None:
-        with self._send_lock:
-            done = self._calls.pop(reply.call_id)
-        if reply.error is not None:
-            done.set_exception(reply.error)
-        else:
-            done.set_result(reply.value)
-
-    def _died(self) -> None:
-        """The connection closed: by `close`, or because the engine process died."""
-        self._proc.join(STOP_TIMEOUT_S)
-        with self._send_lock:
-            self.error = RuntimeError(f"the engine process exited (code {self._proc.exitcode}); "
-                                      "restart the server")
-            calls, self._calls = self._calls, {}
-        for done in calls.values():
-            done.set_exception(self.error)
-        self._post(self._fail_open, self.error)
-
-    def _post(self, callback: Any, *args: Any) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(callback, *args)
-
-    # ------------------------------------------------------------------ on the event loop
-
-    def _on_message(self, message: StepOutputs | Rejected | StepFailed) -> None:
-        if isinstance(message, StepOutputs):
-            outputs = []
+    def _rebuild(self, message: StepOutputs) -> list[RequestOutput]:
+        """The step's outputs, rebuilt from their deltas; finished requests are closed."""
+        outputs = []
+        with self._lock:
             for delta in message.deltas:
                 rebuilder = self._open.get(delta.request_id)
                 if rebuilder is None:  # failed here already
@@ -213,23 +209,48 @@ class ProcessCore:
                 outputs.append(rebuilder.apply(delta))
                 if delta.finished:
                     del self._open[delta.request_id]
-            self._sink.deliver(outputs)
-        elif isinstance(message, Rejected):
-            self._open.pop(message.request_id, None)
-            self._sink.fail(message.request_id, message.error)
-        else:  # the streams fail; their aborts come back as outputs
-            self._sink.fail(None, message.error)
-        self._wake_drained()
+            self._mark_idle()
+        return outputs
 
-    def _fail_open(self, err: BaseException) -> None:
-        """The engine process died: every request it had fails."""
-        self._open.clear()
-        self._sink.fail(None, err)
-        self._wake_drained()
+    def _close_request(self, request_id: str) -> None:
+        with self._lock:
+            self._open.pop(request_id, None)
+            self._mark_idle()
 
-    def _wake_drained(self) -> None:
+    def _mark_idle(self) -> None:
+        """Under `_lock`: wake `drained` once nothing is open."""
         if not self._open:
-            for done in self._drained:
-                if not done.done():
-                    done.set_result(None)
-            self._drained.clear()
+            self._idle.set()
+
+    def _settle(self, reply: Reply) -> None:
+        with self._lock:
+            done = self._calls.pop(reply.call_id)
+        if not done.set_running_or_notify_cancel():  # its caller gave up waiting
+            return
+        if reply.error is not None:
+            done.set_exception(reply.error)
+        else:
+            done.set_result(reply.value)
+
+    def _died(self) -> None:
+        """The connection closed: by `close`, or because the engine process died. Every open
+        request and call fails."""
+        self._proc.join(STOP_TIMEOUT_S)
+        with self._lock:
+            self.error = RuntimeError(f"the engine process exited (code {self._proc.exitcode}); "
+                                      "restart the server")
+            calls, self._calls = self._calls, {}
+            self._open.clear()
+        for done in calls.values():
+            if done.set_running_or_notify_cancel():
+                done.set_exception(self.error)
+        self._post(self._sink.fail, None, self.error)
+        self._idle.set()
+
+    def _post(self, callback: Any, *args: Any) -> None:
+        """Run `callback(*args)` on the loop of the last sender (dropped if it has closed: its
+        streams are gone with it)."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(callback, *args)
