@@ -20,7 +20,7 @@ from collections.abc import Collection
 
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.config import SchedulerConfig
-from tieredkv.policy import TierPolicy
+from tieredkv.policy import CostModel
 from tieredkv.scheduling import PrefillCandidate, PrefillShares
 from tieredkv.sequence import Sequence, SequenceStatus
 
@@ -28,10 +28,9 @@ from tieredkv.sequence import Sequence, SequenceStatus
 class PrefillRanking:
     """Each sequence's wait and, for waiting ones, its resident prefix as last matched."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: TierPolicy) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.policy = policy
         # waits (`ttft` aging, `hrrn` ratios): tokens scheduled so far, and that count when each sequence arrived
         self.num_scheduled_tokens = 0
         self._arrived_at: dict[str, int] = {}
@@ -60,12 +59,12 @@ class PrefillRanking:
         if stale is not None:
             del self._resident_tokens[stale]
 
-    def share(self, seqs: list[Sequence], budget: float, decodes_ride: bool) -> PrefillShares:
-        """`seqs` in the policy's order with their shares of `budget`; `decodes_ride`: decodes
-        run in this step (each prefill chunk is then charged for its attention, as the cost model
-        says)."""
+    def share(self, seqs: list[Sequence], budget: float, ride_cost: CostModel | None) -> PrefillShares:
+        """`seqs` in the policy's order with their shares of `budget`; `ride_cost`: the cost
+        model when decodes run in this step (each prefill chunk is then charged for its
+        attention, as it says), else None."""
         candidates = [PrefillCandidate(self._to_compute(s), self._waited(s), self._done(s)) for s in seqs]
-        attention = self._attention_weight() if decodes_ride else 0.0
+        attention = _attention_weight(ride_cost)
         config = self.config
         return PrefillShares(candidates, budget, config.prefill_aging, config.scheduling_policy,
                              config.max_prefill_chunk_tokens, attention)
@@ -86,13 +85,14 @@ class PrefillRanking:
             return seq.num_computed_tokens
         return seq.num_tokens - self._to_compute(seq)
 
-    def _attention_weight(self) -> float:
-        """b/a of the cost model's prefill time a*N + b*N^2 (0 without a cost model)."""
-        cost = self.policy.cost
-        if cost is None or cost.prefill_s_per_token <= 0:
-            return 0.0
-        return cost.prefill_s_per_token_sq / cost.prefill_s_per_token
 
     def _waited(self, seq: Sequence) -> int:
         """Tokens scheduled (for anyone) since the sequence arrived."""
         return self.num_scheduled_tokens - self._arrived_at.get(seq.seq_id, self.num_scheduled_tokens)
+
+
+def _attention_weight(cost: CostModel | None) -> float:
+    """b/a of the cost model's prefill time a*N + b*N^2 (0 without a cost model)."""
+    if cost is None or cost.prefill_s_per_token <= 0:
+        return 0.0
+    return cost.prefill_s_per_token_sq / cost.prefill_s_per_token

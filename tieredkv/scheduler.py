@@ -87,7 +87,7 @@ class Scheduler:
         self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
         self.loaded_skipped_tokens = 0  # prefill tokens jumped over: their KV came from the lower tier
         self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed
-        self.ranking = PrefillRanking(config, kv, policy)  # `ttft`, `hrrn`: waits and prefixes left
+        self.ranking = PrefillRanking(config, kv)  # `ttft`, `hrrn`: waits and prefixes left
         self.phases = PhaseMarks()  # this step's phase marks for the TTFT split
 
     @property
@@ -309,7 +309,7 @@ class Scheduler:
         seqs = prefilling + waiting
         if not seqs or budget <= 0:
             return False
-        shares = self.ranking.share(seqs, budget, decodes_ride=bool(out.scheduled))
+        shares = self.ranking.share(seqs, budget, ride_cost=self.policy.cost if out.scheduled else None)
         backlog = self._prefill_backlog() if admit else 0
         slots = self._slots_taken()  # an upper bound once a preemption frees some
         blocked = False
