@@ -143,6 +143,7 @@ def test_a_dead_engine_process_ends_the_streams_and_the_server_answers_503(chat_
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert rest[-1] == "data: [DONE]" and "the engine process exited" in error["message"]
         assert httpx.get(f"{server.url}/health").status_code == 503
+        assert "time_to_first_token" in httpx.get(f"{server.url}/metrics").text  # still served
         refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert refused.status_code == 503 and "not running" in refused.json()["error"]["message"]
     assert proc not in engine_processes()

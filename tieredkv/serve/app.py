@@ -12,6 +12,7 @@ does not hold up the streams the event loop sends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
 import logging
 import time
@@ -101,7 +102,9 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        metrics.update(model, await asyncio.to_thread(allm.stats))  # an engine process answers between steps
+        if allm.healthy:  # else the server's own series and the engine's last counters
+            with contextlib.suppress(RuntimeError, TimeoutError):  # it died while asked
+                metrics.update(model, await asyncio.to_thread(allm.stats))  # answered between steps
         text, content_type = metrics.exposition()
         return Response(text, media_type=content_type)
 
