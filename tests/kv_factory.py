@@ -23,7 +23,8 @@ from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme import NVMeStore
-from tieredkv.tiers.nvme.io_backends import BlockIO, IOBackend
+from tieredkv.tiers.nvme.block_io import BlockIO
+from tieredkv.tiers.nvme.io_backends import IOBackend
 from tieredkv.transfer.engine import FaultyTransfers, TransferEngine
 
 BS = 4

@@ -30,7 +30,8 @@ from tests.test_nvme_store import (
 from tieredkv import LLM, SamplingParams
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme import STORE_FILE_NAME, NVMeStore
-from tieredkv.tiers.nvme.io_backends import IOCompletion, SyncBackend
+from tieredkv.tiers.nvme.block_io import IOCompletion
+from tieredkv.tiers.nvme.io_backends import SyncBackend
 from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES
 
 TINY_BLOCK_BYTES = 2048  # tiny-llama, block size 4, float32

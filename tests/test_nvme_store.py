@@ -19,13 +19,8 @@ import torch
 
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme import io_backends, slot_file, slot_format
-from tieredkv.tiers.nvme.io_backends import (
-    BlockIO,
-    FaultyBackend,
-    IOCompletion,
-    IORequest,
-    SyncBackend,
-)
+from tieredkv.tiers.nvme.block_io import BlockIO, IOCompletion, IORequest
+from tieredkv.tiers.nvme.io_backends import FaultyBackend, SyncBackend
 from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty
 from tieredkv.tiers.nvme.store import NVMeStore
 

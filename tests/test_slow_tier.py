@@ -20,7 +20,8 @@ from tieredkv.cache.block_pool import BlockPool
 from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, Spill
 from tieredkv.replacement import AdmitAll
 from tieredkv.tiers.backend import BlockRef
-from tieredkv.tiers.nvme.io_backends import IORequest, SyncBackend
+from tieredkv.tiers.nvme.block_io import IORequest
+from tieredkv.tiers.nvme.io_backends import SyncBackend
 from tieredkv.tiers.nvme.store import NVMeStore
 
 WAIT_S = 30  # far longer than any step here takes: a step still running then waits for the disk

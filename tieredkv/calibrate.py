@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 from tieredkv.policy import CostModel
-from tieredkv.tiers.nvme.io_backends import BlockIO, IOBackend, IORequest, make_backend
+from tieredkv.tiers.nvme.block_io import BlockIO, IORequest
+from tieredkv.tiers.nvme.io_backends import IOBackend, make_backend
 from tieredkv.tiers.nvme.slot_format import ALIGN, aligned_empty
 from tieredkv.user_cache import cache_dir
 

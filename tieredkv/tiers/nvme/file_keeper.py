@@ -29,7 +29,7 @@ import os
 import threading
 import time
 
-from tieredkv.tiers.nvme.io_backends import BlockIO
+from tieredkv.tiers.nvme.block_io import BlockIO
 from tieredkv.tiers.nvme.slot_file import STORE_FILE_NAME, ScanResult, SlotFile, remove_empty_dirs, store_file
 from tieredkv.tiers.nvme.slot_format import SlotGeometry
 from tieredkv.tiers.nvme.slot_io import SlotJob

@@ -1,14 +1,5 @@
-"""Block I/O backends of the NVMe store: vectored positional reads and writes, many in flight.
-
-A backend is an object the store calls, and the seam where tests inject faults::
-
-    backend.submit([IORequest(tag, "write", fd, offset, (header, payload)), ...])  # never waits for I/O
-    backend.reap(timeout) -> [IOCompletion(tag, result), ...]  # result: bytes moved, or -errno
-    backend.close()                                            # after all completions were reaped
-
-`submit` may raise OSError (nothing of that request is in flight then); every request that was
-submitted completes exactly once through `reap`, and the caller leaves its buffers alone until
-then. Several threads may submit; one thread reaps.
+"""Block I/O backends of the NVMe store, each a `BlockIO` (`block_io.py`: the interface the
+store calls, and the seam where tests inject faults).
 
 Backends: `SyncBackend` (os.preadv / os.pwritev on a thread pool), `AiofilesBackend` (the
 same calls through aiofiles on a private event loop), `UringBackend` (io_uring through the
@@ -29,60 +20,17 @@ import subprocess
 import sys
 import tempfile
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cache
 from typing import Literal, get_args
+
+from tieredkv.tiers.nvme.block_io import BlockIO, IOCompletion, IOOp, IORequest
 
 logger = logging.getLogger(__name__)
 
 IOBackend = Literal["uring", "aiofiles", "sync"]  # the one list of backend names
-IOOp = Literal["read", "write"]
-
-
-@dataclass(frozen=True)
-class IORequest:
-    """One vectored read or write of `buffers`, back to back, at `offset` of `fd`."""
-
-    tag: int
-    op: IOOp
-    fd: int
-    offset: int
-    buffers: tuple[memoryview, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
-
-
-@dataclass(frozen=True)
-class IOCompletion:
-    """The outcome of the request with `tag`: bytes transferred (>= 0) or a negative errno."""
-
-    tag: int
-    result: int
-
-
-class BlockIO(ABC):
-    """The interface the store calls (see the module docstring)."""
-
-    name: str
-
-    @abstractmethod
-    def submit(self, requests: Sequence[IORequest]) -> None:
-        """Start the requests; raises OSError if they could not be started."""
-
-    @abstractmethod
-    def reap(self, timeout: float | None) -> list[IOCompletion]:
-        """Finished requests; waits up to `timeout` seconds (None: forever) for the first one."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release threads and kernel resources."""
-
-
 def _run_request(req: IORequest) -> int:
     """Do one request with a blocking syscall: bytes moved, or -errno."""
     try:

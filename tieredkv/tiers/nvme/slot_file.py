@@ -21,7 +21,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from tieredkv.tiers.nvme.io_backends import BlockIO, IORequest
+from tieredkv.tiers.nvme.block_io import BlockIO, IORequest
 from tieredkv.tiers.nvme.slot_format import (
     ALIGN,
     STORE_MAGIC,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from tieredkv.tiers.nvme.io_backends import BlockIO, IOOp, IORequest
+from tieredkv.tiers.nvme.block_io import BlockIO, IOOp, IORequest
 from tieredkv.tiers.nvme.slot_format import (
     ALIGN,
     AlignedBufferPool,

@@ -62,8 +62,9 @@ import torch
 
 from tieredkv.replacement import ReplacementPolicy
 from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.nvme.block_io import BlockIO, IOOp
 from tieredkv.tiers.nvme.file_keeper import FileKeeper
-from tieredkv.tiers.nvme.io_backends import BlockIO, IOBackend, IOOp, make_backend
+from tieredkv.tiers.nvme.io_backends import IOBackend, make_backend
 from tieredkv.tiers.nvme.slot_format import SlotGeometry, SlotHeader, check_block, check_ids, fingerprint_digest
 from tieredkv.tiers.nvme.slot_index import Declined, SlotIndex
 from tieredkv.tiers.nvme.slot_io import SlotIO, SlotJob

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from tieredkv.tiers.nvme.io_backends import BlockIO, IOCompletion, IORequest
+from tieredkv.tiers.nvme.block_io import BlockIO, IOCompletion, IORequest
 
 logger = logging.getLogger(__name__)
 
