@@ -135,9 +135,7 @@ class ProcessCore:
     def _stop(self) -> None:
         with contextlib.suppress(RuntimeError):  # it may have died already
             self._send(Shutdown())
-        self._proc.join(STOP_TIMEOUT_S)
-        self._kill()
-        self._reader.join(STOP_TIMEOUT_S)  # it saw the pipe close
+        self._await_exit()
         self._conn.close()
         atexit.unregister(self._at_exit)
 
@@ -146,11 +144,14 @@ class ProcessCore:
         alone would not: the reader thread's `recv` keeps the socket open)."""
         with contextlib.suppress(RuntimeError, OSError):
             self._send(Shutdown())
-        self._proc.join(STOP_TIMEOUT_S)
-        self._kill()
+        self._await_exit()
         self._conn.close()
 
-    def _kill(self) -> None:
+    def _await_exit(self) -> None:
+        """Wait for the engine process to exit, then kill it if it has not. The reader joins it
+        (once the pipe closes): the only thread that does, as two waiting for one process race
+        (the loser's join returns at once, the process alive to it)."""
+        self._reader.join(STOP_TIMEOUT_S)
         if self._proc.is_alive():
             logger.warning("the engine process did not stop; killing it")
             self._proc.kill()
