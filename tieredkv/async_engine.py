@@ -102,7 +102,11 @@ class AsyncLLM:
         if engine_process:
             self._core = ProcessCore(config, self._streams)
             self.info: EngineInfo = self._core.info
-            self.tokenizer = load_tokenizer(self.info.config.model.model)
+            try:
+                self.tokenizer = load_tokenizer(self.info.config.model.model)
+            except BaseException:
+                self._core.stop()
+                raise
         else:
             engine = LLMEngine(config)
             self._core = ThreadCore(engine, self._streams)

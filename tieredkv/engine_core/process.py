@@ -130,9 +130,10 @@ class ProcessCore:
         requests have ended or `STOP_TIMEOUT_S` has passed."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.drained(), STOP_TIMEOUT_S)
-        await asyncio.to_thread(self._stop)
+        await asyncio.to_thread(self.stop)
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """Stop the engine process now (blocking; what `close` ends with)."""
         with contextlib.suppress(RuntimeError):  # it may have died already
             self._send(Shutdown())
         self._await_exit()
