@@ -46,6 +46,7 @@ from redis.asyncio import Redis
 
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.remote import open_remote, reader
+from tieredkv.tiers.remote.shards import RemoteShards
 from tieredkv.tiers.remote.store import READ_THREADS, RemoteStore
 
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "": 1}
@@ -87,10 +88,18 @@ async def raw_round(url: str, value: bytes, n: int, in_flight: int, pipeline: in
 def store_round(url: str, args: argparse.Namespace, src: torch.Tensor, dst: torch.Tensor,
                 first_hash: int) -> tuple[float, float]:
     """(write, read) seconds for every block of `src` through a fresh RemoteStore."""
+    store = RemoteStore(url, src.shape[1], FINGERPRINT, 16, max_in_flight=args.in_flight,
+                        pipeline_ops=args.pipeline, read_threads=args.read_threads)
+    return timed_round(store, src, dst, first_hash)
+
+
+def timed_round(store: RemoteStore | RemoteShards, src: torch.Tensor, dst: torch.Tensor,
+                first_hash: int) -> tuple[float, float]:
+    """(write, read) seconds for every block of `src` through `store`, which is then closed;
+    every job succeeds and the blocks come back bit-identical into `dst`."""
     n = src.shape[0]
     refs = [BlockRef(first_hash + i, first_hash + i - 1, tuple(range(16))) for i in range(n)]
-    with RemoteStore(url, src.shape[1], FINGERPRINT, 16, max_in_flight=args.in_flight,
-                     pipeline_ops=args.pipeline, read_threads=args.read_threads) as store:
+    with store:
         t0 = time.perf_counter()
         jobs = [store.submit_write(ref, src[i]) for i, ref in enumerate(refs)]
         ok_w = None not in jobs and all(store.wait(jobs).values())
@@ -208,7 +217,6 @@ def scaling(args: argparse.Namespace, urls: list[str]) -> None:
     n = args.size // args.block
     src = torch.randint(0, 256, (n, args.block), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    refs = [BlockRef(i + 1, i, tuple(range(16))) for i in range(n)]
     secs: dict[str, list[tuple[float, float]]] = {"one": [], "all": []}
     for r in range(args.rounds + 1):  # round 0 warms both up, untimed
         for name in (("one", "all") if r % 2 else ("all", "one")):
@@ -216,17 +224,9 @@ def scaling(args: argparse.Namespace, urls: list[str]) -> None:
                 redis.Redis.from_url(url).flushall()
             dst.zero_()
             store = open_remote(urls[0] if name == "one" else tuple(urls), 0, args.block, FINGERPRINT, 16)
-            try:
-                t0 = time.perf_counter()
-                ok_w = all(store.wait([store.submit_write(ref, src[i]) for i, ref in enumerate(refs)]).values())
-                t1 = time.perf_counter()
-                ok_r = all(store.wait([store.submit_read(ref, dst[i]) for i, ref in enumerate(refs)]).values())
-                t2 = time.perf_counter()
-            finally:
-                store.close()
-            assert ok_w and ok_r and torch.equal(src, dst), f"{name}: a block failed or came back different"
+            seconds = timed_round(store, src, dst, first_hash=1)
             if r:
-                secs[name].append((t1 - t0, t2 - t1))
+                secs[name].append(seconds)
     print(f"{n * args.block / 2**30:.2f} GiB each way in {args.block >> 10} KiB blocks, {len(urls)} servers "
           f"against one, {args.rounds} rounds; GB/s of payload, medians")
     rates = {}
