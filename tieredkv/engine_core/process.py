@@ -112,7 +112,6 @@ class ProcessCore:
             self._send(Abort(request_id))
 
     async def reset_prefix_cache(self) -> int:
-        self._loop = asyncio.get_running_loop()
         return await asyncio.wrap_future(self._call("reset_prefix_cache"))
 
     def stats(self) -> dict[str, Any]:
