@@ -48,6 +48,7 @@ from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.remote import open_remote, reader
 from tieredkv.tiers.remote.shards import RemoteShards
 from tieredkv.tiers.remote.store import READ_THREADS, RemoteStore
+from tieredkv.tiers.remote.value_format import ValueLayout
 
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "": 1}
 FINGERPRINT = 0xBE7C4
@@ -115,17 +116,31 @@ def timed_round(store: RemoteStore | RemoteShards, src: torch.Tensor, dst: torch
 
 def redis_benchmark(url: str, value_bytes: int, n: int, clients: int, pipeline: int = 16) -> dict[str, float]:
     """GB/s of SET and GET of `value_bytes` values by the C client, `redis-benchmark`."""
+    return redis_benchmark_together([url], value_bytes, n, clients, pipeline)
+
+
+def redis_benchmark_together(urls: list[str], value_bytes: int, n: int, clients: int,
+                             pipeline: int = 16) -> dict[str, float]:
+    """GB/s of SET and GET by one `redis-benchmark` per server, all at once, summed ({} without
+    the binary). Each runs SET then GET; the GETs overlap for nearly all their time."""
     binary = shutil.which("redis-benchmark")
     if binary is None:
         return {}
-    port = url.rsplit(":", 1)[1].split("/")[0]
-    cmd = [binary, "-p", port, "-t", "set,get", "-d", str(value_bytes), "-n", str(n), "-c", str(clients),
-           "-P", str(pipeline), "-r", str(n), "--csv"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    rates = {}
-    for line in out.splitlines()[1:]:
-        name, rps = line.split(",")[:2]
-        rates[name.strip('"').lower()] = float(rps.strip('"')) * value_bytes / 1e9
+    runs = []
+    for url in urls:
+        port = url.rsplit(":", 1)[1].split("/")[0]
+        cmd = [binary, "-p", port, "-t", "set,get", "-d", str(value_bytes), "-n", str(n), "-c", str(clients),
+               "-P", str(pipeline), "-r", str(n), "--csv"]
+        runs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+    rates: dict[str, float] = {}
+    for run in runs:
+        out, _ = run.communicate()
+        if run.returncode:
+            raise subprocess.CalledProcessError(run.returncode, run.args)
+        for line in out.splitlines()[1:]:
+            name, rps = line.split(",")[:2]
+            key = name.strip('"').lower()
+            rates[key] = rates.get(key, 0.0) + float(rps.strip('"')) * value_bytes / 1e9
     return rates
 
 
@@ -235,6 +250,15 @@ def scaling(args: argparse.Namespace, urls: list[str]) -> None:
             rates[f"{name}_{what}"] = statistics.median(n * args.block / s[i] / 1e9 for s in secs[name])
         print(f"  {what}: one server {rates[f'one_{what}']:5.2f}, {len(urls)} servers {rates[f'all_{what}']:5.2f} "
               f"({rates[f'all_{what}'] / rates[f'one_{what}']:.2f}x)")
+    if args.redis_benchmark:  # the C client: how far the servers and this machine scale at all
+        value_bytes = ValueLayout.for_block(args.block, 16, FINGERPRINT).value_bytes
+        one = redis_benchmark(urls[0], value_bytes, max(n, 256), args.read_threads)
+        together = redis_benchmark_together(urls, value_bytes, max(n, 256), args.read_threads)
+        for what in ("set", "get"):
+            rates[f"c_one_{what}"], rates[f"c_all_{what}"] = one.get(what, 0.0), together.get(what, 0.0)
+            if rates[f"c_one_{what}"]:
+                print(f"  redis-benchmark (C) {what.upper()}: one server {rates[f'c_one_{what}']:5.2f}, {len(urls)} "
+                      f"at once {rates[f'c_all_{what}']:5.2f} ({rates[f'c_all_{what}'] / rates[f'c_one_{what}']:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "servers": len(urls), "median_gb_per_s": rates, "secs": secs}, f, indent=1)

@@ -77,7 +77,7 @@ def run_engine(args: argparse.Namespace) -> dict:
     stats = llm.stats()
     return {"ttft_s": ttfts, "first_tokens": tokens, "blocks_stored": stored, "read_bytes_per_s": rate,
             **{k: stats.get(k, 0) for k in ("remote_hit_blocks", "remote_errors", "remote_bytes_read",
-                                              "remote_read_busy_s")}}
+                                              "remote_read_busy_s", "remote_read_pipelines")}}
 
 
 def spawn(args: argparse.Namespace, model: str, role: str, urls: list[str]) -> dict:
@@ -101,6 +101,7 @@ def compare(args: argparse.Namespace, model: str, urls: list[str]) -> dict:
             "b_remote_errors": remote["remote_errors"],
             "b_read_gb_per_s": remote["remote_bytes_read"] / busy / 1e9 if busy else 0.0,
             "b_planned_read_gb_per_s": (remote["read_bytes_per_s"] or 0.0) / 1e9,
+            "b_reads_per_pipeline": remote["remote_hit_blocks"] / max(1, remote["remote_read_pipelines"]),
             "first_tokens_equal": remote["first_tokens"] == alone["first_tokens"]}
 
 

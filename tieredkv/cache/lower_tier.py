@@ -69,7 +69,7 @@ class LandedLoad(NamedTuple):
 
 
 class LowerTier:
-    """Loads from and spills to `store`, through CPU blocks of `cpu_pool` (data `cpu_data`)."""
+    """Loads from and spills to `store`, through CPU blocks of `cpu_pool` (their data `cpu_data`: one row a block)."""
 
     def __init__(
         self, store: BlockStore, cpu_pool: BlockPool, cpu_data: torch.Tensor,
@@ -77,9 +77,11 @@ class LowerTier:
     ) -> None:
         self.store = store
         self.cpu_pool = cpu_pool
-        self.cpu_data = cpu_data
+        # each CPU block's view, made once: indexing `cpu_data` per read is a torch operator,
+        # which gives up the GIL and waits behind the I/O threads to take it back
+        self.cpu_blocks = cpu_data.unbind(0)
         self.admission = admission
-        self.spill = Spill(store, cpu_pool, cpu_data, admission)
+        self.spill = Spill(store, cpu_pool, self.cpu_blocks, admission)
         # request -> first token of its prefix blocks being read (None: nothing to read); a
         # request is here once its loads were planned, until it jumps over them or is freed
         self._load_from: dict[str, int | None] = {}
@@ -145,7 +147,7 @@ class LowerTier:
             taken = self.cpu_pool.allocate(1)
             if taken is None:
                 break
-            job = self.store.submit_read(ref, self.cpu_data[taken[0].block_id])
+            job = self.store.submit_read(ref, self.cpu_blocks[taken[0].block_id])
             if job is None:  # evicted from the store since the lookup
                 self.cpu_pool.release(taken)
                 break

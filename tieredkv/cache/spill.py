@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -51,12 +51,12 @@ class Spill:
     """Spills worthwhile CPU blocks to `store` (the tier below the CPU tier)."""
 
     def __init__(
-        self, store: BlockStore, cpu_pool: BlockPool, cpu_data: torch.Tensor,
+        self, store: BlockStore, cpu_pool: BlockPool, cpu_blocks: Sequence[torch.Tensor],
         admission: AdmitAll | FrequencyAdmission | AdaptiveAdmission,
     ) -> None:
         self.store = store
         self.cpu_pool = cpu_pool
-        self.cpu_data = cpu_data
+        self.cpu_blocks = cpu_blocks  # each CPU block's data, by block id
         self.admission = admission
         self.window = max(8, len(cpu_pool.blocks) // 4)  # the coldest cached blocks, kept on disk
         self.num_staging = staging_blocks(len(cpu_pool.blocks))
@@ -157,7 +157,7 @@ class Spill:
             self.skipped_blocks += 1
             job = None
         else:
-            job = self.store.submit_write(ref, self.cpu_data[block.block_id])
+            job = self.store.submit_write(ref, self.cpu_blocks[block.block_id])
         if job is None:
             self._wrote(block, ref.block_hash, staged, self.store.contains(ref.block_hash))
         else:

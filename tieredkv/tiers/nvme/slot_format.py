@@ -19,11 +19,12 @@ so a torn write (old header over new payload, half a header, ...) never verifies
 Operations: `SlotGeometry.for_block` (layout arithmetic), `pack_header` / `parse_header` /
 `header_matches`, `pack_superblock` / `parse_superblock`, `fingerprint_digest`,
 `aligned_empty` / `AlignedBufferPool` / `byte_view` / `is_aligned` (buffers for O_DIRECT),
-`check_block` / `check_ids` (a caller's block and ids, as a store's submits take them).
+`check_block` / `check_block_bytes` / `check_ids` (a caller's block and ids, as a store's submits take them).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import struct
 import threading
@@ -248,25 +249,38 @@ class AlignedBufferPool:
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable memoryview of the bytes of a contiguous CPU tensor (shares its memory)."""
+    """A writable memoryview of the bytes of a contiguous CPU tensor (shares its memory and keeps
+    the tensor alive). Made without a torch operator: those release the GIL and wait to take it
+    back, up to a switch interval (5 ms) each while other threads run Python, which made the
+    reader threads of a remote tier wait longer than their reads."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError(
             f"need a contiguous CPU tensor, got device={tensor.device} contiguous={tensor.is_contiguous()}"
         )
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return memoryview(bytearray())
+    memory = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    memory.owner = tensor  # the view keeps `memory`, which keeps the tensor
+    return memoryview(memory).cast("B")
+
+
+def check_block_bytes(block: torch.Tensor, name: str, block_bytes: int, block_size: int, num_tokens: int) -> None:
+    """ValueError saying what is wrong unless `block` (the argument called `name`) is one
+    contiguous CPU block of `block_bytes` for at most `block_size` tokens (no torch operator)."""
+    if block.device.type != "cpu" or not block.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous CPU tensor (a view of one CPU block)")
+    nbytes = block.numel() * block.element_size()
+    if nbytes != block_bytes:
+        raise ValueError(f"{name} holds {nbytes} bytes; blocks are {block_bytes}")
+    if num_tokens > block_size:
+        raise ValueError(f"{num_tokens} token ids, more than block_size={block_size}")
 
 
 def check_block(block: torch.Tensor, name: str, block_bytes: int, block_size: int, num_tokens: int) -> torch.Tensor:
-    """The bytes of `block` (the argument called `name`) as flat uint8, if it is one contiguous
-    CPU block of `block_bytes` for at most `block_size` tokens; else ValueError saying which."""
-    if block.device.type != "cpu" or not block.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous CPU tensor (a view of one CPU block)")
-    flat = block.reshape(-1).view(torch.uint8)
-    if flat.numel() != block_bytes:
-        raise ValueError(f"{name} holds {flat.numel()} bytes; blocks are {block_bytes}")
-    if num_tokens > block_size:
-        raise ValueError(f"{num_tokens} token ids, more than block_size={block_size}")
-    return flat
+    """The bytes of `block` as flat uint8, if `check_block_bytes` finds nothing wrong."""
+    check_block_bytes(block, name, block_bytes, block_size, num_tokens)
+    return block.reshape(-1).view(torch.uint8)
 
 
 def check_ids(block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> tuple[int, ...]:

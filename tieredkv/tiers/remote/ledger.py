@@ -27,7 +27,7 @@ from tieredkv.tiers.remote.index import BlockIndex
 from tieredkv.tiers.remote.value_format import ValueLayout, Verdict
 
 _COUNTERS = ("hit_blocks stored_blocks errors misses corrupt write_skipped evicted_blocks bytes_read "
-             "bytes_written rejected_writes").split()
+             "bytes_written rejected_writes read_pipelines").split()
 
 
 class Ledger:
@@ -117,10 +117,11 @@ class Ledger:
                 self._index.forget(block_hash)
 
     def reads_done(self, count: int) -> None:
-        """`count` reads finished (or failed); the last one in flight ends the busy time."""
+        """One pipeline of `count` reads finished; the last read in flight ends the busy time."""
         if not count:
             return
         with self._lock:
+            self._counts["read_pipelines"] += 1
             self._reads_in_flight -= count
             if not self._reads_in_flight:
                 self._read_busy_s += time.monotonic() - self._read_busy_since

@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -40,7 +41,7 @@ from typing import Literal
 import torch
 
 from tieredkv.tiers.backend import BlockRef
-from tieredkv.tiers.nvme.slot_format import byte_view, check_block
+from tieredkv.tiers.nvme.slot_format import byte_view, check_block_bytes
 from tieredkv.tiers.remote.connection import (
     ANY_ERROR,
     CONNECT_TIMEOUT_S,
@@ -70,7 +71,7 @@ class _Op:
     job: int
     kind: Literal["read", "write"]
     ref: BlockRef
-    block: torch.Tensor  # the caller's CPU block as flat uint8
+    block: memoryview  # the caller's CPU block's bytes (`byte_view`: it keeps the block alive)
 
 
 class RemoteStore:
@@ -92,8 +93,10 @@ class RemoteStore:
         self.max_in_flight, self.pipeline_ops = max_in_flight, pipeline_ops
         self.jobs = JobBook()
         self.ledger = Ledger(self.layout, budget_bytes)
-        self._lock = threading.Lock()  # guards the queue and `_closed`
-        self._queue: list[_Op] = []
+        self._lock = threading.Lock()  # guards the queues, `_draining` and `_closed`
+        self._writes: list[_Op] = []  # for the loop thread's next dispatch
+        self._reads: deque[_Op] = deque()  # for the reader threads, oldest first
+        self._draining = 0  # reader threads taking from `_reads` (at most one per thread)
         self._closed = False
         self._loop = LoopThread("tieredkv-remote")
         try:
@@ -223,7 +226,7 @@ class RemoteStore:
         key = f"{self._key(0)}:probe:{os.urandom(8).hex()}"  # engines starting together probe apart
         count = min(max_blocks, max(self.reads.threads * self.pipeline_ops, num_bytes // self.layout.value_bytes))
         try:
-            self._loop.call(self.link.client.set(key, self.layout.pack(probe, src)), PROBE_TIMEOUT_S)
+            self._loop.call(self.link.client.set(key, self.layout.pack(probe, byte_view(src))), PROBE_TIMEOUT_S)
             reads, elapsed = self._probe_reads(key, probe, count, max_s)
             self._loop.call(self.link.client.unlink(key), PROBE_TIMEOUT_S)
         except ANY_ERROR as err:
@@ -262,17 +265,29 @@ class RemoteStore:
     def _key(self, block_hash: int) -> str:
         return block_key(self._fingerprint, block_hash) + self._key_suffix
 
-    def _check_block(self, block: torch.Tensor, name: str, ref: BlockRef) -> torch.Tensor:
-        return check_block(block, name, self.layout.block_bytes, self.layout.block_size, len(ref.token_ids))
+    def _check_block(self, block: torch.Tensor, name: str, ref: BlockRef) -> memoryview:
+        check_block_bytes(block, name, self.layout.block_bytes, self.layout.block_size, len(ref.token_ids))
+        return byte_view(block)
 
-    def _enqueue(self, kind: Literal["read", "write"], ref: BlockRef, block: torch.Tensor) -> int:
+    def _enqueue(self, kind: Literal["read", "write"], ref: BlockRef, block: memoryview) -> int:
+        """Queue a job. A read is taken by a reader thread as soon as one is free: one more
+        starts draining the reads while fewer than all are at it; a write waits for the loop
+        thread's next dispatch (woken once for all queued before it gets to them)."""
         job = self.jobs.start()
+        op = _Op(job, kind, ref, block)
         if kind == "read":
             self.ledger.reading()
+            with self._lock:
+                self._reads.append(op)
+                start = self._draining < self.reads.threads
+                self._draining += start
+            if start:
+                self.reads.submit(self._drain_reads)
+            return job
         with self._lock:
-            self._queue.append(_Op(job, kind, ref, block))
-            first = len(self._queue) == 1
-        if first:  # one wake-up for everything queued before the loop gets to it
+            self._writes.append(op)
+            first = len(self._writes) == 1
+        if first:
             self._loop.soon(self._dispatch)
         return job
 
@@ -295,16 +310,29 @@ class RemoteStore:
         task.add_done_callback(self._tasks.discard)
 
     def _dispatch(self) -> None:
-        """Send everything queued, in pipelines: reads spread over the reader threads (loop thread)."""
+        """Send the queued writes, in pipelines (loop thread)."""
         with self._lock:
-            ops, self._queue = self._queue, []
-        reads = [op for op in ops if op.kind == "read"]
-        size = max(1, min(self.pipeline_ops, -(-len(reads) // self.reads.threads)))
-        for i in range(0, len(reads), size):
-            self.reads.submit(self._read_batch, reads[i : i + size])
-        writes = [op for op in ops if op.kind == "write"]
+            writes, self._writes = self._writes, []
         for i in range(0, len(writes), self.pipeline_ops):
             self._spawn(self._run_writes(writes[i : i + self.pipeline_ops]))
+
+    def _drain_reads(self) -> None:
+        """Read queued blocks until none is left (reader thread). Each pipeline takes this
+        thread's share of the queue (up to `pipeline_ops`): reads submitted one by one while
+        the others are in flight go out together, not one round trip each."""
+        while True:
+            with self._lock:
+                if not self._reads:
+                    self._draining -= 1
+                    return
+                size = max(1, min(self.pipeline_ops, -(-len(self._reads) // self.reads.threads)))
+                ops = [self._reads.popleft() for _ in range(min(size, len(self._reads)))]
+            try:
+                self._read_batch(ops)
+            except BaseException:  # a bug: this thread stops draining, the others go on
+                with self._lock:
+                    self._draining -= 1
+                raise
 
     async def _pipeline(self, commands: list[tuple]) -> list:
         """Run commands in one pipeline; a refused command comes back as its exception."""
@@ -318,7 +346,7 @@ class RemoteStore:
         if not self.link.up:
             return self._fail(ops, ConnectionError("the tier is down"))
         heads = [memoryview(bytearray(self.layout.header_bytes)) for _ in ops]
-        bodies = [byte_view(op.block) for op in ops]
+        bodies = [op.block for op in ops]
         keys = [self._key(op.ref.block_hash) for op in ops]
         try:
             received = list(self.reads.get(keys, heads, bodies))

@@ -20,14 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 import xxhash
 
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme.slot_format import (
     SlotGeometry,
     SlotHeader,
-    byte_view,
     fingerprint_digest,
     header_matches,
     pack_header,
@@ -68,11 +66,10 @@ class ValueLayout:
     def value_bytes(self) -> int:
         return self.header_bytes + self.block_bytes
 
-    def pack(self, ref: BlockRef, src: torch.Tensor) -> memoryview:
-        """A new value holding the header of `ref` and a copy of the block `src` (uint8)."""
-        value = torch.empty(self.value_bytes, dtype=torch.uint8)
-        value[self.header_bytes :].copy_(src)  # torch releases the GIL for the copy
-        view = byte_view(value)
+    def pack(self, ref: BlockRef, src: memoryview) -> memoryview:
+        """A new value holding the header of `ref` and a copy of the block's bytes `src`."""
+        view = memoryview(bytearray(self.value_bytes))
+        view[self.header_bytes :] = src
         checksum = xxhash.xxh3_64_intdigest(view[self.header_bytes :])
         header = SlotHeader(ref.block_hash, ref.parent_hash, tuple(ref.token_ids), self.block_bytes, checksum, 0,
                             self.fingerprint)
