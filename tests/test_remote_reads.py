@@ -69,3 +69,36 @@ def test_the_probe_stops_early_on_a_slow_server(redis_server):
     # 256 values of 7 KiB would take 9 s through the link; the probe stops after about 0.5 s
     assert took < 3.0
     assert rate is not None and rate < 400_000
+
+
+def test_reads_submitted_while_the_readers_are_busy_go_out_together(redis_server):
+    """Reads queued while every reader thread is busy leave in pipelines of several: the engine
+    submits a prefix's reads one by one, and each must not cost a round trip of its own."""
+    import threading
+
+    src = blocks(64, 3000)
+    dst = torch.zeros_like(src)
+    with RemoteStore(redis_server.url, 3000, FINGERPRINT, 4, read_threads=4, pipeline_ops=8) as store:
+        assert all(store.wait([store.submit_write(ref(i), src[i]) for i in range(64)], timeout=30).values())
+        release = threading.Event()
+        busy = [store.reads.submit(release.wait, 30) for _ in range(store.reads.threads)]
+        jobs = [store.submit_read(ref(i), dst[i]) for i in range(64)]  # all queued behind the busy readers
+        release.set()
+        assert all(f.result(30) for f in busy)
+        assert all(store.wait(jobs, timeout=30).values())
+        pipelines = store.stats()["remote_read_pipelines"]
+    assert torch.equal(dst, src)
+    assert pipelines <= 64 // 4, f"{pipelines} pipelines for 64 reads: they went out one by one"
+
+
+def test_a_byte_view_writes_through_and_keeps_its_tensor():
+    data = torch.zeros((4, 8), dtype=torch.int32)
+    view = byte_view(data[2])
+    assert view.nbytes == 32 and view.format == "B" and not view.readonly
+    view[0:4] = (7).to_bytes(4, "little")
+    assert data[2, 0] == 7
+    alone = byte_view(torch.full((16,), 5, dtype=torch.uint8))  # the only reference to its tensor
+    assert bytes(alone) == b"\x05" * 16
+    assert byte_view(torch.empty(0)).nbytes == 0
+    with pytest.raises(ValueError, match="contiguous"):
+        byte_view(data[:, 1])
