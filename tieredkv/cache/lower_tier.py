@@ -27,8 +27,6 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
-import torch
-
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.spill import Spill
 from tieredkv.replacement import AdaptiveAdmission, AdmitAll, FrequencyAdmission
@@ -69,17 +67,16 @@ class LandedLoad(NamedTuple):
 
 
 class LowerTier:
-    """Loads from and spills to `store`, through CPU blocks of `cpu_pool` (their data `cpu_data`: one row a block)."""
+    """Loads from and spills to `store`, through CPU blocks of `cpu_pool` (`cpu_blocks[i]`: block
+    i's data, as the store takes it)."""
 
     def __init__(
-        self, store: BlockStore, cpu_pool: BlockPool, cpu_data: torch.Tensor,
+        self, store: BlockStore, cpu_pool: BlockPool, cpu_blocks: Sequence,
         admission: AdmitAll | FrequencyAdmission | AdaptiveAdmission,
     ) -> None:
         self.store = store
         self.cpu_pool = cpu_pool
-        # each CPU block's view, made once: indexing `cpu_data` per read is a torch operator,
-        # which gives up the GIL and waits behind the I/O threads to take it back
-        self.cpu_blocks = cpu_data.unbind(0)
+        self.cpu_blocks = cpu_blocks
         self.admission = admission
         self.spill = Spill(store, cpu_pool, self.cpu_blocks, admission)
         # request -> first token of its prefix blocks being read (None: nothing to read); a

@@ -47,7 +47,7 @@ class CPUOffload:
         self.pool = BlockPool(tier.num_blocks)
         self.transfers = transfers
         self.admission = make_admission(policy, tier.num_blocks)
-        self.lower = LowerTier(store, self.pool, tier.data, self.admission) if store is not None else None
+        self.lower = LowerTier(store, self.pool, tier.blocks, self.admission) if store is not None else None
         self.trace: BlockTrace | None = None
         self._demotions: list[tuple[int, Block]] = []
         self._staging: dict[int, BlockRef] = {}  # staging CPU block id -> the block it receives

@@ -25,8 +25,6 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
-import torch
-
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.replacement import AdaptiveAdmission, AdmitAll, FrequencyAdmission
 from tieredkv.tiers.backend import BlockRef, BlockStore
@@ -51,7 +49,7 @@ class Spill:
     """Spills worthwhile CPU blocks to `store` (the tier below the CPU tier)."""
 
     def __init__(
-        self, store: BlockStore, cpu_pool: BlockPool, cpu_blocks: Sequence[torch.Tensor],
+        self, store: BlockStore, cpu_pool: BlockPool, cpu_blocks: Sequence,
         admission: AdmitAll | FrequencyAdmission | AdaptiveAdmission,
     ) -> None:
         self.store = store

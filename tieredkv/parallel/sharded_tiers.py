@@ -30,6 +30,7 @@ import xxhash
 
 from tieredkv.config import CacheConfig
 from tieredkv.tiers.backend import BlockRef, BlockStore
+from tieredkv.tiers.cpu import BlockViews
 from tieredkv.tiers.nvme.opener import open_store
 from tieredkv.tiers.nvme.store import NVMeStore
 
@@ -48,13 +49,14 @@ def shared_memory(nbytes: int, name: str) -> tuple[int, torch.Tensor]:
 
 
 class RankBlocks:
-    """`blocks[i]`: CPU block i of every rank, as a tuple of tensors in rank order."""
+    """`blocks[i]`: CPU block i of every rank, as a tuple of tensors in rank order (`BlockViews`)."""
 
     def __init__(self, ranks: list[torch.Tensor]) -> None:
         self.ranks = ranks
+        self._views = [BlockViews(rank) for rank in ranks]
 
     def __getitem__(self, block_id: int) -> tuple[torch.Tensor, ...]:
-        return tuple(rank[block_id] for rank in self.ranks)
+        return tuple(views[block_id] for views in self._views)
 
     def __len__(self) -> int:
         return len(self.ranks[0])
@@ -77,6 +79,7 @@ class ShardedCPUTier:
             self.close_fds()
             raise
         self.data = RankBlocks(ranks)
+        self.blocks = self.data
 
     @property
     def num_blocks(self) -> int:

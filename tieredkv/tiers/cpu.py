@@ -1,6 +1,7 @@
 """The CPU tier: one host tensor of KV blocks, block-major, pinned when CUDA is present.
 
     data[cpu_block] = [layers, 2, block_size, kv_heads, head_dim]   (one contiguous run of bytes)
+    blocks[cpu_block]: the same view, made once (`BlockViews`)
 
 Plain storage: which block holds what is the CPU offload's bookkeeping (`cache/offload.py`).
 """
@@ -14,6 +15,25 @@ import torch
 from tieredkv.tiers.nvme.slot_format import aligned_empty
 
 logger = logging.getLogger(__name__)
+
+
+class BlockViews:
+    """`views[i]` is `data[i]`, made on first use and kept. Indexing a tensor is a torch operator:
+    it gives up the GIL and waits to take it back, up to a switch interval while the I/O threads
+    run Python; the lower tier's reads and writes name their blocks by index, many a step."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._data = data
+        self._views: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        view = self._views.get(index)
+        if view is None:
+            view = self._views[index] = self._data[index]
+        return view
+
+    def __len__(self) -> int:
+        return self._data.shape[0]
 
 
 class CPUTier:
@@ -32,6 +52,7 @@ class CPUTier:
             memory = aligned_empty(nbytes).zero_()
         assert memory.numel() == nbytes and memory.dtype == torch.uint8, "memory holds exactly the blocks' bytes"
         self.data = memory.view(dtype).view(shape)
+        self.blocks = BlockViews(self.data)
         self.pinned = pin and _pin(self.data)
 
     @property
