@@ -8,11 +8,12 @@
     store.poll() -> [(job, ok), ...]; store.wait([job, ...]) -> {job: ok}
     store.stats(); store.measure_read_bandwidth(); store.close()
 
-Jobs queue to an asyncio loop on a thread of its own (`connection.py`), which sends them in
-pipelines of up to `pipeline_ops` commands. Writes go through redis-py's asyncio client, at most
-`max_in_flight // 2` pipelines at once; reads through `read_threads` reader threads, each with a
-connection of its own, receiving values straight into their blocks (`reader.py`), so reads never
-wait behind a burst of writes, nor behind one thread's parsing. A write first
+Writes queue to an asyncio loop on a thread of its own (`connection.py`), which sends them
+through redis-py's asyncio client in pipelines of up to `pipeline_ops` commands, at most
+`max_in_flight // 2` pipelines at once. Reads queue to `read_threads` reader threads, each with a
+connection of its own, receiving values straight into their blocks (`reader.py`): a free thread
+takes its share of the queue (up to `pipeline_ops`) as one pipeline, so reads submitted one by one
+go out together, never wait behind a burst of writes, nor behind one thread's parsing. A write first
 asks whether the key exists (another engine may have stored the block) and sends only the
 blocks the server lacks. A read verifies the value (`value_format.py`) before copying it into
 `dst`: a missing key (evicted, deleted, flushed) or a value that does not verify (truncated,
