@@ -4,6 +4,7 @@ bandwidth probe, which stops early on a slow server."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -74,8 +75,6 @@ def test_the_probe_stops_early_on_a_slow_server(redis_server):
 def test_reads_submitted_while_the_readers_are_busy_go_out_together(redis_server):
     """Reads queued while every reader thread is busy leave in pipelines of several: the engine
     submits a prefix's reads one by one, and each must not cost a round trip of its own."""
-    import threading
-
     src = blocks(64, 3000)
     dst = torch.zeros_like(src)
     with RemoteStore(redis_server.url, 3000, FINGERPRINT, 4, read_threads=4, pipeline_ops=8) as store:
