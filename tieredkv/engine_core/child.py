@@ -71,7 +71,6 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, conn: Connection, inbox: queue.SimpleQueue[Inbound]) -> None:
         self.engine, self.conn, self.inbox = engine, conn, inbox
         self.encoder = DeltaEncoder()
-        self.live: set[str] = set()  # requests added and not finished
 
     def run(self) -> None:
         while True:
@@ -88,13 +87,12 @@ class EngineLoop:
                     logger.exception("engine step failed")
                     self.conn.send(StepFailed(portable(err)))
                     outputs += self._abort_all()
-            self.live.difference_update(out.request_id for out in outputs if out.finished)
             if outputs:
                 self.conn.send(StepOutputs([self.encoder.encode(out) for out in outputs]))
 
     def _abort_all(self) -> list[RequestOutput]:
         """End every open request (a failed step leaves none to retry); their last outputs."""
-        ended = [self.engine.abort(request_id) for request_id in sorted(self.live)]
+        ended = [self.engine.abort(request_id) for request_id in sorted(self.engine.seqs)]
         return [out for out in ended if out is not None]
 
     def _arrived(self, block: bool) -> list[Inbound]:
@@ -111,7 +109,6 @@ class EngineLoop:
         if isinstance(message, NewRequest):
             try:
                 self.engine.add_request(message.prompt_token_ids, message.params, message.request_id)
-                self.live.add(message.request_id)
             except ValueError as err:
                 self.conn.send(Rejected(message.request_id, err))
         elif isinstance(message, Abort):
