@@ -145,7 +145,8 @@ class LLMEngine:
         """Validate a request (ValueError if it can never run) without queueing it. Reads no
         state that `step()` changes, so it may run beside a step. RuntimeError once closed."""
         params = self.limits.check_params(params)
-        token_ids, request_id = self._new_request(prompt, request_id, lambda n: self.limits.check_sampling(n, params))
+        token_ids, request_id = self._new_request(prompt, request_id)
+        self.limits.check_sampling(len(token_ids), params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
         generators = [self._generator(params, i) for i in range(params.num_samples)]
         seq = Seq(request_id, token_ids, params, self.runner.eos_token_ids, generators[0], detokenizer)
@@ -158,8 +159,8 @@ class LLMEngine:
         its result is `seq.group.result(...)` once it has finished."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
-        token_ids, request_id = self._new_request(prompt, request_id, lambda n: self.limits.check_request(
-            n, params.max_tokens, "beam_width", params.beam_width))
+        token_ids, request_id = self._new_request(prompt, request_id)
+        self.limits.check_request(len(token_ids), params.max_tokens, "beam_width", params.beam_width)
         # beams never stop by themselves: the beam search ends them
         beam_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True)
         seq = Seq(request_id, token_ids, beam_params, self.runner.eos_token_ids)
@@ -167,10 +168,9 @@ class LLMEngine:
         BeamGroup(seq, params, self.runner.eos_token_ids, decode)
         return seq
 
-    def _new_request(self, prompt: Prompt, request_id: str | None,
-                     check: Callable[[int], None]) -> tuple[list[int], str]:
-        """A request's token ids and id, checked: its id is free, and `check(num_prompt_tokens)`
-        (`RequestLimits`: it fits the model, the GPU tier and `max_num_seqs`) passes."""
+    def _new_request(self, prompt: Prompt, request_id: str | None) -> tuple[list[int], str]:
+        """A request's token ids and id, checked: its id is free (the caller then checks it
+        against `RequestLimits`)."""
         self._check_open()
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id: expected a string, got {type(request_id).__name__}")
@@ -178,7 +178,6 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        check(len(token_ids))
         return token_ids, request_id
 
     def _decode_token(self, token_id: int) -> str:
