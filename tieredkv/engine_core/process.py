@@ -133,16 +133,13 @@ class ProcessCore:
 
     def stop(self) -> None:
         """Stop the engine process now (blocking; what `close` ends with)."""
-        with contextlib.suppress(RuntimeError):  # it may have died already
-            self._send(Shutdown())
-        self._await_exit()
-        self._conn.close()
+        self._at_exit()
         atexit.unregister(self._at_exit)
 
     def _at_exit(self) -> None:
         """The interpreter exits without `close`: tell the engine to shut down (closing our end
         alone would not: the reader thread's `recv` keeps the socket open)."""
-        with contextlib.suppress(RuntimeError, OSError):
+        with contextlib.suppress(RuntimeError):  # it may have died already (`_send` turns OSError into this)
             self._send(Shutdown())
         self._await_exit()
         self._conn.close()
