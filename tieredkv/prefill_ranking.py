@@ -10,7 +10,7 @@ Operations:
 - `admitted(seq_id)`: a waiting sequence was admitted: its resident prefix is not needed any more;
   `rematch_oldest(keep)`: forget the oldest resident prefix (not of `keep`), matched again when next
   asked for: one a step, as matching costs.
-- `share(seqs, budget, decodes_ride) -> PrefillShares`: the sequences ranked, with their shares of
+- `share(seqs, budget, ride_cost) -> PrefillShares`: the sequences ranked, with their shares of
   `budget`.
 """
 
@@ -63,7 +63,10 @@ class PrefillRanking:
         """`seqs` in the policy's order with their shares of `budget`; `ride_cost`: the cost
         model when decodes run in this step (each prefill chunk is then charged for its
         attention, as it says), else None."""
-        candidates = [PrefillCandidate(self._to_compute(s), self._waited(s), self._done(s)) for s in seqs]
+        candidates = []
+        for seq in seqs:
+            left = self._to_compute(seq)  # the tokens before its next chunk: the rest
+            candidates.append(PrefillCandidate(left, self._waited(seq), seq.num_tokens - left))
         attention = _attention_weight(ride_cost)
         config = self.config
         return PrefillShares(candidates, budget, config.prefill_aging, config.scheduling_policy,
@@ -78,13 +81,6 @@ class PrefillRanking:
         if resident is None:
             resident = self._resident_tokens[seq.seq_id] = self.kv.match_prefix(seq).num_tokens(self.kv.block_size)
         return seq.num_tokens - resident
-
-    def _done(self, seq: Sequence) -> int:
-        """Tokens before the sequence's next chunk: computed, or found resident when waiting."""
-        if seq.status is not SequenceStatus.WAITING:
-            return seq.num_computed_tokens
-        return seq.num_tokens - self._to_compute(seq)
-
 
     def _waited(self, seq: Sequence) -> int:
         """Tokens scheduled (for anyone) since the sequence arrived."""
