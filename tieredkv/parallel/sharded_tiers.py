@@ -78,12 +78,11 @@ class ShardedCPUTier:
         except BaseException:
             self.close_fds()
             raise
-        self.data = RankBlocks(ranks)
-        self.blocks = self.data
+        self.blocks = RankBlocks(ranks)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.data)
+        return len(self.blocks)
 
     def close_fds(self) -> None:
         """Close the file descriptors once every rank has mapped its memory (the maps stay)."""
