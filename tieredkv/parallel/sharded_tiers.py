@@ -2,7 +2,7 @@
 
 - `ShardedCPUTier`: one block-major tensor per rank, in memory the driver and that rank's
   process both map (a memfd): the rank copies its KV heads of a block to and from it over its
-  own PCIe link (pinned by the rank), the driver reads and writes it to NVMe. `data[i]` is block
+  own PCIe link (pinned by the rank), the driver reads and writes it to NVMe. `blocks[i]` is block
   i's slices, one per rank (`RankBlocks`).
 
       rank r's tier: [num_blocks, layers, 2, block_size, kv_heads of rank r, head_dim]
