@@ -93,6 +93,45 @@ def test_siblings_swapped_out_move_a_shared_block_once_and_share_it_again_on_the
         check_kv(sim, seq)
 
 
+def swapped_siblings():
+    """a and b forked from one 9-token prompt, both swapped out, the GPU's cached copies forgotten."""
+    sim = make_kv(12, num_cpu_blocks=12)
+    sched = make_scheduler(sim, "swap")
+    a = make_seq("a", range(1, 10), max_tokens=6)
+    sched.add(a)
+    a, b = prefill_and_fork(sched, sim, a, [50, 51])
+    step(sched, sim)
+    sched.running.clear()
+    assert sim.kv.swap_out(b) and sim.kv.swap_out(a)
+    sim.kv.pool.drop_unowned()
+    sim.kv.retire()
+    return sim, a, b
+
+
+def test_a_swap_in_that_fits_only_by_sharing_a_siblings_blocks_goes_ahead():
+    sim, a, b = swapped_siblings()
+    assert sim.kv.swap_in(a, 1) is not None  # three blocks; b shares the two full ones
+    others = sim.kv.pool.allocate(sim.kv.pool.num_free - 1)  # one free block left: b's third
+    assert sim.kv.swap_in(b, 1) is not None
+    assert sim.kv.block_table(b)[:2] == sim.kv.block_table(a)[:2] and sim.kv.pool.num_free == 0
+    check_kv(sim, b)
+    sim.kv.pool.release(others)
+
+
+def test_a_swapped_sequence_short_of_blocks_builds_no_block_keys(monkeypatch):
+    sim, a, b = swapped_siblings()
+    others = sim.kv.pool.allocate(sim.kv.pool.num_free - 2)  # a needs three
+    built = []
+    refs = sim.kv.keys.refs
+    monkeypatch.setattr(sim.kv.keys, "refs", lambda *args: built.append(args) or refs(*args))
+    for _ in range(3):  # asked again every step while it waits
+        assert sim.kv.swap_in(a, 1) is None
+    assert built == [] and sim.kv.pool.num_free == 2
+    sim.kv.pool.release(others)
+    assert sim.kv.swap_in(a, 1) is not None and len(built) == 1
+    check_kv(sim, a)
+
+
 def test_a_recomputed_child_finds_the_blocks_it_shares_with_its_siblings():
     sim = make_kv(20)
     sched = make_scheduler(sim)

@@ -336,8 +336,11 @@ class KVCacheManager:
         (still cached, or a sibling's swapped in before) is shared instead of copied back; the
         full blocks copied are made findable at once (they are landing)."""
         num_swapped = self.swap.num_blocks(seq.seq_id)
-        refs = list(self.keys.refs(seq, 0, seq.num_computed_tokens // self.block_size))
+        num_full = seq.num_computed_tokens // self.block_size
         num_blocks = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        if num_blocks - self._owned_elsewhere(seq, num_full) > self.pool.num_free:
+            return None  # short whatever is found: a sequence waiting to come back costs no keys a step
+        refs = list(self.keys.refs(seq, 0, num_full))
         assert num_blocks >= num_swapped, "swap_out keeps only the blocks of computed tokens"
         table: list[Block | None] = [self.pool.lookup(*ref) for ref in refs]
         table += [None] * (num_blocks - len(table))
@@ -354,6 +357,13 @@ class KVCacheManager:
         self.tables.start(seq.seq_id, table)
         self.tables.set_committed(seq.seq_id, len(refs))
         return self._copy_back(seq, refs, {i: table[i] for i in to_copy})
+
+    def _owned_elsewhere(self, seq: Sequence, num_full: int) -> int:
+        """How many of the sequence's first `num_full` blocks are cached on the GPU under their
+        hash and owned by another sequence: at least as many as it could share (the hash is
+        not verified), so the blocks it needs from the free pool are no fewer than the rest."""
+        found = map(self.pool.cached_block, self.keys.hashes(seq)[:num_full])
+        return sum(1 for block in found if block is not None and block.ref_count > 0)
 
     def _copy_back(self, seq: Sequence, refs: list[BlockRef], targets: dict[int, Block]) -> Allocation | KVLost:
         """Copy a swapped sequence's CPU blocks into their new GPU `targets` (by index in its
