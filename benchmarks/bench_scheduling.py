@@ -4,10 +4,12 @@ at the same arrival times; TTFT p50/p90/p99 and max (with the slowest request's 
 ITL p50/p99, TPOT p90 and throughput, with ratios to the first variant.
 
 Two clocks:
-- `--sim` (CPU, no model): the real `Scheduler` and `KVCacheManager` (the config's GPU blocks,
-  no lower tiers), each step taking the time `StepCost` gives it, a cost model pinned from H200
+- `--sim` (CPU, no model): the real `Scheduler` and `KVCacheManager` (the config's GPU blocks
+  and CPU tier, in blocks of `llama-3-8b`'s 2 MiB, each holding a few bytes; no tiers below the
+  CPU), each step taking the time `StepCost` gives it, a cost model pinned from H200
   measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`). It shows what the policy does
-  to the order of the work; the engine run says whether the cost model holds.
+  to the order of the work, and the scheduler's own host time (wall clock, not on the simulated
+  one); the engine run says whether the cost model holds.
 - without `--sim` (CUDA): `LLMEngine` with the config's model, wall clock, after a warm-up.
 
     python benchmarks/bench_scheduling.py --sim                       # CPU, ~1 min
@@ -33,19 +35,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from tieredkv.cache.manager import KVCacheManager
-from tieredkv.config import EngineConfig, read_yaml
+from tieredkv.cache.offload import CPUOffload
+from tieredkv.config import CacheConfig, EngineConfig, read_yaml
 from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
 from tieredkv.experiment.replay import ReplayWorkload
 from tieredkv.experiment.spec import variants
 from tieredkv.experiment.traces import prompt_token_ids
 from tieredkv.experiment.workloads import LongContextWorkload, make_workload
-from tieredkv.policy import TierPolicy
+from tieredkv.policy import CostModel, TierPolicy
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
+from tieredkv.tiers.cpu import CPUTier
+from tieredkv.transfer.engine import make_transfer_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "long_context_8b.yaml"
@@ -81,17 +87,24 @@ class StepCost:
 # - kv_read_s: decode attention of batch 64 x 2,048 context took 4.17 ms (bench_decode);
 # - step_s: that decode step took 10.75 ms = step_s + 64 a + 64 * 2,048 kv_read_s.
 H200_LLAMA_8B = StepCost(step_s=4.7e-3, token_s=2.94e-5, pair_s=6.78e-10, kv_read_s=3.18e-8)
+# the same prefill fit and the H200's PCIe (53 GB/s each way, calibrated): what `auto` preemption weighs
+H200_LLAMA_8B_COSTS = CostModel(d2h_bytes_per_s=53.3e9, h2d_bytes_per_s=53.8e9, prefill_s_per_token=2.94e-5,
+                                prefill_s_per_token_sq=6.78e-10)
+LLAMA_8B_BLOCK_BYTES = 2 << 20  # a 16-token block: 32 layers x K and V x 8 heads x 128 x bf16
 
 
-def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple[list, float]:
-    """Serve `requests` with the config's scheduler on a simulated clock; the clients' records
-    and the seconds until the last token."""
+def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple[list, float, float]:
+    """Serve `requests` with the config's scheduler on a simulated clock; the clients' records,
+    the seconds until the last token and the scheduler's host seconds (wall clock)."""
     config = EngineConfig.from_dict(engine_doc)
     if config.cache.num_gpu_blocks is None:
         raise SystemExit("--sim needs cache.num_gpu_blocks in the config (the GPU tier the engine would have)")
-    kv = KVCacheManager(config.cache.num_gpu_blocks, config.cache.block_size, root_hash=1)
-    sched = Scheduler(config.scheduler, kv, TierPolicy("recompute", 0, cost=config.scheduler.cost_model))
-    records, now, i = {}, 0.0, 0
+    offload = sim_cpu_tier(config.cache.num_gpu_blocks, config.cache.block_size, config.cache)
+    kv = KVCacheManager(config.cache.num_gpu_blocks, config.cache.block_size, root_hash=1, offload=offload)
+    preemption = config.scheduler.preemption if offload is not None else "recompute"
+    sched = Scheduler(config.scheduler, kv, TierPolicy(preemption, LLAMA_8B_BLOCK_BYTES, config.cache.block_size,
+                                                       config.scheduler.cost_model or H200_LLAMA_8B_COSTS))
+    records, now, i, host_s, idle = {}, 0.0, 0, 0.0, 0
     while i < len(requests) or sched.has_unfinished():
         while i < len(requests) and requests[i][0] <= now:
             arrival, tag, prompt, returning, max_tokens = requests[i]
@@ -101,11 +114,31 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple
         if not sched.has_unfinished():
             now = requests[i][0]
             continue
+        start = time.perf_counter()
+        kv.retire()
         out = sched.schedule()
-        assert out.scheduled, "the scheduler made no progress"
+        host_s += time.perf_counter() - start
+        if not out.scheduled:  # its KV is landing from the CPU tier: the copies finish by the next step
+            idle += 1
+            assert idle < 100, "the scheduler made no progress"
+            now += cost.step_s
+            continue
+        idle = 0
         now += cost.seconds([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
+        kv.before_forward()
         _book(sched, out, records, now)
-    return list(records.values()), now
+    return list(records.values()), now, host_s
+
+
+def sim_cpu_tier(num_gpu_blocks: int, block_size: int, cache: CacheConfig) -> CPUOffload | None:
+    """The config's CPU tier, `cpu_cache_bytes` in blocks of `LLAMA_8B_BLOCK_BYTES`, over a GPU
+    tier on the CPU; each block holds 16 bytes (the scheduler counts blocks, not bytes)."""
+    num_blocks = cache.cpu_cache_bytes // LLAMA_8B_BLOCK_BYTES
+    if num_blocks == 0:
+        return None
+    gpu = torch.zeros((1, 2, num_gpu_blocks, block_size, 1, 4), dtype=torch.bfloat16)
+    tier = CPUTier(num_blocks, tuple(gpu[:, :, 0].shape), gpu.dtype, pin=False)
+    return CPUOffload(tier, make_transfer_engine(gpu, tier.data), policy=cache.cpu_policy)
 
 
 def _book(sched: Scheduler, out: SchedulerOutput, records: dict[str, RequestRecord], now: float) -> None:
@@ -278,13 +311,16 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
     print(HEADER, flush=True)
     summaries, runs = [], []
     for name, engine_doc in engines:
+        stats = {}
         if sim:
-            records, elapsed = simulate(engine_doc, requests, H200_LLAMA_8B)
+            records, elapsed, stats["loop_schedule_s"] = simulate(engine_doc, requests, H200_LLAMA_8B)
         else:
             records, elapsed = serve(engine_doc, requests)
         assert all(r.finished for r in records), f"{name}: a request did not finish"
-        summaries.append((summarize(name, records, elapsed, {}), slowest(records)))
+        summaries.append((summarize(name, records, elapsed, stats), slowest(records)))
         print(row(summaries[-1][0], summaries[0][0] if len(summaries) > 1 else None, summaries[-1][1]), flush=True)
+        if sim:
+            print(f"{'':<28} the scheduler's host time: {stats['loop_schedule_s']:.2f} s", flush=True)
         runs.append(records)
     if bound:
         print_bound(runs, H200_LLAMA_8B)
