@@ -209,10 +209,12 @@ def workload_of(doc: dict, trace: str | None, **keys: float | None) -> LongConte
             section["max_requests"] = given["requests"]
         return make_workload(section)
     section = {**(doc.get("workload") or {}), **given}
+    if "rate" in given:
+        section.pop("speed", None)  # a replay's arrivals are set by one or the other
     workload = make_workload(section)
-    if not isinstance(workload, LongContextWorkload):
+    if not isinstance(workload, (LongContextWorkload, ReplayWorkload)):
         raise SystemExit(f"the config's workload is {section.get('kind')!r}; this benchmark runs kind: "
-                         "long_context (or a trace: --trace)")
+                         "long_context or replay (or a trace: --trace)")
     return workload
 
 
@@ -385,6 +387,9 @@ def main() -> None:
     if args.bound and not args.sim:
         raise SystemExit("--bound takes the simulated cost model: add --sim")
     doc = read_yaml(args.config)
+    workload = doc.get("workload") or {}
+    if workload.get("kind") == "replay" and "path" in workload:  # relative to the config, as `tieredkv run` reads it
+        workload["path"] = str(Path(args.config).parent / workload["path"])
     engines = engines_of(doc, args.variants, args.vary, args.policies, args.set)
     if args.reverse:
         engines.reverse()

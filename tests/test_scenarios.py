@@ -242,3 +242,25 @@ def test_cpu_hits_are_recomputed_when_copying_them_in_is_slower():
         run_prompts(sched, sim, [prompt])
         assert (sim.kv.stats()["cpu_hit_blocks"] > hits) == copied
         assert (sched.loads.cpu_hits_recomputed > 0) == (not copied)
+
+
+def test_under_ttft_a_swapped_out_prefill_takes_its_turn_and_holds_no_short_prompt_back():
+    """a (24 tokens) and b (20) prefill side by side on 9 GPU blocks of 4 tokens; b's first decode
+    finds none free and swaps a out with 16 tokens computed. A 3-token prompt arriving then
+    ranks ahead of a's 8 tokens left: it runs at once, while a waits for its 6 blocks."""
+    sim = make_kv(9, num_cpu_blocks=16)
+    sched = make_scheduler(sim, "swap", max_num_batched_tokens=16, scheduling_policy="ttft",
+                           max_prefill_chunk_tokens=8)
+    a, b = make_seq("a", range(100, 124), max_tokens=4), make_seq("b", range(200, 220), max_tokens=4)
+    sched.add(a)
+    sched.add(b)
+    while not sched.swapped:
+        run_step(sched, sim)
+    assert queues(sched) == ([], ["b"], ["a"]) and a.num_computed_tokens == 16
+    c = make_seq("c", range(300, 303), max_tokens=2)
+    sched.add(c)
+    out = run_step(sched, sim)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("b", 1), ("c", 3)]
+    assert queues(sched)[2] == ["a"]
+    run_until_done(sched, sim)
+    assert a.output_token_ids and sim.kv.stats()["gpu_blocks_used"] == 0

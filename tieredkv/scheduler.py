@@ -115,12 +115,13 @@ class Scheduler:
         prefilling: list[Sequence] | None = [] if ranked else None  # decodes first, prefills later
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
         blocked = False
-        if not out.preempted:
-            budget, blocked = self._resume_swapped(out, budget)
-        if prefilling is not None:
-            blocked = self._schedule_prefills(out, budget, prefilling) or blocked
-        elif not out.preempted and not self._swapped_ready():
-            blocked = self._admit_waiting(out, budget)
+        if prefilling is not None:  # swapped sequences take their turn in the policy's order
+            blocked = self._schedule_prefills(out, budget, prefilling)
+        else:
+            if not out.preempted:
+                budget, blocked = self._resume_swapped(out, budget)
+            if not out.preempted and not self._swapped_ready():
+                blocked = self._admit_waiting(out, budget)
         if blocked and not out.scheduled and not out.preempted:
             self._preempt_held(out)
         out.sampling = [s.seq for s in out.scheduled if s.samples]
@@ -211,24 +212,33 @@ class Scheduler:
         return 0 if landing else self.kv.computable(seq, budget)
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
-        """Swap sequences back in, oldest first (held ones wait); the budget left, and whether
-        one could not come back for want of blocks or sequence slots."""
+        """`fcfs`: swap sequences back in, oldest first (held ones wait); the budget left, and
+        whether one could not come back for want of blocks or sequence slots."""
         for seq in [s for s in self.swapped if not s.held]:
             if budget <= 0:
                 return budget, False
             if len(self.running) >= self.config.max_num_seqs:
                 return budget, True
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            got = self.kv.swap_in(seq, n)
+            got = self._swap_in(out, seq, budget)
             if got is None:
                 return budget, True
-            self.swapped.remove(seq)
-            if isinstance(got, KVLost):  # its KV did not come back: recompute it
-                self.num_swap_fallbacks += 1
-                self._requeue(seq)
-                continue
-            budget -= self._run(seq, n, got, out)
+            budget -= got
         return budget, False
+
+    def _swap_in(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int | None:
+        """Copy a swapped sequence's KV back and schedule up to `budget` of its tokens; the
+        tokens scheduled (0: its KV did not come back and it waits to be recomputed), None if
+        the GPU pool is short."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        got = self.kv.swap_in(seq, n)
+        if got is None:
+            return None
+        self.swapped.remove(seq)
+        if isinstance(got, KVLost):
+            self.num_swap_fallbacks += 1
+            self._requeue(seq)
+            return 0
+        return self._run(seq, n, got, out)
 
     def _prefill_backlog(self) -> int:
         """Prefill tokens the running sequences still have to compute."""
@@ -299,12 +309,13 @@ class Scheduler:
         return self._run(seq, n, got, out)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: float, prefilling: list[Sequence]) -> bool:
-        """`ttft`, `hrrn`: the running sequences still prefilling and, unless a sequence was preempted or
-        one not held is swapped out, the waiting ones (not held, not waiting for their
-        loads) share `budget` in the policy's order, each chunk charged for its attention
-        (`chunk_cost`) where the cost model says what that is. Whether a sequence could not
-        run for want of blocks or sequence slots."""
-        admit = not out.preempted and not self._swapped_ready()
+        """`ttft`, `hrrn`: the running sequences still prefilling and, unless a sequence was
+        preempted, the swapped-out and waiting ones (not held, not waiting for their loads)
+        share `budget` in the policy's order, each chunk charged for its attention
+        (`chunk_cost`) where the cost model says what that is; a swapped sequence's KV copied
+        back counts as computed. Whether a sequence could not run for want of blocks or
+        sequence slots (none ranked after it is admitted then)."""
+        admit = not out.preempted
         waiting = self._prefill_candidates() if admit else []
         seqs = prefilling + waiting
         if not seqs or budget <= 0:
@@ -323,19 +334,22 @@ class Scheduler:
             elif admit and tokens:
                 if slots + seq.width > self.config.max_num_seqs:
                     got = None  # no slots: none after it is admitted either (it would starve)
+                elif seq.status is SequenceStatus.SWAPPED:
+                    got = self._swap_in(out, seq, tokens)
                 else:
                     got = self._admit(out, seq, tokens, backlog)
-                    slots += seq.width if got is not None else 0
+                slots += seq.width if got is not None else 0
                 admit = got is not None
             blocked = blocked or got is None
             shares.took(got or 0)
         return blocked
 
     def _prefill_candidates(self) -> list[Sequence]:
-        """`ttft`, `hrrn`: the waiting sequences that may be admitted (not held, not waiting for their
-        loads). One of them is matched again this step, the longest unmatched, unless its
-        loads just landed (admitting it matches it again anyway)."""
-        waiting, landed = [], set()
+        """`ttft`, `hrrn`: the swapped-out sequences that may come back (not held), then the
+        waiting ones that may be admitted (not held, not waiting for their loads). One waiting
+        sequence is matched again this step, the longest unmatched, unless its loads just
+        landed (admitting it matches it again anyway)."""
+        waiting, landed = [s for s in self.swapped if not s.held], set()
         for seq in self.waiting:
             if seq.held:
                 continue

@@ -4,11 +4,13 @@ numbers, testable with no model.
 Policies (`scheduler.scheduling_policy`):
 - `fcfs`: running sequences oldest first, each taking up to the whole budget, then swapped ones,
   then waiting ones in arrival order. A long prompt holds everything behind it, decodes too.
-- `ttft`: decodes first (one token each, so inter-token latency is one step); then swapped
-  sequences; then every prefill, partly done or waiting, in `prefill_order`: fewest tokens left
-  to compute first (KV found resident in the GPU or CPU tier counts as computed), less an aging
-  credit, so a long prompt is never starved; the budget is shared by `share_budget`, at most
-  `max_prefill_chunk_tokens` each while others still want tokens.
+- `ttft`: decodes first (one token each, so inter-token latency is one step); then every
+  other sequence, a prefill partly done, swapped out or waiting, in `prefill_order`: fewest
+  tokens left to compute first (KV found resident in the GPU or CPU tier, or swapped out,
+  counts as computed), less an aging credit, so a long prompt is never starved; the budget is
+  shared by `share_budget`, at most `max_prefill_chunk_tokens` each while others still want
+  tokens. A swapped-out sequence comes back in its turn, not ahead of everyone: one preempted
+  because it ranked last would otherwise hold every shorter prompt behind the blocks it needs.
 - `hrrn`: as `ttft`, but prefills go in order of highest response ratio next, (wait +
   service) / service, both in tokens of work (`response_ratio`): a request's rank grows with
   its wait relative to its size, so each waits in proportion to its size rather than behind
