@@ -110,7 +110,7 @@ def test_the_simulated_benchmark_serves_short_prompts_before_a_long_one(monkeypa
     requests += [(0.1, f"short{i}", [i] * 2048, False, 4) for i in range(3)]
     ttft, wall = {}, {}
     for name in ("long_context_8b/fcfs", "long_context_8b/ttft"):
-        records, wall[name] = bench.simulate(engines[name], requests, bench.H200_LLAMA_8B)
+        records, wall[name], _ = bench.simulate(engines[name], requests, bench.H200_LLAMA_8B)
         ttft[name] = {r.tag: r.ttft for r in records}
     fcfs, new = ttft["long_context_8b/fcfs"], ttft["long_context_8b/ttft"]
     assert min(fcfs[f"short{i}"] for i in range(3)) > 3.0 and max(new[f"short{i}"] for i in range(3)) < 0.5

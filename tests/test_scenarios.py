@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.kv_factory import BLOCK_BYTES, make_kv, make_scheduler, make_seq, run_step, run_until_done
 from tieredkv.policy import CostModel
 from tieredkv.tiers.nvme.io_backends import SyncBackend
@@ -264,3 +266,25 @@ def test_under_ttft_a_swapped_out_prefill_takes_its_turn_and_holds_no_short_prom
     assert queues(sched)[2] == ["a"]
     run_until_done(sched, sim)
     assert a.output_token_ids and sim.kv.stats()["gpu_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("policy", ["ttft", "hrrn"])
+def test_a_swapped_out_decode_comes_back_at_once_however_long_its_context(policy):
+    """Charged as a decode (one token), not as a prefill chunk over its whole context: with
+    attention costing as much as a token per pair, a prefill's charge would exceed the budget."""
+    sim = make_kv(16, num_cpu_blocks=16)
+    cost = CostModel(d2h_bytes_per_s=1e15, h2d_bytes_per_s=1e15, prefill_s_per_token=1e-4,
+                     prefill_s_per_token_sq=1e-4)
+    sched = make_scheduler(sim, "swap", cost, max_num_batched_tokens=32, scheduling_policy=policy)
+    s, r = make_seq("s", range(1, 21), max_tokens=3), make_seq("r", range(30, 34), max_tokens=30)
+    sched.add(s)
+    sched.add(r)
+    while s.num_output_tokens == 0:
+        run_step(sched, sim)
+    sched.running.remove(s)
+    sched._preempt(s)  # as a decode's allocation failure would
+    assert queues(sched)[2] == ["s"]
+    run_step(sched, sim)
+    assert "s" not in queues(sched)[2] and not r.is_finished
+    run_until_done(sched, sim)
+    assert len(s.output_token_ids) == 3 and sim.kv.stats()["gpu_blocks_used"] == 0

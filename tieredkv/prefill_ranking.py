@@ -65,8 +65,11 @@ class PrefillRanking:
         attention, as it says), else None."""
         candidates = []
         for seq in seqs:
-            left = self._to_compute(seq)  # the tokens before its next chunk: the rest
-            candidates.append(PrefillCandidate(left, self._waited(seq), seq.num_tokens - left))
+            left = self._to_compute(seq)
+            # the tokens before its next chunk; a swapped-out decode is charged as the running
+            # ones are, one token (its attention is not a prefill's)
+            computed = seq.num_tokens - left if seq.num_computed_tokens < seq.num_prompt_tokens else 0
+            candidates.append(PrefillCandidate(left, self._waited(seq), computed))
         attention = _attention_weight(ride_cost)
         config = self.config
         return PrefillShares(candidates, budget, config.prefill_aging, config.scheduling_policy,

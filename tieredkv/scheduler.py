@@ -8,9 +8,11 @@ Each `schedule()`:
 3. if none is left swapped out, admit waiting sequences in order, reusing cached prefixes,
    while the token budget (`max_num_batched_tokens`) and `max_num_seqs` allow.
 That is `scheduling_policy: fcfs`. With `ttft` or `hrrn` (`tieredkv.scheduling`), step 1 takes the decodes
-only, and after step 2 the partly-prefilled and the waiting sequences share what is left of the
-budget in the policy's order (`_schedule_prefills`): what ranks them (waits, tokens left) is
-`PrefillRanking`'s (`tieredkv.prefill_ranking`).
+only, and instead of steps 2 and 3 the partly-prefilled, the swapped-out and the waiting
+sequences share what is left of the budget in the policy's order (`_schedule_prefills`): what
+ranks them (waits, tokens left) is `PrefillRanking`'s (`tieredkv.prefill_ranking`). A swapped-out
+sequence comes back in its turn, so one preempted for ranking last does not hold every shorter
+prompt behind the blocks it needs.
 Before all that, the first waiting sequences start reading the later part of their prefix blocks
 found in the lower tier (disk, remote; as much as the policy says), so the reads overlap other
 work and the computation of the earlier part: what to load and what to compute is
