@@ -250,3 +250,24 @@ async def test_the_engine_steps_while_the_event_loop_is_busy():
     outputs = [out async for out in stream]
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 30
     await allm.close()
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+async def test_a_requests_ttft_starts_when_the_front_end_takes_it(engine_process):
+    """A request that arrives during a step waits for that step as `queued` time of its TTFT
+    split, not outside it: the engine counts from the moment AsyncLLM took the request."""
+    allm = slow_async_llm(block_size=4, num_gpu_blocks=64) if not engine_process else AsyncLLM(
+        model="tiny-llama", block_size=4, num_gpu_blocks=64, engine_process=True)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    busy = allm.generate_stream(list(range(5, 30)), params)
+    await anext(busy)  # the engine is stepping
+    await asyncio.sleep(0.01)
+    sent = time.monotonic()
+    first = await anext(allm.generate_stream(list(range(40, 60)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    metrics = first.metrics
+    assert sent <= metrics.arrival_time < sent + 0.005
+    split = metrics.ttft_split
+    assert sum(split.values()) == pytest.approx(metrics.ttft, abs=1e-9) and split["queued"] > 0
+    async for _ in busy:
+        pass
+    await allm.close()

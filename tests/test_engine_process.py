@@ -117,7 +117,7 @@ async def test_a_refusal_in_the_engine_process_reaches_its_request_and_close_sto
     sink = Recorder()
     core = ProcessCore(EngineConfig.from_kwargs(model="tiny-llama", **ENGINE), sink)
     [proc] = engine_processes() - before
-    core.add(NewRequest("r#0", [5, 6, 7], SamplingParams(max_tokens=5000)))  # past the checks of this side
+    core.add(NewRequest("r#0", [5, 6, 7], SamplingParams(max_tokens=5000), time.monotonic()))  # past this side's checks
     await asyncio.wait_for(core.drained(), timeout=30)
     [(request_id, err)] = sink.failed
     assert request_id == "r#0" and type(err) is ValueError and str(err).startswith("prompt: 3 tokens + max_tokens")

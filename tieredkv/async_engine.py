@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -174,13 +175,14 @@ class AsyncLLM:
     def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> _Stream:
         if self._closed:
             raise RuntimeError("AsyncLLM is closed; create a new one to generate")
+        arrival_time = time.monotonic()
         n = next(self._ids)
         request_id = request_id if request_id is not None else f"req-{n}"
         if request_id in self._streams.open:
             raise ValueError(f"request_id: {request_id!r} is already in use by an open stream")
         ids, params = self.check_request(prompt, params)
         stream = _Stream(request_id, f"{request_id}#{n}")
-        self._core.add(NewRequest(stream.engine_id, ids, params))
+        self._core.add(NewRequest(stream.engine_id, ids, params, arrival_time))
         self._streams.open[request_id] = stream
         self._streams.live[stream.engine_id] = stream
         return stream

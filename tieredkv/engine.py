@@ -135,13 +135,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request; raise ValueError (saying what to change) if it can never run."""
-        seq = self.make_sequence(prompt, params, request_id)
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; raise ValueError (saying what to change) if it can never run.
+        `arrival_time` (`time.monotonic()`, default now): where its TTFT and its split start,
+        e.g. when a front end took it, before it waited for the step in progress."""
+        seq = self.make_sequence(prompt, params, request_id, arrival_time)
         self.enqueue(seq)
         return seq.request_id
 
-    def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Seq:
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                      arrival_time: float | None = None) -> Seq:
         """Validate a request (ValueError if it can never run) without queueing it. Reads no
         state that `step()` changes, so it may run beside a step. RuntimeError once closed."""
         params = self.limits.check_params(params)
@@ -149,7 +153,8 @@ class LLMEngine:
         self.limits.check_sampling(len(token_ids), params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
         generators = [self._generator(params, i) for i in range(params.num_samples)]
-        seq = Seq(request_id, token_ids, params, self.runner.eos_token_ids, generators[0], detokenizer)
+        seq = Seq(request_id, token_ids, params, self.runner.eos_token_ids, generators[0], detokenizer,
+                  arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         if params.num_samples > 1:
             SampleGroup(seq, generators)
         return seq

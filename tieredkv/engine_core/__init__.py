@@ -19,11 +19,13 @@ from tieredkv.sampling import SamplingParams
 
 
 class NewRequest(NamedTuple):
-    """A request for the engine under its engine id, checked against the engine's limits."""
+    """A request for the engine under its engine id, checked against the engine's limits;
+    `arrival_time`: when the front end took it (`time.monotonic()`), where its TTFT starts."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    arrival_time: float
 
 
 class OutputSink(Protocol):

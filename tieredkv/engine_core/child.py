@@ -108,7 +108,8 @@ class EngineLoop:
         """Apply one message; the outputs it produced (an abort's last output)."""
         if isinstance(message, NewRequest):
             try:
-                self.engine.add_request(message.prompt_token_ids, message.params, message.request_id)
+                self.engine.add_request(message.prompt_token_ids, message.params, message.request_id,
+                                        message.arrival_time)
             except ValueError as err:
                 self.conn.send(Rejected(message.request_id, err))
         elif isinstance(message, Abort):

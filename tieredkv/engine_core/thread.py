@@ -120,7 +120,8 @@ class ThreadCore:
             pending, aborts, resets = _take(self._pending), _take(self._aborts), _take(self._resets)
         for request in pending:
             try:
-                self.engine.add_request(request.prompt_token_ids, request.params, request.request_id)
+                self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
+                                        request.arrival_time)
             except ValueError as err:
                 loop.call_soon_threadsafe(self._sink.fail, request.request_id, err)
         ended = [self.engine.abort(request_id) for request_id in aborts]
