@@ -48,7 +48,7 @@ from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.block_tables import BlockTables
 from tieredkv.cache.lower_tier import LandedLoad, LoadWait
 from tieredkv.cache.offload import CPUOffload
-from tieredkv.cache.prefix import BlockKeys, PrefixMatch, find_prefix, run_of
+from tieredkv.cache.prefix import BlockKeys, PrefixMatch, find_prefix
 from tieredkv.cache.swap import SwapSpace
 from tieredkv.sequence import Sequence
 from tieredkv.tiers.backend import BlockRef
@@ -199,7 +199,7 @@ class KVCacheManager:
         if seq.num_computed_tokens % bs:
             found = []
         else:
-            found, _ = run_of(self.keys.hit_refs(seq, start), self.offload.lookup)
+            found = self.keys.found_run(seq, self.offload.pool, start)
         skipped = self._copy_loaded(seq, start, found) if found else 0
         self.lower.landed(seq.seq_id)
         return Landed(skipped * bs, skipped > 0)

@@ -2,11 +2,11 @@
 
 Operations:
 - `BlockKeys(block_size, root_hash)`: a sequence's content keys: `hashes(seq)`,
-  `refs(seq, start, stop)` (`BlockRef`s), and the ones a prefix hit may cover,
-  `hit_candidates(seq)` / `hit_refs(seq, start)`.
+  `refs(seq, start, stop)` (`BlockRef`s), the hashes a prefix hit may cover,
+  `hit_candidates(seq)`, and `found_run(seq, pool, start)`: the blocks a pool holds for them
+  from `start` on, up to the first miss.
 - `find_prefix(seq, keys, gpu, offload) -> PrefixMatch`: the longest run of cached full
   blocks, on the GPU, then in the CPU tier, then in the lower tier (disk, remote).
-- `run_of(refs, lookup)`: the blocks a lookup finds for the first refs, up to the first miss.
 
 A prefix hit stops one block short of a full hit: at least one token must be computed to get
 logits.
@@ -14,8 +14,7 @@ logits.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tieredkv.cache.block_pool import Block, BlockPool
@@ -55,9 +54,21 @@ class BlockKeys:
         """The hashes of the sequence's full blocks that a prefix hit may cover."""
         return self.hashes(seq)[: (seq.num_tokens - 1) // self.block_size]
 
-    def hit_refs(self, seq: Sequence, start: int = 0) -> Iterator[BlockRef]:
-        """The keys of the sequence's full blocks from block `start` on that a prefix hit may cover."""
-        return self.refs(seq, start, (seq.num_tokens - 1) // self.block_size)
+    def found_run(self, seq: Sequence, pool: BlockPool, start: int = 0) -> list[Block]:
+        """The blocks `pool` holds with exactly the content of the sequence's full blocks from
+        `start` on (those a prefix hit may cover), up to the first it lacks. Builds no key: a
+        waiting request is matched again at each step it cannot be admitted."""
+        bs, tokens = self.block_size, seq.token_ids
+        hashes = self.hit_candidates(seq)
+        parent = hashes[start - 1] if start else self.root_hash
+        found = []
+        for i in range(start, len(hashes)):
+            block = pool.cached_block(hashes[i])
+            if block is None or block.parent_hash != parent or block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
+                break
+            found.append(block)
+            parent = hashes[i]
+        return found
 
     def refs(self, seq: Sequence, start: int, stop: int) -> Iterator[BlockRef]:
         """Content keys of the sequence's full blocks `start` to `stop - 1`."""
@@ -72,27 +83,14 @@ def find_prefix(seq: Sequence, keys: BlockKeys, gpu: BlockPool, offload: CPUOffl
     """The sequence's prefix found in each tier, in order: GPU blocks, then CPU blocks, then
     blocks in the lower tier. Costs the blocks found, not the prompt (a waiting request is
     matched again at each step it cannot be admitted)."""
-    refs = keys.hit_refs(seq)
-    gpu_blocks, miss = run_of(refs, gpu.lookup)
-    if offload is None or miss is None:
+    num_candidates = (seq.num_tokens - 1) // keys.block_size
+    gpu_blocks = keys.found_run(seq, gpu)
+    if offload is None or len(gpu_blocks) == num_candidates:
         return PrefixMatch(tuple(gpu_blocks))
-    cpu_blocks, miss = run_of(itertools.chain([miss], refs), offload.lookup)
-    if miss is None or offload.lower is None:
+    cpu_blocks = keys.found_run(seq, offload.pool, len(gpu_blocks))
+    start = len(gpu_blocks) + len(cpu_blocks)
+    if start == num_candidates or offload.lower is None:
         return PrefixMatch(tuple(gpu_blocks), tuple(cpu_blocks))
     # the store verifies parent and tokens when it reads the block
-    start = len(gpu_blocks) + len(cpu_blocks)
     stop = offload.lower.held_run(keys.hit_candidates(seq), start)
     return PrefixMatch(tuple(gpu_blocks), tuple(cpu_blocks), tuple(keys.refs(seq, start, stop)))
-
-
-def run_of(refs: Iterator[BlockRef],
-           lookup: Callable[[int, int, tuple[int, ...]], Block | None]) -> tuple[list[Block], BlockRef | None]:
-    """The blocks `lookup` finds for the first of `refs`, up to the first miss, and that miss
-    (None: every ref was found); what follows the miss is left in `refs`."""
-    found = []
-    for ref in refs:
-        block = lookup(ref.block_hash, ref.parent_hash, ref.token_ids)
-        if block is None:
-            return found, ref
-        found.append(block)
-    return found, None
