@@ -93,9 +93,10 @@ H200_LLAMA_8B_COSTS = CostModel(d2h_bytes_per_s=53.3e9, h2d_bytes_per_s=53.8e9, 
 LLAMA_8B_BLOCK_BYTES = 2 << 20  # a 16-token block: 32 layers x K and V x 8 heads x 128 x bf16
 
 
-def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple[list, float, float]:
+def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple[list, float, dict[str, float]]:
     """Serve `requests` with the config's scheduler on a simulated clock; the clients' records,
-    the seconds until the last token and the scheduler's host seconds (wall clock)."""
+    the seconds until the last token and the scheduler's figures: its host seconds (wall
+    clock, `loop_schedule_s`) and its preemptions by kind."""
     config = EngineConfig.from_dict(engine_doc)
     if config.cache.num_gpu_blocks is None:
         raise SystemExit("--sim needs cache.num_gpu_blocks in the config (the GPU tier the engine would have)")
@@ -127,7 +128,8 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple
         now += cost.seconds([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
         kv.before_forward()
         _book(sched, out, records, now)
-    return list(records.values()), now, host_s
+    stats = {"loop_schedule_s": host_s, **{f"{kind}_preemptions": n for kind, n in sched.num_preemptions.items()}}
+    return list(records.values()), now, stats
 
 
 def sim_cpu_tier(num_gpu_blocks: int, block_size: int, cache: CacheConfig) -> CPUOffload | None:
@@ -315,14 +317,15 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
     for name, engine_doc in engines:
         stats = {}
         if sim:
-            records, elapsed, stats["loop_schedule_s"] = simulate(engine_doc, requests, H200_LLAMA_8B)
+            records, elapsed, stats = simulate(engine_doc, requests, H200_LLAMA_8B)
         else:
             records, elapsed = serve(engine_doc, requests)
         assert all(r.finished for r in records), f"{name}: a request did not finish"
         summaries.append((summarize(name, records, elapsed, stats), slowest(records)))
         print(row(summaries[-1][0], summaries[0][0] if len(summaries) > 1 else None, summaries[-1][1]), flush=True)
         if sim:
-            print(f"{'':<28} the scheduler's host time: {stats['loop_schedule_s']:.2f} s", flush=True)
+            print(f"{'':<28} the scheduler's host time: {stats['loop_schedule_s']:.2f} s; preemptions: "
+                  f"{stats['swap_preemptions']} swapped, {stats['recompute_preemptions']} recomputed", flush=True)
         runs.append(records)
     if bound:
         print_bound(runs, H200_LLAMA_8B)

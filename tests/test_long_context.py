@@ -3,13 +3,18 @@ arrivals, its checked keys, and a run end to end with a tiny model under both sc
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
+from tieredkv.config import read_yaml
 from tieredkv.experiment.harness import run_experiment
 from tieredkv.experiment.results import validate
+from tieredkv.experiment.spec import variants
 from tieredkv.experiment.workloads import LongContextWorkload, make_workload
 
 SMALL = {"kind": "long_context", "requests": 10, "median_prompt_tokens": 48, "sigma": 1.0, "min_prompt_tokens": 20,
@@ -89,22 +94,21 @@ def test_runs_end_to_end_with_the_same_tokens_under_both_schedulings(tmp_path):
     assert isinstance(make_workload(SMALL), LongContextWorkload)
 
 
-def test_the_simulated_benchmark_serves_short_prompts_before_a_long_one(monkeypatch):
+@pytest.fixture
+def bench(monkeypatch):
+    """benchmarks/bench_scheduling.py as a module."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduling.py"
+    spec = importlib.util.spec_from_file_location("bench_scheduling", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_simulated_benchmark_serves_short_prompts_before_a_long_one(bench):
     """benchmarks/bench_scheduling.py --sim on four requests: a 60k-token prompt, then three of
     2k tokens 0.1 s later. fcfs makes them wait for the long prefill (~4 s on the simulated
     H200); ttft serves them first, and the work takes as long."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    from tieredkv.config import read_yaml
-    from tieredkv.experiment.spec import variants
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduling.py"
-    spec = importlib.util.spec_from_file_location("bench_scheduling", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
     engines = dict(variants(read_yaml(str(bench.DEFAULT_CONFIG)), compare=True))
     requests = [(0.0, "long", list(range(60_000)), False, 4)]
     requests += [(0.1, f"short{i}", [i] * 2048, False, 4) for i in range(3)]
@@ -116,3 +120,15 @@ def test_the_simulated_benchmark_serves_short_prompts_before_a_long_one(monkeypa
     assert min(fcfs[f"short{i}"] for i in range(3)) > 3.0 and max(new[f"short{i}"] for i in range(3)) < 0.5
     assert new["long"] < fcfs["long"] + 0.5
     assert wall["long_context_8b/ttft"] == pytest.approx(wall["long_context_8b/fcfs"], rel=0.02)
+
+
+def test_the_simulated_benchmark_swaps_to_the_configs_cpu_tier(bench):
+    """--sim with the config's CPU tier (16 GiB: 8,192 blocks of llama-3-8b's 2 MiB): two 32k-token
+    prompts fill 64k tokens of GPU blocks and outgrow them while they decode; one is swapped
+    out and back, and everything finishes."""
+    engine = {"model": "llama-3-8b", "cache": {"block_size": 16, "num_gpu_blocks": 4096, "cpu_cache_bytes": "16GiB"},
+              "scheduler": {"max_num_batched_tokens": 8192, "preemption": "swap"}}
+    requests = [(0.0, f"long{i}", [i + 1] * 32_000, False, 800) for i in range(2)]
+    records, _, stats = bench.simulate(engine, requests, bench.H200_LLAMA_8B)
+    assert all(r.finished and len(r.token_times) == 800 for r in records)
+    assert stats["swap_preemptions"] == 1 and stats["recompute_preemptions"] == 0 and stats["loop_schedule_s"] > 0
