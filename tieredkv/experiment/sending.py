@@ -5,7 +5,8 @@ Operations:
 - `Client`: `await client.request(prompt, max_tokens, tag, returning)` sends one request.
 - `clock()`: `await at(t)` sleeps until `t` seconds after the call.
 - `arrival_times(rng, rate, n)`: Poisson arrivals at `rate` per second (None: all at once);
-  `send_all(client, prompts, max_tokens, rng, rate)`: send prompts at such times.
+  `send_all(client, prompts, max_tokens, rng, rate)`: send prompts at such times;
+  `send_at(client, plan, max_tokens)`: send each request of a plan at its own second.
 - `random_tokens(rng, n, vocab_size)`: seeded token ids (none of the low, often special, ones).
 - `check_fields(workload)`: a workload's counts, seconds and rate, checked.
 """
@@ -74,11 +75,16 @@ def clock() -> Callable[[float], Awaitable[None]]:
 async def send_all(client: Client, prompts: list[tuple[str, list[int], bool]], max_tokens: int,
                    rng: random.Random, rate: float | None) -> None:
     """Send `(tag, prompt, returning)` requests at `arrival_times` drawn from `rng`."""
-    at = clock()
     times = arrival_times(rng, rate, len(prompts))
+    await send_at(client, [(t, *request) for t, request in zip(times, prompts, strict=True)], max_tokens)
+
+
+async def send_at(client: Client, plan: list[tuple[float, str, list[int], bool]], max_tokens: int) -> None:
+    """Send each `(second, tag, prompt, returning)` request that many seconds from now."""
+    at = clock()
 
     async def one(when: float, tag: str, prompt: list[int], returning: bool) -> None:
         await at(when)
         await client.request(prompt, max_tokens, tag, returning)
 
-    await asyncio.gather(*(one(t, *request) for t, request in zip(times, prompts, strict=True)))
+    await asyncio.gather(*(one(*request) for request in plan))

@@ -32,7 +32,7 @@ from typing import Any
 
 from tieredkv.config import unknown_key
 from tieredkv.experiment.replay import ReplayWorkload
-from tieredkv.experiment.sending import Client, arrival_times, check_fields, clock, random_tokens, send_all
+from tieredkv.experiment.sending import Client, arrival_times, check_fields, clock, random_tokens, send_all, send_at
 
 
 @dataclass(frozen=True)
@@ -194,13 +194,7 @@ class LongContextWorkload:
         return min(max(n, self.min_prompt_tokens), self.max_prompt_tokens)
 
     async def run(self, client: Client, vocab_size: int) -> None:
-        at = clock()
-
-        async def one(when: float, tag: str, prompt: list[int], returning: bool) -> None:
-            await at(when)
-            await client.request(prompt, self.max_tokens, tag, returning)
-
-        await asyncio.gather(*(one(*request) for request in self.plan(vocab_size)))
+        await send_at(client, self.plan(vocab_size), self.max_tokens)
 
 
 WORKLOADS: dict[str, type] = {
