@@ -19,6 +19,8 @@ Two clocks:
         --rates 0.6,0.8,1.0 --policies fcfs,ttft,hrrn --set scheduler.max_num_batched_tokens=8192 \
         --set cache.num_gpu_blocks=8192           # a Mooncake slice, full-length prompts (BENCHMARKS.md)
     python benchmarks/bench_scheduling.py --sim --bound               # and the least p99 any order could give
+    python benchmarks/bench_scheduling.py configs/mooncake_conversation_8b.yaml --sim --rates 0.635 \
+        --variants recompute-only,gpu+cpu16,gpu+cpu64   # a replay config, its CPU tiers (BENCHMARKS.md)
     python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
 """
 
