@@ -7,6 +7,7 @@ import asyncio
 import math
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -230,3 +231,19 @@ def test_lenient_sampling_parameters():
 def test_infinite_temperature_with_top_k_one_is_the_argmax(llm, expected):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=math.inf, top_k=1, seed=5)
     assert tokens(llm.generate(PROMPTS, params, use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("arrival_time", [time.time() + 1e6, math.nan, "now", True])
+def test_an_arrival_time_off_the_monotonic_clock_is_refused_by_name(llm, arrival_time):
+    """A wall-clock reading (or no number at all) would give the request a negative or absurd
+    TTFT split; the engine says what to pass and serves the next request."""
+    engine = llm
+    with pytest.raises(ValueError, match=r"arrival_time: expected a time.monotonic\(\) reading"):
+        engine.add_request(PROMPTS[0], GREEDY, arrival_time=arrival_time)
+    sent = time.monotonic() - 0.5
+    request_id = engine.add_request(PROMPTS[0], GREEDY, arrival_time=sent)
+    while engine.has_unfinished():
+        outs = {o.request_id: o for o in engine.step()}
+    assert outs[request_id].finished and outs[request_id].metrics.arrival_time == sent
+    assert outs[request_id].metrics.ttft >= 0.5
+    assert_nothing_held(engine)

@@ -58,6 +58,18 @@ IO_WAIT_S = 0.0005  # a step with nothing to run sleeps this long (releases the 
 LOOP_STATS = ("loop_schedule_s", "loop_tiers_s", "loop_model_s", "loop_idle_s")
 
 
+
+def _arrival(arrival_time: float | None) -> float:
+    """A request's arrival on the `time.monotonic()` clock (None: now); ValueError for anything
+    else, e.g. a wall-clock `time.time()`, which lies far in that clock's future."""
+    now = time.monotonic()
+    if arrival_time is None:
+        return now
+    if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) or not arrival_time <= now:
+        raise ValueError(f"arrival_time: expected a time.monotonic() reading taken when the request arrived "
+                         f"(now {now:.3f}), got {arrival_time!r}")
+    return float(arrival_time)
+
 class LLMEngine:
     """Scheduler + KV cache manager + model runner, stepped by the caller. With
     `tensor_parallel_size` > 1 the model runner is `Workers`: one process per rank, each holding
@@ -154,7 +166,7 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer else None
         generators = [self._generator(params, i) for i in range(params.num_samples)]
         seq = Seq(request_id, token_ids, params, self.runner.eos_token_ids, generators[0], detokenizer,
-                  arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+                  arrival_time=_arrival(arrival_time))
         if params.num_samples > 1:
             SampleGroup(seq, generators)
         return seq
