@@ -60,6 +60,8 @@ class BlockKeys:
         waiting request is matched again at each step it cannot be admitted."""
         bs, tokens = self.block_size, seq.token_ids
         hashes = self.hit_candidates(seq)
+        if start >= len(hashes):
+            return []
         parent = hashes[start - 1] if start else self.root_hash
         found = []
         for i in range(start, len(hashes)):
