@@ -5,8 +5,8 @@ ITL p50/p99, TPOT p90 and throughput, with ratios to the first variant.
 
 Two clocks:
 - `--sim` (CPU, no model): the real `Scheduler` and `KVCacheManager` (the config's GPU blocks
-  and CPU tier, in blocks of `llama-3-8b`'s 2 MiB, each holding a few bytes; no tiers below the
-  CPU), each step taking the time `StepCost` gives it, a cost model pinned from H200
+  and CPU tier, in blocks of `llama-3-8b`'s size, 2 MiB at 16 tokens, each holding a few bytes;
+  no tiers below the CPU), each step taking the time `StepCost` gives it, a cost model pinned from H200
   measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`). It shows what the policy does
   to the order of the work, and the scheduler's own host time (wall clock, not on the simulated
   one); the engine run says whether the cost model holds.
@@ -92,7 +92,7 @@ H200_LLAMA_8B = StepCost(step_s=4.7e-3, token_s=2.94e-5, pair_s=6.78e-10, kv_rea
 # the same prefill fit and the H200's PCIe (53 GB/s each way, calibrated): what `auto` preemption weighs
 H200_LLAMA_8B_COSTS = CostModel(d2h_bytes_per_s=53.3e9, h2d_bytes_per_s=53.8e9, prefill_s_per_token=2.94e-5,
                                 prefill_s_per_token_sq=6.78e-10)
-LLAMA_8B_BLOCK_BYTES = 2 << 20  # a 16-token block: 32 layers x K and V x 8 heads x 128 x bf16
+LLAMA_8B_TOKEN_BYTES = 128 << 10  # 32 layers x K and V x 8 heads x 128 x bf16
 
 
 def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple[list, float, dict[str, float]]:
@@ -102,11 +102,14 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple
     config = EngineConfig.from_dict(engine_doc)
     if config.cache.num_gpu_blocks is None:
         raise SystemExit("--sim needs cache.num_gpu_blocks in the config (the GPU tier the engine would have)")
-    offload = sim_cpu_tier(config.cache.num_gpu_blocks, config.cache.block_size, config.cache)
-    kv = KVCacheManager(config.cache.num_gpu_blocks, config.cache.block_size, root_hash=1, offload=offload)
+    cache, cost_model = config.cache, config.scheduler.cost_model
+    offload = sim_cpu_tier(cache)
+    kv = KVCacheManager(cache.num_gpu_blocks, cache.block_size, root_hash=1, offload=offload)
     preemption = config.scheduler.preemption if offload is not None else "recompute"
-    sched = Scheduler(config.scheduler, kv, TierPolicy(preemption, LLAMA_8B_BLOCK_BYTES, config.cache.block_size,
-                                                       config.scheduler.cost_model or H200_LLAMA_8B_COSTS))
+    if preemption == "auto" and cost_model is None:  # as the engine would measure one
+        cost_model = H200_LLAMA_8B_COSTS
+    policy = TierPolicy(preemption, LLAMA_8B_TOKEN_BYTES * cache.block_size, cache.block_size, cost_model)
+    sched = Scheduler(config.scheduler, kv, policy)
     records, now, i, host_s, idle = {}, 0.0, 0, 0.0, 0
     while i < len(requests) or sched.has_unfinished():
         while i < len(requests) and requests[i][0] <= now:
@@ -134,13 +137,13 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple
     return list(records.values()), now, stats
 
 
-def sim_cpu_tier(num_gpu_blocks: int, block_size: int, cache: CacheConfig) -> CPUOffload | None:
-    """The config's CPU tier, `cpu_cache_bytes` in blocks of `LLAMA_8B_BLOCK_BYTES`, over a GPU
-    tier on the CPU; each block holds 16 bytes (the scheduler counts blocks, not bytes)."""
-    num_blocks = cache.cpu_cache_bytes // LLAMA_8B_BLOCK_BYTES
+def sim_cpu_tier(cache: CacheConfig) -> CPUOffload | None:
+    """The config's CPU tier, `cpu_cache_bytes` in blocks of llama-3-8b's size, over a GPU tier
+    on the CPU; each token of a block holds 16 bytes (the scheduler counts blocks, not bytes)."""
+    num_blocks = cache.cpu_cache_bytes // (LLAMA_8B_TOKEN_BYTES * cache.block_size)
     if num_blocks == 0:
         return None
-    gpu = torch.zeros((1, 2, num_gpu_blocks, block_size, 1, 4), dtype=torch.bfloat16)
+    gpu = torch.zeros((1, 2, cache.num_gpu_blocks, cache.block_size, 1, 4), dtype=torch.bfloat16)
     tier = CPUTier(num_blocks, tuple(gpu[:, :, 0].shape), gpu.dtype, pin=False)
     return CPUOffload(tier, make_transfer_engine(gpu, tier.data), policy=cache.cpu_policy)
 

@@ -265,7 +265,7 @@ async def test_a_requests_ttft_starts_when_the_front_end_takes_it(engine_process
     sent = time.monotonic()
     first = await anext(allm.generate_stream(list(range(40, 60)), SamplingParams(max_tokens=2, ignore_eos=True)))
     metrics = first.metrics
-    assert sent <= metrics.arrival_time < sent + 0.005
+    assert sent <= metrics.arrival_time < sent + 0.02  # the step in progress takes 50 ms
     split = metrics.ttft_split
     assert sum(split.values()) == pytest.approx(metrics.ttft, abs=1e-9) and split["queued"] > 0
     async for _ in busy:

@@ -233,7 +233,7 @@ def test_infinite_temperature_with_top_k_one_is_the_argmax(llm, expected):
     assert tokens(llm.generate(PROMPTS, params, use_tqdm=False)) == expected
 
 
-@pytest.mark.parametrize("arrival_time", [time.time() + 1e6, math.nan, "now", True])
+@pytest.mark.parametrize("arrival_time", [time.time() + 1e6, math.nan, -math.inf, "now", True])
 def test_an_arrival_time_off_the_monotonic_clock_is_refused_by_name(llm, arrival_time):
     """A wall-clock reading (or no number at all) would give the request a negative or absurd
     TTFT split; the engine says what to pass and serves the next request."""

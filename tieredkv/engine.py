@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
+import numbers
 import os
 import shutil
 import tempfile
@@ -58,17 +60,18 @@ IO_WAIT_S = 0.0005  # a step with nothing to run sleeps this long (releases the 
 LOOP_STATS = ("loop_schedule_s", "loop_tiers_s", "loop_model_s", "loop_idle_s")
 
 
-
 def _arrival(arrival_time: float | None) -> float:
     """A request's arrival on the `time.monotonic()` clock (None: now); ValueError for anything
     else, e.g. a wall-clock `time.time()`, which lies far in that clock's future."""
     now = time.monotonic()
     if arrival_time is None:
         return now
-    if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) or not arrival_time <= now:
+    if isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real) \
+            or not -math.inf < arrival_time <= now:
         raise ValueError(f"arrival_time: expected a time.monotonic() reading taken when the request arrived "
                          f"(now {now:.3f}), got {arrival_time!r}")
     return float(arrival_time)
+
 
 class LLMEngine:
     """Scheduler + KV cache manager + model runner, stepped by the caller. With

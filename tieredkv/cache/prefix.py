@@ -65,8 +65,8 @@ class BlockKeys:
         parent = hashes[start - 1] if start else self.root_hash
         found = []
         for i in range(start, len(hashes)):
-            block = pool.cached_block(hashes[i])
-            if block is None or block.parent_hash != parent or block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
+            block = pool.lookup(hashes[i], parent, tokens[i * bs : (i + 1) * bs])
+            if block is None:
                 break
             found.append(block)
             parent = hashes[i]
@@ -85,7 +85,7 @@ def find_prefix(seq: Sequence, keys: BlockKeys, gpu: BlockPool, offload: CPUOffl
     """The sequence's prefix found in each tier, in order: GPU blocks, then CPU blocks, then
     blocks in the lower tier. Costs the blocks found, not the prompt (a waiting request is
     matched again at each step it cannot be admitted)."""
-    num_candidates = (seq.num_tokens - 1) // keys.block_size
+    num_candidates = len(keys.hit_candidates(seq))
     gpu_blocks = keys.found_run(seq, gpu)
     if offload is None or len(gpu_blocks) == num_candidates:
         return PrefixMatch(tuple(gpu_blocks))
