@@ -199,7 +199,7 @@ class KVCacheManager:
         if seq.num_computed_tokens % bs:
             found = []
         else:
-            found = self.keys.found_run(seq, self.offload.pool, start)
+            found = self.keys.found_run(seq, self.keys.hit_candidates(seq), self.offload.pool, start)
         skipped = self._copy_loaded(seq, start, found) if found else 0
         self.lower.landed(seq.seq_id)
         return Landed(skipped * bs, skipped > 0)

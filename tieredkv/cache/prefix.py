@@ -3,7 +3,7 @@
 Operations:
 - `BlockKeys(block_size, root_hash)`: a sequence's content keys: `hashes(seq)`,
   `refs(seq, start, stop)` (`BlockRef`s), the hashes a prefix hit may cover,
-  `hit_candidates(seq)`, and `found_run(seq, pool, start)`: the blocks a pool holds for them
+  `hit_candidates(seq)`, and `found_run(seq, hashes, pool, start)`: the blocks a pool holds for them
   from `start` on, up to the first miss.
 - `find_prefix(seq, keys, gpu, offload) -> PrefixMatch`: the longest run of cached full
   blocks, on the GPU, then in the CPU tier, then in the lower tier (disk, remote).
@@ -54,12 +54,12 @@ class BlockKeys:
         """The hashes of the sequence's full blocks that a prefix hit may cover."""
         return self.hashes(seq)[: (seq.num_tokens - 1) // self.block_size]
 
-    def found_run(self, seq: Sequence, pool: BlockPool, start: int = 0) -> list[Block]:
+    def found_run(self, seq: Sequence, hashes: list[int], pool: BlockPool, start: int = 0) -> list[Block]:
         """The blocks `pool` holds with exactly the content of the sequence's full blocks from
-        `start` on (those a prefix hit may cover), up to the first it lacks. Builds no key: a
-        waiting request is matched again at each step it cannot be admitted."""
+        `start` on, up to the first it lacks, of those `hashes` name (`hit_candidates(seq)`:
+        those a prefix hit may cover). Builds no key: a waiting request is matched again at
+        each step it cannot be admitted."""
         bs, tokens = self.block_size, seq.token_ids
-        hashes = self.hit_candidates(seq)
         if start >= len(hashes):
             return []
         parent = hashes[start - 1] if start else self.root_hash
@@ -85,14 +85,14 @@ def find_prefix(seq: Sequence, keys: BlockKeys, gpu: BlockPool, offload: CPUOffl
     """The sequence's prefix found in each tier, in order: GPU blocks, then CPU blocks, then
     blocks in the lower tier. Costs the blocks found, not the prompt (a waiting request is
     matched again at each step it cannot be admitted)."""
-    num_candidates = len(keys.hit_candidates(seq))
-    gpu_blocks = keys.found_run(seq, gpu)
-    if offload is None or len(gpu_blocks) == num_candidates:
+    hashes = keys.hit_candidates(seq)
+    gpu_blocks = keys.found_run(seq, hashes, gpu)
+    if offload is None or len(gpu_blocks) == len(hashes):
         return PrefixMatch(tuple(gpu_blocks))
-    cpu_blocks = keys.found_run(seq, offload.pool, len(gpu_blocks))
+    cpu_blocks = keys.found_run(seq, hashes, offload.pool, len(gpu_blocks))
     start = len(gpu_blocks) + len(cpu_blocks)
-    if start == num_candidates or offload.lower is None:
+    if start == len(hashes) or offload.lower is None:
         return PrefixMatch(tuple(gpu_blocks), tuple(cpu_blocks))
     # the store verifies parent and tokens when it reads the block
-    stop = offload.lower.held_run(keys.hit_candidates(seq), start)
+    stop = offload.lower.held_run(hashes, start)
     return PrefixMatch(tuple(gpu_blocks), tuple(cpu_blocks), tuple(keys.refs(seq, start, stop)))
