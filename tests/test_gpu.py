@@ -114,6 +114,35 @@ def test_gpu_with_and_without_cuda_graphs(enforce_eager, reference_outputs):
         assert any(t == b for t, b in replayed) and any(t > b for t, b in replayed)
 
 
+def test_gpu_closed_engine_graphs_never_break_a_later_capture(monkeypatch, reference_outputs):
+    """A closed engine that only a reference cycle keeps alive is collected whenever the
+    collector runs, here in the middle of the next engine's graph capture (as in a `--compare`
+    run's next variant): its graphs were released at close, so the capture and the tokens are
+    unharmed."""
+    import gc
+
+    from tieredkv.model.cuda_graphs import StepGraphs
+
+    first = LLM(model="tiny-llama", device="cuda", block_size=16, num_gpu_blocks=64, max_num_seqs=4)
+    first.close()
+    assert first.runner.graphs is None
+    first.cycle = first  # collected only by the collector
+    del first
+    forward = StepGraphs._forward
+
+    def collecting_forward(self, t, b):
+        if torch.cuda.is_current_stream_capturing():
+            gc.collect()
+        return forward(self, t, b)
+
+    monkeypatch.setattr(StepGraphs, "_forward", collecting_forward)
+    prompts = make_prompts(vocab_size=512)
+    with LLM(model="tiny-llama", device="cuda", block_size=16, num_gpu_blocks=64, max_num_seqs=4) as second:
+        assert second.runner.graphs is not None
+        outs = second.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+
+
 def test_gpu_mixed_step_graphs_match_eager():
     """Mixed steps of every shape (chunks of a few to hundreds of tokens beside decodes, each
     padded into its bucket) give the logits of the same step run eagerly."""

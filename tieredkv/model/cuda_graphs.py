@@ -19,6 +19,7 @@ whatever their block-table rows hold, and their logits are dropped.
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -73,6 +74,7 @@ class StepGraphs:
         self.rows = torch.zeros(max_b, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        gc.collect()  # what earlier engines left (their graphs too) goes before, not during, a capture
         pool = None
         for key in sorted(keys, reverse=True):  # largest first: the smaller ones reuse its memory
             self._capture(key, pool)
@@ -91,9 +93,26 @@ class StepGraphs:
         self._forward(t, b)  # warm-up: compiles kernels, settles allocations
         torch.cuda.synchronize(self.runner.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits[key] = self._forward(t, b)
+        # No collection during the capture: it could free another engine's graphs (or tensors)
+        # in the middle of it. Other threads' CUDA calls (transfers, the store) do not
+        # invalidate it (thread-local mode).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self.logits[key] = self._forward(t, b)
+        finally:
+            if collecting:
+                gc.enable()
         self.graphs[key] = graph
+
+    def release(self) -> None:
+        """Free every graph and its memory pool now (after the work queued on them)."""
+        torch.cuda.synchronize(self.runner.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
 
     def bucket(self, step: StepInputs) -> tuple[int, int] | None:
         """The smallest bucket that holds the step, or None (run it eagerly)."""

@@ -194,7 +194,12 @@ class ModelRunner:
         return tier, make_transfer_engine(kv, tier.data)
 
     def close(self) -> None:
-        """Release the KV tensor (and the block copies' staging buffer)."""
+        """Release the CUDA graphs, the KV tensor and the block copies' staging buffer. The
+        graphs go first and now, not whenever the collector finds them: a graph destroyed while
+        another engine in the process captures its own would break that capture."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         self.kv_cache = None
         self._copy_staging = None
 
