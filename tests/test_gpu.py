@@ -80,6 +80,9 @@ def test_gpu_round_trip_is_bit_identical(monkeypatch):
     assert sorted(engine.poll()) == [out, back]
     engine.order_compute()
     assert not engine._compute_waits
+    torch.cuda.synchronize()
+    engine.poll()  # books the finished compute waits: stats() read from another thread makes no CUDA call
+    assert not engine._stalls and engine.compute_wait_s >= 0
     for g in gpu_ids:
         assert torch.equal(kv[:, :, g], original[:, :, g])
     # a swap-out and a swap-in of other blocks at the same time do not disturb each other

@@ -15,6 +15,7 @@ same GPU or CPU blocks.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ class CudaTransferEngine(TransferEngine):
         self.h2d = _Ring(num_slots, self.chunk_blocks, cpu_data.shape[1:], kv_cache.dtype, device)
         self._pending: dict[int, _Pending] = {}
         self._compute_waits: dict[int, torch.cuda.Event] = {}  # jobs no forward pass waited for yet
-        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around each compute wait
+        self._stalls: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # around each compute wait
 
     @property
     def streams(self) -> tuple[torch.cuda.Stream, ...]:
@@ -136,6 +137,7 @@ class CudaTransferEngine(TransferEngine):
         ]
         for job_id in finished:
             del self._pending[job_id]
+        self._book_stalls()
         return finished
 
     def wait(self, job_ids: list[int]) -> None:
@@ -156,13 +158,18 @@ class CudaTransferEngine(TransferEngine):
         after.record(compute)
         self._stalls.append((before, after))
 
+    def _book_stalls(self) -> None:
+        """Add the compute waits that have finished to `compute_wait_s`: the stream's time
+        between the two events around each. On the engine's thread, with the polls: `stats()`,
+        read from any thread, then makes no CUDA call."""
+        while self._stalls and self._stalls[0][1].query():
+            before, after = self._stalls.popleft()
+            self._wait_s += before.elapsed_time(after) / 1e3
+
     @property
     def compute_wait_s(self) -> float:
-        """Seconds the compute stream stood between its two events around each wait (only
-        the waits that have finished; never blocks)."""
-        while self._stalls and self._stalls[0][1].query():
-            before, after = self._stalls.pop(0)
-            self._wait_s += before.elapsed_time(after) / 1e3
+        """Seconds the compute stream stood waiting for transfers (the waits finished by the
+        last poll; never blocks)."""
         return self._wait_s
 
 
