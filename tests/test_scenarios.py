@@ -176,6 +176,32 @@ def test_a_prefix_on_nvme_is_split_between_computing_and_loading(tmp_path):
     assert sim.kv.stats()["nvme_loaded_blocks"] == 1
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "ttft"])
+def test_the_queue_ahead_of_a_load_counts_only_what_the_waiting_prompts_compute(tmp_path, policy):
+    """A prompt waiting ahead whose prefix is resident on the GPU adds only its uncached tokens
+    to the GPU queue a load is planned against: counted whole (33 ms here), it would have made
+    reading both of q's blocks look free while q would then wait for the disk."""
+    balanced = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 4e-3)
+    first = make_kv(4, num_cpu_blocks=4, nvme_path=str(tmp_path), cpu_policy="lru")
+    sched = make_scheduler(first, "recompute")
+    for i in range(4):
+        sched.add(make_seq(f"p{i}", [i * 10 + j for j in range(9)], max_tokens=1))
+        run_until_done(sched, first)
+    first.kv.close()
+    sim = make_kv(16, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
+    sched = make_scheduler(sim, "recompute", balanced, scheduling_policy=policy)
+    long_prompt = list(range(100, 132))  # 8 blocks, left cached on the GPU
+    sched.add(make_seq("w", long_prompt, max_tokens=1))
+    run_until_done(sched, sim)
+    sched.add(make_seq("w2", [*long_prompt, 7], max_tokens=1))  # 1 token to compute
+    q = make_seq("q", list(range(9)), max_tokens=2)
+    assert len(sim.kv.match_prefix(q).lower_refs) == 2
+    sched.add(q)
+    run_until_done(sched, sim)
+    # behind 1 ms of queue: compute one block (4 ms) while the other is read (4 ms)
+    assert sched.loads.lower_prefix_blocks == {"load": 1, "compute": 1, "compute_for_queues": 0}
+
+
 def test_a_swapped_sequence_shares_the_prefix_blocks_the_cpu_tier_holds(tmp_path):
     """Its full blocks already cached in the CPU tier are not copied again, and come back
     exactly on swap-in."""

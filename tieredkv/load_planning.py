@@ -18,7 +18,7 @@ Operations:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.prefix import PrefixMatch
@@ -58,20 +58,25 @@ class LoadPlanner:
             if self.observed_loads is not None and load.request_id not in computed_last_step:
                 self.observed_loads.add(load.num_blocks * self.policy.block_bytes, load.seconds)
 
-    def prefetch(self, waiting: Iterable[Sequence], backlog: int) -> None:
+    def prefetch(self, waiting: Iterable[Sequence], backlog: int, to_compute: Callable[[Sequence], int]) -> None:
         """Plan the loads of the first `PREFETCH_DEPTH` waiting sequences, each behind the
-        prefill of those before it (`backlog`: the running sequences' prefill tokens left)."""
+        prefill of those before it (`backlog`: the running sequences' prefill tokens left;
+        `to_compute(seq)`: a waiting sequence's tokens less its resident prefix, which it will
+        not compute, asked only when a plan is made behind it)."""
+        ahead: list[Sequence] = []
         for seq in itertools.islice(waiting, PREFETCH_DEPTH):
-            self.plan(seq, backlog)
-            backlog += seq.num_tokens - seq.num_computed_tokens
+            self._plan(seq, lambda ahead=tuple(ahead): backlog + sum(map(to_compute, ahead)))
+            ahead.append(seq)
 
     def plan(self, seq: Sequence, gpu_queue_tokens: int) -> None:
         """Plan the sequence's lower-tier prefix loads against the tier's and the GPU's queues:
         the reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
+        self._plan(seq, lambda: gpu_queue_tokens)
 
+    def _plan(self, seq: Sequence, gpu_queue_tokens: Callable[[], int]) -> None:
         def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
             queued, plan = self.kv.lower_reads_in_flight(), self.policy.lower_blocks_to_compute
-            compute = plan(num_blocks, first_token, queued, gpu_queue_tokens, self.observed_loads)
+            compute = plan(num_blocks, first_token, queued, gpu_queue_tokens(), self.observed_loads)
             idle = plan(num_blocks, first_token, observed=self.observed_loads)
             self.lower_prefix_blocks["compute_for_queues"] += max(0, compute - idle)
             return compute

@@ -11,7 +11,7 @@ Operations:
   `rematch_oldest(keep)`: forget the oldest resident prefix (not of `keep`), matched again when next
   asked for: one a step, as matching costs.
 - `share(seqs, budget, ride_cost) -> PrefillShares`: the sequences ranked, with their shares of
-  `budget`.
+  `budget`; `to_compute(seq)`: the tokens it is ranked by (a waiting one's, less its resident prefix).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class PrefillRanking:
         attention, as it says), else None."""
         candidates = []
         for seq in seqs:
-            left = self._to_compute(seq)
+            left = self.to_compute(seq)
             # the tokens before its next chunk; a swapped-out decode is charged as the running
             # ones are, one token (its attention is not a prefill's)
             computed = seq.num_tokens - left if seq.num_computed_tokens < seq.num_prompt_tokens else 0
@@ -75,7 +75,7 @@ class PrefillRanking:
         return PrefillShares(candidates, budget, config.prefill_aging, config.scheduling_policy,
                              config.max_prefill_chunk_tokens, attention)
 
-    def _to_compute(self, seq: Sequence) -> int:
+    def to_compute(self, seq: Sequence) -> int:
         """Tokens the sequence has left to compute; for a waiting one, less the prefix found
         resident (GPU and CPU tiers) when it was last matched."""
         if seq.status is not SequenceStatus.WAITING:

@@ -112,7 +112,7 @@ class Scheduler:
         out = SchedulerOutput()
         self.loads.learn(self._last_scheduled)
         if self.waiting:
-            self.loads.prefetch(self.waiting, self._prefill_backlog())
+            self.loads.prefetch(self.waiting, self._prefill_backlog(), self.ranking.to_compute)
         ranked = self.config.scheduling_policy != "fcfs"
         prefilling: list[Sequence] | None = [] if ranked else None  # decodes first, prefills later
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
