@@ -14,6 +14,8 @@ from tieredkv.tiers.nvme.io_backends import SyncBackend
 
 SWAP_WINS = CostModel(d2h_bytes_per_s=1e15, h2d_bytes_per_s=1e15, prefill_s_per_token=1.0)
 RECOMPUTE_WINS = CostModel(d2h_bytes_per_s=1.0, h2d_bytes_per_s=1.0, prefill_s_per_token=1e-9)
+# 1 ms of prefill a token (4 ms a block); 4 ms to read a block; PCIe free
+BALANCED = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 4e-3)
 
 
 def queues(sched) -> tuple[list[str], list[str], list[str]]:
@@ -152,16 +154,21 @@ def test_spill_writes_each_worthwhile_block_once_and_never_evicts_one_being_writ
     assert stats["cpu_blocks_staging"] == 1 and stats["cpu_blocks_used"] == 0  # an 8-block tier: one staging block
 
 
-def test_a_prefix_on_nvme_is_split_between_computing_and_loading(tmp_path):
-    balanced = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 4e-3)
-    first = make_kv(4, num_cpu_blocks=4, nvme_path=str(tmp_path), cpu_policy="lru")  # LRU: every block is written
+def store_prompts(path: str) -> None:
+    """Four 9-token prompts (p0: tokens 0-8) computed by an engine whose LRU CPU tier writes
+    every block to a store at `path`, then closed: a later engine there finds their blocks."""
+    first = make_kv(4, num_cpu_blocks=4, nvme_path=path, cpu_policy="lru")
     sched = make_scheduler(first, "recompute")
     for i in range(4):
         sched.add(make_seq(f"p{i}", [i * 10 + j for j in range(9)], max_tokens=1))
         run_until_done(sched, first)
     first.kv.close()
+
+
+def test_a_prefix_on_nvme_is_split_between_computing_and_loading(tmp_path):
+    store_prompts(str(tmp_path))
     sim = make_kv(8, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
-    sched = make_scheduler(sim, "recompute", balanced)
+    sched = make_scheduler(sim, "recompute", BALANCED)
     seq = make_seq("q", list(range(9)), max_tokens=2)
     assert len(sim.kv.match_prefix(seq).lower_refs) == 2
     sched.add(seq)
@@ -181,15 +188,9 @@ def test_the_queue_ahead_of_a_load_counts_only_what_the_waiting_prompts_compute(
     """A prompt waiting ahead whose prefix is resident on the GPU adds only its uncached tokens
     to the GPU queue a load is planned against: counted whole (33 ms here), it would have made
     reading both of q's blocks look free while q would then wait for the disk."""
-    balanced = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 4e-3)
-    first = make_kv(4, num_cpu_blocks=4, nvme_path=str(tmp_path), cpu_policy="lru")
-    sched = make_scheduler(first, "recompute")
-    for i in range(4):
-        sched.add(make_seq(f"p{i}", [i * 10 + j for j in range(9)], max_tokens=1))
-        run_until_done(sched, first)
-    first.kv.close()
+    store_prompts(str(tmp_path))
     sim = make_kv(16, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
-    sched = make_scheduler(sim, "recompute", balanced, scheduling_policy=policy)
+    sched = make_scheduler(sim, "recompute", BALANCED, scheduling_policy=policy)
     long_prompt = list(range(100, 132))  # 8 blocks, left cached on the GPU
     sched.add(make_seq("w", long_prompt, max_tokens=1))
     run_until_done(sched, sim)
