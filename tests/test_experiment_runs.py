@@ -172,6 +172,32 @@ def test_compare_writes_comparison_json_and_overlaid_plots(tmp_path):
         "comparison.json", "gpu+cpu", "recompute-only"]
 
 
+def test_a_variant_that_fails_costs_only_itself(tmp_path, monkeypatch, capsys):
+    """The first variant's engine fails as it is built: the run logs it, the next variant runs
+    and is compared, and the command ends with status 1 and one line naming the failure."""
+    from tieredkv.experiment import harness
+
+    class FailingWithACpuTier(harness.AsyncLLM):
+        def __init__(self, config):
+            if config.cache.cpu_cache_bytes:
+                raise RuntimeError("capture failed")
+            super().__init__(config=config)
+
+    monkeypatch.setattr(harness, "AsyncLLM", FailingWithACpuTier)
+    config = write_config(tmp_path, variants=VARIANTS)
+    outcome = run_experiment(config, str(tmp_path / "out"), compare=True, use_tqdm=False,
+                             only=["gpu+cpu", "recompute-only"])
+    assert outcome.failed == ["exp/gpu+cpu: RuntimeError: capture failed"]
+    assert [s.name for s in outcome.summaries] == ["exp/recompute-only"]
+    assert (tmp_path / "out" / "exp" / "recompute-only" / "result.json").exists()
+    assert main(["run", config, "--compare", "--variants", "gpu+cpu,recompute-only", "--out",
+                 str(tmp_path / "again"), "--no-progress"]) == 1
+    assert "tieredkv: failed: exp/gpu+cpu: RuntimeError: capture failed" in capsys.readouterr().err
+    alone = write_config(tmp_path / "alone", variants=VARIANTS[1:])  # a run of its own fails as before
+    with pytest.raises(RuntimeError, match="capture failed"):
+        run_experiment(alone, str(tmp_path / "out2"), use_tqdm=False)
+
+
 def test_sigint_mid_run_leaves_a_partial_result(tmp_path):
     storm = {"kind": "preemption_storm", "requests": 400, "prompt_tokens": 16, "max_tokens": 32, "rate": 100.0}
     config = write_config(tmp_path, storm)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from tieredkv import __version__, serve
 
 DEFAULT_CONFIG = "configs/demo.yaml"
-EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
+EXIT_FAILED_RUNS, EXIT_ERROR, EXIT_INTERRUPTED = 1, 2, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     """`tieredkv run`: logs at the chosen level; 2 and one `tieredkv: error:` line on an error
-    found before the workload runs, 130 on Ctrl-C."""
+    found before the workload runs, 130 on Ctrl-C, 1 when a run of several failed (the others
+    ran; one `tieredkv: failed:` line each)."""
     level = "debug" if args.verbose else args.log_level
     with _logging(level):
         try:
@@ -133,11 +134,13 @@ def _run(args: argparse.Namespace) -> int:
         print(format_sweep(outcome.sweep))
     elif len(outcome.summaries) > 1:
         print(format_comparison(outcome.summaries))
+    for failure in outcome.failed:
+        print(f"tieredkv: failed: {failure}", file=sys.stderr)
     if outcome.interrupted:
         print(f"interrupted: partial results in {outcome.folder}/", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(f"results in {outcome.folder}/")
-    return 0
+    return EXIT_FAILED_RUNS if outcome.failed else 0
 
 
 def _add_bench_parser(commands: argparse._SubParsersAction) -> None:

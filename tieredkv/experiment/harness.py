@@ -19,13 +19,15 @@ on the same config while the clients go on (`restart.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import os
 import shutil
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -66,14 +68,15 @@ TIMELINE_KEYS = ("gpu_blocks_used", "gpu_blocks_cached", "cpu_blocks_used", "cpu
 
 @dataclass
 class Outcome:
-    """What `run_experiment` did: each finished (or interrupted) run's summary, and the
-    comparison / sweep documents it wrote."""
+    """What `run_experiment` did: each finished (or interrupted) run's summary, the
+    comparison / sweep documents it wrote, and the runs that failed ("name: error")."""
 
     folder: str
     summaries: list[Summary]
     comparison: dict[str, Any] | None = None
     sweep: dict[str, Any] | None = None
     interrupted: bool = False
+    failed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,17 @@ async def _run_all(experiment: Experiment, options: Options) -> Outcome:
         for run in experiment.runs:
             if interrupt.fired:
                 break
-            summary, result = await _run(run, experiment, options, interrupt)
+            try:
+                summary, result = await _run(run, experiment, options, interrupt)
+            except Exception as exc:
+                if len(experiment.runs) == 1:
+                    raise
+                # one variant's failure (its engine, its workload) does not lose the others
+                logger.error("%s failed; the other runs go on", run.name, exc_info=True)
+                outcome.failed.append(f"{run.name}: {type(exc).__name__}: {exc}")
+                del exc
+                gc.collect()  # its engine's memory goes back before the next one is built
+                continue
             os.makedirs(run.folder, exist_ok=True)
             write_json(os.path.join(run.folder, "result.json"), result)
             write_plots(result, run.folder)
@@ -200,6 +213,17 @@ async def _run(run: Run, experiment: Experiment, options: Options,
                interrupt: _Interrupt) -> tuple[Summary, dict[str, Any]]:
     config = EngineConfig.from_dict(run.engine_doc)
     slot = EngineSlot(AsyncLLM(config=config))
+    try:
+        return await _serve(slot, config, run, experiment, options, interrupt)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await slot.close()
+        raise
+
+
+async def _serve(slot: EngineSlot, config: EngineConfig, run: Run, experiment: Experiment, options: Options,
+                 interrupt: _Interrupt) -> tuple[Summary, dict[str, Any]]:
+    """Run the workload on the engine in `slot` and close it; the run's summary and result."""
     engine = describe_engine(slot.llm.engine)
     offload = slot.llm.engine.kv.offload  # its block trace is replayed offline after the run
     trace = None if offload is None else BlockTrace()
