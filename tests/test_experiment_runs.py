@@ -62,6 +62,32 @@ def test_two_rate_two_variant_sweep_gives_goodput_and_its_plot(tmp_path, capsys)
     assert re.search(r"^  recompute-only +100$", out, re.M) and re.search(r"^  gpu\+cpu +100$", out, re.M)
 
 
+def test_a_load_point_that_fails_holds_no_slo(tmp_path, monkeypatch, capsys):
+    """gpu+cpu's lower point fails: it is in sweep.json without figures, its goodput is none
+    (the point above it is not capacity), and the other variant's sweep is whole."""
+    from tieredkv.experiment import harness
+
+    serve = harness._serve
+
+    async def failing_at_50(slot, config, run, *args):
+        if run.name.endswith("gpu+cpu/rate=50"):
+            raise RuntimeError("the disk went away")
+        return await serve(slot, config, run, *args)
+
+    monkeypatch.setattr(harness, "_serve", failing_at_50)
+    config = write_config(tmp_path, variants=VARIANTS, slo={"ttft_p90_ms": 60000})
+    assert main(["run", config, "--sweep", "rate=50,100", "--out", str(tmp_path / "out"), "--no-progress"]) == 1
+    out, err = capsys.readouterr()
+    assert "tieredkv: failed: exp/gpu+cpu/rate=50: RuntimeError: the disk went away" in err
+    sweep = json.loads((tmp_path / "out" / "exp" / "sweep.json").read_text())
+    whole, broken = sweep["variants"]
+    assert whole["goodput"] == 100 and not any(p["failed"] for p in whole["points"])
+    points = [(p["value"], p["failed"], p["slo_met"]) for p in broken["points"]]
+    assert points == [(50, True, False), (100, False, True)]
+    assert broken["goodput"] is None and broken["points"][0]["p90_ttft_ms"] is None
+    assert "(failed)" in out and (tmp_path / "out" / "exp" / "sweep.png").stat().st_size > 0
+
+
 def test_goodput_is_the_highest_load_held_from_the_bottom_up():
     def points(*met):
         return [{"value": v, "slo_met": m} for v, m in zip((0.5, 1, 2, 4), met, strict=False)]

@@ -175,6 +175,7 @@ def run_experiment(
 async def _run_all(experiment: Experiment, options: Options) -> Outcome:
     outcome = Outcome(experiment.folder, [])
     done: list[tuple[Run, Summary, dict[str, Any]]] = []
+    failed: list[Run] = []
     with _Interrupt() as interrupt:
         for run in experiment.runs:
             if interrupt.fired:
@@ -187,6 +188,7 @@ async def _run_all(experiment: Experiment, options: Options) -> Outcome:
                 # one variant's failure (its engine, its workload) does not lose the others
                 logger.error("%s failed; the other runs go on", run.name, exc_info=True)
                 outcome.failed.append(f"{run.name}: {type(exc).__name__}: {exc}")
+                failed.append(run)
                 del exc
                 gc.collect()  # its engine's memory goes back before the next one is built
                 continue
@@ -199,7 +201,7 @@ async def _run_all(experiment: Experiment, options: Options) -> Outcome:
                 options.on_summary(summary)
     outcome.interrupted = interrupt.fired
     if experiment.sweep is not None and done:
-        outcome.sweep = sweep_document(experiment, done)
+        outcome.sweep = sweep_document(experiment, done, failed)
         write_json(os.path.join(experiment.folder, "sweep.json"), outcome.sweep)
         write_sweep_plot(outcome.sweep, experiment.folder)
     elif experiment.compare and done:

@@ -133,7 +133,7 @@ def write_sweep_plot(sweep: dict[str, Any], folder: str) -> str:
     plt = _pyplot()
     fig, (ttft, tput) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, variant in enumerate(sweep["variants"]):
-        points = sorted(variant["points"], key=lambda p: p["value"])
+        points = sorted((p for p in variant["points"] if not p["failed"]), key=lambda p: p["value"])
         x = [p["value"] for p in points]
         label = variant["name"] + ("" if variant["goodput"] is None else f" (goodput {variant['goodput']:g})")
         ttft.plot(x, [p["p90_ttft_ms"] for p in points], "o-", color=_colour(i), label=label)

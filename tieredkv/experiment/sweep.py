@@ -1,9 +1,10 @@
 """Load sweeps: each variant at each load point, and its goodput under the file's SLOs.
 
 Operations:
-- `sweep_document(experiment, done) -> dict`: sweep.json: per variant, per load point the
+- `sweep_document(experiment, done, failed) -> dict`: sweep.json: per variant, per load point the
   figures (vLLM's names), whether the SLOs held and, under per-request bounds, the share of
-  requests within them and the requests per second within them; the variant's goodput.
+  requests within them and the requests per second within them; the variant's goodput (a point
+  that failed holds no SLO).
 - `goodput(points)`: the highest load at which the SLOs held, at it and at every lower point
   (a single lucky point above a failing one is noise, not capacity); None if none held.
 - `format_sweep(doc)`: the table `tieredkv run --sweep` prints.
@@ -11,6 +12,7 @@ Operations:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from tieredkv.experiment.metrics import Summary
@@ -32,22 +34,25 @@ def goodput(points: list[dict[str, Any]]) -> float | None:
     return best
 
 
-def sweep_document(experiment: Experiment, done: list[tuple[Run, Summary, dict[str, Any]]]) -> dict[str, Any]:
-    """sweep.json of the runs done (all of them, unless the sweep was interrupted)."""
+def sweep_document(experiment: Experiment, done: list[tuple[Run, Summary, dict[str, Any]]],
+                   failed: Collection[Run] = ()) -> dict[str, Any]:
+    """sweep.json of the runs done (all of them, unless the sweep was interrupted) and of those
+    that `failed` (no figures; their SLOs count as not met)."""
     assert experiment.sweep is not None, "a sweep document needs load points"
     key = experiment.sweep[0]
+    finished = {id(run): (summary, result) for run, summary, result in done}
+    failed_ids = {id(run) for run in failed}
     variants: dict[str, list[dict[str, Any]]] = {}
-    for run, summary, result in done:
-        metrics = result["metrics"]
-        variants.setdefault(run.variant or experiment.name, []).append({
-            "value": run.point[1], **{k: metrics[k] for k in SWEPT},
-            "slo_met": None if result["slo"] is None else result["slo"]["met"],
-            "slo_measured": None if result["slo"] is None else result["slo"]["measured"],
-            "slo_attainment": None if result["slo"] is None else result["slo"]["measured"].get(ATTAINMENT),
-            "goodput_rps": None if result["slo"] is None else result["slo"].get("goodput_rps"),
-            "partial": summary.partial, "errors": summary.errors,
-            "result": f"{run.folder}/result.json",
-        })
+    for run in experiment.runs:  # in the order they ran (the file's)
+        if id(run) in finished:
+            point = _point(run, *finished[id(run)])
+        elif id(run) in failed_ids:
+            point = {"value": run.point[1], **dict.fromkeys(SWEPT), "slo_met": False if experiment.slo else None,
+                     "slo_measured": None, "slo_attainment": None, "goodput_rps": None, "partial": False,
+                     "errors": None, "failed": True, "result": None}
+        else:  # not run: the sweep was interrupted
+            continue
+        variants.setdefault(run.variant or experiment.name, []).append(point)
     return {
         "schema_version": 1,
         "name": experiment.name,
@@ -57,6 +62,20 @@ def sweep_document(experiment: Experiment, done: list[tuple[Run, Summary, dict[s
         "goodput_rule": GOODPUT_RULE,
         "variants": [{"name": name, "goodput": goodput(points) if experiment.slo is not None else None,
                       "points": points} for name, points in variants.items()],
+    }
+
+
+def _point(run: Run, summary: Summary, result: dict[str, Any]) -> dict[str, Any]:
+    """A load point's entry in sweep.json, from its run's result."""
+    slo = result["slo"]
+    return {
+        "value": run.point[1], **{k: result["metrics"][k] for k in SWEPT},
+        "slo_met": None if slo is None else slo["met"],
+        "slo_measured": None if slo is None else slo["measured"],
+        "slo_attainment": None if slo is None else slo["measured"].get(ATTAINMENT),
+        "goodput_rps": None if slo is None else slo.get("goodput_rps"),
+        "partial": summary.partial, "errors": summary.errors, "failed": False,
+        "result": f"{run.folder}/result.json",
     }
 
 
@@ -79,7 +98,7 @@ def format_sweep(doc: dict[str, Any]) -> str:
                          f"{cell(p['p99_itl_ms'], 12)}{slo:>6}"
                          + (f"{cell(_percent(p['slo_attainment']), 10)}{cell(p['goodput_rps'], 12, '.2f')}"
                             if per_request else "")
-                         + ("  (partial)" if p["partial"] else ""))
+                         + ("  (partial)" if p["partial"] else "") + ("  (failed)" if p["failed"] else ""))
     if doc["slo"] is None:
         lines.append("goodput: n/a (the file has no slo: section)")
     else:
