@@ -216,6 +216,8 @@ def test_a_variant_that_fails_costs_only_itself(tmp_path, monkeypatch, capsys):
     assert outcome.failed == ["exp/gpu+cpu: RuntimeError: capture failed"]
     assert [s.name for s in outcome.summaries] == ["exp/recompute-only"]
     assert (tmp_path / "out" / "exp" / "recompute-only" / "result.json").exists()
+    comparison = json.loads((tmp_path / "out" / "exp" / "comparison.json").read_text())
+    assert comparison["failed"] == outcome.failed and len(comparison["variants"]) == 1
     assert main(["run", config, "--compare", "--variants", "gpu+cpu,recompute-only", "--out",
                  str(tmp_path / "again"), "--no-progress"]) == 1
     assert "tieredkv: failed: exp/gpu+cpu: RuntimeError: capture failed" in capsys.readouterr().err

@@ -205,7 +205,8 @@ async def _run_all(experiment: Experiment, options: Options) -> Outcome:
         write_json(os.path.join(experiment.folder, "sweep.json"), outcome.sweep)
         write_sweep_plot(outcome.sweep, experiment.folder)
     elif experiment.compare and done:
-        outcome.comparison = comparison_document(experiment.name, outcome.summaries, [r.folder for r, _, _ in done])
+        outcome.comparison = comparison_document(experiment.name, outcome.summaries, [r.folder for r, _, _ in done],
+                                                 outcome.failed)
         write_json(os.path.join(experiment.folder, "comparison.json"), outcome.comparison)
         write_comparison_plots([result for _, _, result in done], experiment.folder)
     return outcome

@@ -140,14 +140,17 @@ def _request(r: RequestRecord, start: float, keep_prompt_ids: bool) -> dict[str,
     return doc
 
 
-def comparison_document(name: str, summaries: list[Summary], folders: list[str]) -> dict[str, Any]:
-    """comparison.json: each variant's figures and their ratios to the first variant's."""
+def comparison_document(name: str, summaries: list[Summary], folders: list[str],
+                        failed: list[str] | None = None) -> dict[str, Any]:
+    """comparison.json: each variant's figures and their ratios to the first variant's, and
+    the variants that failed ("name: error")."""
     return {
         "schema_version": SCHEMA_VERSION,
         "name": name,
         "baseline": summaries[0].name,
         "variants": [{**row, "result": os.path.join(folder, "result.json"), "partial": s.partial}
                      for row, s, folder in zip(comparison_rows(summaries), summaries, folders, strict=True)],
+        "failed": list(failed or []),
     }
 
 
