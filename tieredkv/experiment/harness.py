@@ -180,18 +180,14 @@ async def _run_all(experiment: Experiment, options: Options) -> Outcome:
         for run in experiment.runs:
             if interrupt.fired:
                 break
-            try:
-                summary, result = await _run(run, experiment, options, interrupt)
-            except Exception as exc:
-                if len(experiment.runs) == 1:
-                    raise
-                # one variant's failure (its engine, its workload) does not lose the others
-                logger.error("%s failed; the other runs go on", run.name, exc_info=True)
-                outcome.failed.append(f"{run.name}: {type(exc).__name__}: {exc}")
+            ran = await _run_or_log(run, experiment, options, interrupt, outcome.failed)
+            if ran is None:
                 failed.append(run)
-                del exc
-                gc.collect()  # its engine's memory goes back before the next one is built
+                # its engine's memory goes back before the next one is built (here, once the
+                # exception and the frames it held are gone)
+                gc.collect()
                 continue
+            summary, result = ran
             os.makedirs(run.folder, exist_ok=True)
             write_json(os.path.join(run.folder, "result.json"), result)
             write_plots(result, run.folder)
@@ -210,6 +206,20 @@ async def _run_all(experiment: Experiment, options: Options) -> Outcome:
         write_json(os.path.join(experiment.folder, "comparison.json"), outcome.comparison)
         write_comparison_plots([result for _, _, result in done], experiment.folder)
     return outcome
+
+
+async def _run_or_log(run: Run, experiment: Experiment, options: Options, interrupt: _Interrupt,
+                      failures: list[str]) -> tuple[Summary, dict[str, Any]] | None:
+    """`_run`; or, when it fails and other runs follow, None, with the error logged and added
+    to `failures`: one variant's failure (its engine, its workload) does not lose the others."""
+    try:
+        return await _run(run, experiment, options, interrupt)
+    except Exception as exc:
+        if len(experiment.runs) == 1:
+            raise
+        logger.error("%s failed; the other runs go on", run.name, exc_info=True)
+        failures.append(f"{run.name}: {type(exc).__name__}: {exc}")
+        return None
 
 
 async def _run(run: Run, experiment: Experiment, options: Options,
