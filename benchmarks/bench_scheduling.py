@@ -90,8 +90,9 @@ class StepCost:
 # - step_s: that decode step took 10.75 ms = step_s + 64 a + 64 * 2,048 kv_read_s.
 H200_LLAMA_8B = StepCost(step_s=4.7e-3, token_s=2.94e-5, pair_s=6.78e-10, kv_read_s=3.18e-8)
 # the same prefill fit and the H200's PCIe (53 GB/s each way, calibrated): what `auto` preemption weighs
-H200_LLAMA_8B_COSTS = CostModel(d2h_bytes_per_s=53.3e9, h2d_bytes_per_s=53.8e9, prefill_s_per_token=2.94e-5,
-                                prefill_s_per_token_sq=6.78e-10)
+H200_LLAMA_8B_COSTS = CostModel(d2h_bytes_per_s=53.3e9, h2d_bytes_per_s=53.8e9,
+                                prefill_s_per_token=H200_LLAMA_8B.token_s,
+                                prefill_s_per_token_sq=H200_LLAMA_8B.pair_s)
 LLAMA_8B_TOKEN_BYTES = 128 << 10  # 32 layers x K and V x 8 heads x 128 x bf16
 
 
