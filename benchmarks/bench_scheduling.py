@@ -48,7 +48,7 @@ from tieredkv.experiment.replay import ReplayWorkload
 from tieredkv.experiment.spec import variants
 from tieredkv.experiment.traces import prompt_token_ids
 from tieredkv.experiment.workloads import LongContextWorkload, make_workload
-from tieredkv.policy import CostModel, TierPolicy
+from tieredkv.policy import CostModel, TierPolicy, needs_cost_model
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
@@ -107,7 +107,8 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple
     offload = sim_cpu_tier(cache)
     kv = KVCacheManager(cache.num_gpu_blocks, cache.block_size, root_hash=1, offload=offload)
     preemption = config.scheduler.preemption if offload is not None else "recompute"
-    if preemption == "auto" and cost_model is None:  # as the engine would measure one
+    if cost_model is None and needs_cost_model(config.scheduler.scheduling_policy, preemption, offload is not None,
+                                               lower_tier=False):  # as the engine would measure one
         cost_model = H200_LLAMA_8B_COSTS
     policy = TierPolicy(preemption, LLAMA_8B_TOKEN_BYTES * cache.block_size, cache.block_size, cost_model)
     sched = Scheduler(config.scheduler, kv, policy)

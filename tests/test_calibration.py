@@ -42,3 +42,26 @@ def test_a_long_context_engine_times_a_chunk_after_it_and_sees_attention(tmp_pat
     assert re.search(r"ns/token\^2 \(a 256-token chunk after 0 and 3840 cached tokens\)", line), line
     assert cost.prefill_s_per_token_sq > 0
     assert cost.extend_s(2048, 2048) > cost.extend_s(0, 2048)
+
+
+def test_every_tier_configuration_schedules_with_the_same_prefill_figures(tmp_path, monkeypatch, caplog):
+    """`ttft` prices each prefill chunk by the cost model, so an engine with no tiers measures one
+    too, and an engine with a store takes the prefill figures another engine of the model
+    measured (only its disk is measured): a comparison of tier configurations then compares
+    the tiers, not two schedules."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    common = {"model": "tiny-llama", "block_size": 16, "num_gpu_blocks": 512, "max_num_batched_tokens": 256}
+    with caplog.at_level(logging.INFO, logger="tieredkv"):
+        with LLM(**common, cpu_cache_bytes=0, preemption="recompute") as llm:
+            alone: CostModel = llm.scheduler.policy.cost
+        with LLM(**common, cpu_cache_bytes="1MiB", nvme_path=str(tmp_path / "kv"), nvme_bytes="1MiB",
+                 io_backend="sync", preemption="auto") as llm:
+            stored: CostModel = llm.scheduler.policy.cost
+        with LLM(**common, cpu_cache_bytes=0, preemption="recompute", scheduling_policy="fcfs") as llm:
+            assert llm.scheduler.policy.cost is None  # first come, first served prices nothing
+    assert alone is not None and alone.prefill_s_per_token_sq > 0
+    assert (stored.prefill_s_per_token, stored.prefill_s_per_token_sq) == (alone.prefill_s_per_token,
+                                                                           alone.prefill_s_per_token_sq)
+    assert stored.disk_read_bytes_per_s is not None
+    lines = [r.getMessage() for r in caplog.records if r.name == "tieredkv.calibrate" and r.levelno == logging.INFO]
+    assert len(lines) == 2 and "(cached)" in lines[1] and "disk reads" in lines[1], lines

@@ -1,7 +1,9 @@
 """Start-up calibration of the cost model: PCIe (or host memcpy) bandwidth each way, prefill
 time as a function of length, and the NVMe tier's read bandwidth (through the store's own
 path: its backend, read size and queue depth; the scheduler corrects it online). Results are
-cached per device and model in `$XDG_CACHE_HOME/tieredkv/cost_models.json`. A disk that cannot
+cached in `$XDG_CACHE_HOME/tieredkv/cost_models.json`: the copies and prefill per device and
+model, the read rate per disk, so every engine of a model takes the same prefill figures
+(an engine with a store as one without), whichever measured them first. A disk that cannot
 be measured (too little free space beside the store for the probe file) gets a default read
 bandwidth and a warning.
 """
@@ -16,7 +18,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -194,49 +196,72 @@ def calibrate(
     disk: DiskProbe | None = None, bandwidth: Callable[[], tuple[float, float]] | None = None,
     max_context_tokens: int = 0,
 ) -> CostModel:
-    """The cost model for `key` (device + model [+ disk]), measured once and cached. Prefill is
-    timed as serving runs it: a chunk of `n` tokens, `n` the largest step (`max_tokens`, at most
-    8192), at the start of a prompt and after a long cached context (as much as one sequence
-    holds, `max_context_tokens`, at most 32k), whose difference is the attention term; where no
-    context of at least `n` fits, at `n` and `n/4` tokens (smaller probes time the per-step
-    launch overhead, not the per-token cost of serving's chunks). `prefill(n, context)` runs one
-    such chunk. `bandwidth` measures (D2H, H2D) bytes/s where `measure_bandwidth(device)` would
-    not (the ranks of a tensor-parallel engine; `device` is then where `prefill` returns)."""
+    """The cost model for `key` (device + model [+ disk]), measured once and cached: the copies
+    and prefill under the device and model's entry, the disk's read rate under an entry of its
+    own, so that every engine of one model on one device (with a store or without) schedules
+    with the same prefill figures. Prefill is timed as serving runs it: a chunk of `n` tokens,
+    `n` the largest step (`max_tokens`, at most 8192), at the start of a prompt and after a long
+    cached context (as much as one sequence holds, `max_context_tokens`, at most 32k), whose
+    difference is the attention term; where no context of at least `n` fits, at `n` and `n/4`
+    tokens (smaller probes time the per-step launch overhead, not the per-token cost of
+    serving's chunks). `prefill(n, context)` runs one such chunk. `bandwidth` measures (D2H,
+    H2D) bytes/s where `measure_bandwidth(device)` would not (the ranks of a tensor-parallel
+    engine; `device` is then where `prefill` returns)."""
     n2 = max(2, min(MAX_PREFILL_PROBE, max_tokens))
     n1 = max(1, n2 // 4)
     context = min(MAX_CONTEXT_PROBE, max_context_tokens - n2)
-    entry = f"{key}/prefill:{n2}@0-{context}" if context >= n2 else f"{key}/prefill:{n1}-{n2}"
+    compute_entry = f"{key}/prefill:{n2}@0-{context}" if context >= n2 else f"{key}/prefill:{n1}-{n2}"
+    disk_entry = None
     if disk is not None:
-        entry = f"{entry}/disk:{_disk_id(disk.directory)}:{disk.read_bytes}x{disk.queue_depth}:{disk.backend}"
+        disk_entry = f"{key}/disk:{_disk_id(disk.directory)}:{disk.read_bytes}x{disk.queue_depth}:{disk.backend}"
     path = cache_file()
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
-    if entry in cached:
-        try:
-            return CostModel(**cached[entry])
-        except (TypeError, ValueError):
+    measured = []
+    try:
+        compute = CostModel(**cached[compute_entry])
+        probed = "cached"
+    except (KeyError, TypeError, ValueError):
+        if compute_entry in cached:
             logger.warning("ignoring a damaged cost model cached in %s", path)
-    d2h, h2d = bandwidth() if bandwidth is not None else measure_bandwidth(device)
-    if context >= n2:
-        t0 = _timed(lambda: prefill(n2, 0), device, reps=2)
-        t1 = _timed(lambda: prefill(n2, context), device, reps=2)
-        (a, b), probed = fit_chunks(n2, context, t0, t1), f"a {n2}-token chunk after 0 and {context} cached tokens"
-    else:
-        t1 = _timed(lambda: prefill(n1, 0), device, reps=2)
-        t2 = _timed(lambda: prefill(n2, 0), device, reps=2)
-        (a, b), probed = fit_prefill(n1, t1, n2, t2), f"timed at {n1} and {n2} tokens"
-    disk_rate = measure_disk_read(disk.directory, read_bytes=disk.read_bytes, queue_depth=disk.queue_depth,
-                                  backend=disk.backend) if disk is not None else None
-    if disk is not None and disk_rate is None:  # a guess: used now, not cached
-        return CostModel(d2h, h2d, a, b, DEFAULT_DISK_READ_BYTES_PER_S)
-    model = CostModel(d2h, h2d, a, b, disk_rate)
-    logger.info("calibrated %s: %s; cached in %s", key, _describe(model, probed, disk), path)
-    cached[entry] = asdict(model)
+        compute, probed = _measure_compute(device, prefill, n1, n2, context, bandwidth)
+        cached[compute_entry] = asdict(compute)
+        measured.append(compute_entry)
+    disk_rate = cached.get(disk_entry, {}).get("disk_read_bytes_per_s") if disk_entry else None
+    if disk is not None and disk_rate is None:
+        disk_rate = measure_disk_read(disk.directory, read_bytes=disk.read_bytes, queue_depth=disk.queue_depth,
+                                      backend=disk.backend)
+        if disk_rate is not None:
+            cached[disk_entry] = {"disk_read_bytes_per_s": disk_rate}
+            measured.append(disk_entry)
+    model = replace(compute, disk_read_bytes_per_s=disk_rate if disk is None or disk_rate is not None
+                    else DEFAULT_DISK_READ_BYTES_PER_S)  # a guess where the disk could not be measured: not cached
+    if not measured:
+        return model
+    described = _describe(model, probed, disk if disk_entry in cached else None)
+    logger.info("calibrated %s: %s; cached in %s", key, described, path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cached, indent=1))
     except OSError as err:
         logger.warning("could not cache the cost model in %s: %s", path, err)
     return model
+
+
+def _measure_compute(
+    device: torch.device, prefill: Callable[[int, int], None], n1: int, n2: int, context: int,
+    bandwidth: Callable[[], tuple[float, float]] | None,
+) -> tuple[CostModel, str]:
+    """The copies' bandwidth and the prefill fit (`calibrate`), and how prefill was probed."""
+    d2h, h2d = bandwidth() if bandwidth is not None else measure_bandwidth(device)
+    if context >= n2:
+        t0 = _timed(lambda: prefill(n2, 0), device)
+        t1 = _timed(lambda: prefill(n2, context), device)
+        (a, b), probed = fit_chunks(n2, context, t0, t1), f"a {n2}-token chunk after 0 and {context} cached tokens"
+    else:
+        t1 = _timed(lambda: prefill(n1, 0), device)
+        t2 = _timed(lambda: prefill(n2, 0), device)
+        (a, b), probed = fit_prefill(n1, t1, n2, t2), f"timed at {n1} and {n2} tokens"
+    return CostModel(d2h, h2d, a, b, None), probed

@@ -41,7 +41,7 @@ from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tieredkv.parallel.workers import Workers
 from tieredkv.parallel_sampling import SampleGroup
-from tieredkv.policy import CostModel, TierPolicy
+from tieredkv.policy import CostModel, TierPolicy, needs_cost_model
 from tieredkv.prompts import Prompt, prompt_list, token_ids
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
@@ -116,11 +116,10 @@ class LLMEngine:
         return self.runner.kv_spec.block_bytes(self.config.cache.block_size)
 
     def _cost_model(self) -> CostModel | None:
-        """Pinned in the config, else measured (`auto` with a CPU tier, and an NVMe or remote
-        tier, need one)."""
+        """Pinned in the config, else measured where one is needed (`needs_cost_model`)."""
         sched, cache = self.config.scheduler, self.config.cache
         slow_tier = cache.nvme_path is not None or cache.remote_url is not None
-        needed = self.kv.offload is not None and (sched.preemption == "auto" or slow_tier)
+        needed = needs_cost_model(sched.scheduling_policy, sched.preemption, self.kv.offload is not None, slow_tier)
         if sched.cost_model is not None or not needed:
             return sched.cost_model
         longest = min(self.kv.num_blocks * self.kv.block_size, self.runner.max_model_len)  # tokens of one sequence

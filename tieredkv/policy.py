@@ -11,6 +11,8 @@ CPU-tier hits: copied in, unless the PCIe queue makes recomputing them faster
 Slow-tier hits: prefix blocks found in the lower tier (disk or remote) are loaded, recomputed,
 or both at once (`split_lower_prefix`); a load costs a fixed latency plus its bytes over the read
 rate, both as the engine observes them (`ObservedLoads`).
+
+An engine measures a cost model where it needs one and none is pinned (`needs_cost_model`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from typing import Literal
 Preemption = Literal["auto", "swap", "recompute"]
 LOAD_MARGIN = 0.1  # a lower-tier load must save this share of the time computing its blocks takes
 PreemptionKind = Literal["recompute", "swap"]
+
+
+def needs_cost_model(scheduling_policy: str, preemption: Preemption, cpu_tier: bool, lower_tier: bool) -> bool:
+    """Whether an engine needs a cost model: to price prefill chunks (`ttft` and `hrrn` charge
+    each chunk its attention, with or without tiers, so that every tier configuration runs the
+    same schedule), to choose swap or recompute (`auto` with a CPU tier), and to choose load or
+    compute (a tier below the CPU)."""
+    return scheduling_policy != "fcfs" or (cpu_tier and (preemption == "auto" or lower_tier))
 
 
 def _is_number(value: object) -> bool:
