@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -126,3 +127,21 @@ def test_restore_keeps_order_and_frees_the_rest():
     index.restore([(7, 2), (5, 0)])
     assert index.stored_hashes() == [7, 5] and index.num_free == 2
     assert index.reserve(9) == Reservation(slot=1, evicted=None)
+
+
+def test_a_cpu_tier_block_goes_to_the_store_as_it_is():
+    """The CPU tier's block views are the blocks' bytes, made once; the store takes one without
+    a torch operator (each gives up the GIL, which the I/O threads then hold for a switch
+    interval, many times a step)."""
+    from tieredkv.tiers.cpu import CPUTier
+    from tieredkv.tiers.nvme.slot_format import check_block
+
+    tier = CPUTier(4, (2, 2, 16, 2, 8), torch.bfloat16, pin=False)
+    tier.data[2].normal_()
+    view = tier.blocks[2]
+    assert view is tier.blocks[2] and view.dtype == torch.uint8 and view.dim() == 1
+    assert view.data_ptr() == tier.data[2].data_ptr()
+    assert bytes(view.numpy()) == bytes(tier.data[2].view(torch.uint8).numpy())
+    assert check_block(view, "dst", view.numel(), 16, 16) is view
+    shaped = check_block(tier.data[2], "dst", view.numel(), 16, 16)  # any other layout is viewed as bytes
+    assert shaped.dtype == torch.uint8 and shaped.data_ptr() == view.data_ptr()

@@ -278,8 +278,11 @@ def check_block_bytes(block: torch.Tensor, name: str, block_bytes: int, block_si
 
 
 def check_block(block: torch.Tensor, name: str, block_bytes: int, block_size: int, num_tokens: int) -> torch.Tensor:
-    """The bytes of `block` as flat uint8, if `check_block_bytes` finds nothing wrong."""
+    """The bytes of `block` as flat uint8, if `check_block_bytes` finds nothing wrong: `block`
+    itself where it is that already (the CPU tier's `BlockViews`), with no torch operator."""
     check_block_bytes(block, name, block_bytes, block_size, num_tokens)
+    if block.dtype == torch.uint8 and block.dim() == 1:
+        return block
     return block.reshape(-1).view(torch.uint8)
 
 
