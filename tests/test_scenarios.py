@@ -315,3 +315,21 @@ def test_a_swapped_out_decode_comes_back_at_once_however_long_its_context(policy
     assert "s" not in queues(sched)[2] and not r.is_finished
     run_until_done(sched, sim)
     assert len(s.output_token_ids) == 3 and sim.kv.stats()["gpu_blocks_used"] == 0
+
+
+def test_a_prefix_split_between_computing_and_loading_is_ranked_by_what_it_computes(tmp_path):
+    """While q computes its first block and reads its second, it has 1 token to compute (its
+    last), not 5: ranked by its whole rest, a shorter prompt arriving then would take its turn
+    and, with blocks short, its blocks (preempted in the middle of its prefill)."""
+    store_prompts(str(tmp_path))
+    sim = make_kv(8, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
+    sched = make_scheduler(sim, "recompute", BALANCED)
+    q = make_seq("q", list(range(9)), max_tokens=2)
+    sched.add(q)
+    out = run_step(sched, sim)
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(q, 4)]  # the first block, computed
+    assert sim.kv.tokens_to_load(q) == 4  # the second, read
+    assert sched.ranking.to_compute(q) == 1
+    assert sched._prefill_backlog() == 1  # the queue a load is planned against, too
+    run_until_done(sched, sim)
+    assert sim.kv.tokens_to_load(q) == 0 and sched.loaded_skipped_tokens == 4

@@ -1,6 +1,7 @@
 """What the scheduler's prefills are ranked by (`scheduling_policy` `ttft`, `hrrn`): how long each
 sequence has waited, counted in tokens of work scheduled since it arrived, and how many tokens
-it has left to compute, a waiting one's resident prefix (GPU and CPU tiers) counting as computed.
+it has left to compute, a waiting one's resident prefix (GPU and CPU tiers) and a running one's
+prefix blocks being loaded from the lower tier counting as computed.
 The policy's maths over those numbers is `tieredkv.scheduling`.
 
 Operations:
@@ -11,7 +12,8 @@ Operations:
   `rematch_oldest(keep)`: forget the oldest resident prefix (not of `keep`), matched again when next
   asked for: one a step, as matching costs.
 - `share(seqs, budget, ride_cost) -> PrefillShares`: the sequences ranked, with their shares of
-  `budget`; `to_compute(seq)`: the tokens it is ranked by (a waiting one's, less its resident prefix).
+  `budget`; `to_compute(seq)`: the tokens it is ranked by (less a waiting one's resident prefix,
+  and a running one's loads).
 """
 
 from __future__ import annotations
@@ -66,9 +68,11 @@ class PrefillRanking:
         candidates = []
         for seq in seqs:
             left = self.to_compute(seq)
-            # the tokens before its next chunk; a swapped-out decode is charged as the running
-            # ones are, one token (its attention is not a prefill's)
-            computed = seq.num_tokens - left if seq.num_computed_tokens < seq.num_prompt_tokens else 0
+            # the tokens before its next chunk (a waiting one's resident prefix); a swapped-out
+            # decode is charged as the running ones are, one token (its attention is not a prefill's)
+            computed = 0
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                computed = seq.num_tokens - left if seq.status is SequenceStatus.WAITING else seq.num_computed_tokens
             candidates.append(PrefillCandidate(left, self._waited(seq), computed))
         attention = _attention_weight(ride_cost)
         config = self.config
@@ -76,10 +80,12 @@ class PrefillRanking:
                              config.max_prefill_chunk_tokens, attention)
 
     def to_compute(self, seq: Sequence) -> int:
-        """Tokens the sequence has left to compute; for a waiting one, less the prefix found
-        resident (GPU and CPU tiers) when it was last matched."""
+        """Tokens the sequence has left to compute: for a waiting one, less the prefix found
+        resident (GPU and CPU tiers) when it was last matched; for a running one, less what its
+        lower-tier loads bring (a prefix split between computing and loading is ranked by its
+        computing part)."""
         if seq.status is not SequenceStatus.WAITING:
-            return seq.num_tokens - seq.num_computed_tokens
+            return seq.num_tokens - seq.num_computed_tokens - self.kv.tokens_to_load(seq)
         resident = self._resident_tokens.get(seq.seq_id)
         if resident is None:
             resident = self._resident_tokens[seq.seq_id] = self.kv.match_prefix(seq).num_tokens(self.kv.block_size)

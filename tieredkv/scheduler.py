@@ -243,9 +243,8 @@ class Scheduler:
         return self._run(seq, n, got, out)
 
     def _prefill_backlog(self) -> int:
-        """Prefill tokens the running sequences still have to compute."""
-        return sum(s.num_prompt_tokens - s.num_computed_tokens for s in self.running
-                   if s.num_computed_tokens < s.num_prompt_tokens)
+        """Prefill tokens the running sequences still have to compute (not what loads bring)."""
+        return sum(self.ranking.to_compute(s) for s in self.running if s.num_computed_tokens < s.num_prompt_tokens)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> bool:
         """Admit waiting sequences in order (held ones wait); whether one could not be admitted

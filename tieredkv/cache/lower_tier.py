@@ -6,7 +6,7 @@ Operations:
 - `held_run(hashes, start) -> stop`: how far from block `start` on the tier holds a prompt's blocks;
   `requested(hashes, num_hits_above)`: an admitted request's blocks, for the store's policy.
 - loads, one plan per request: `plan(request_id, refs, load_from)` reads `refs` into CPU blocks
-  held for the request; `load_from(request_id)` (the first token being read), `arriving`,
+  held for the request; `load_from(request_id)` (the first token being read), `num_planned`, `arriving`,
   `wait_state` (`LoadWait`), `release` (drop the hold once admitted), `landed` (the sequence
   jumps over the loaded blocks), `forget` (the sequence was freed); `landed_loads()`: how long
   the loads that landed took, from submission;
@@ -79,9 +79,10 @@ class LowerTier:
         self.cpu_blocks = cpu_blocks
         self.admission = admission
         self.spill = Spill(store, cpu_pool, self.cpu_blocks, admission)
-        # request -> first token of its prefix blocks being read (None: nothing to read); a
-        # request is here once its loads were planned, until it jumps over them or is freed
-        self._load_from: dict[str, int | None] = {}
+        # request -> (first token of its prefix blocks being read, how many blocks) (None:
+        # nothing to read); a request is here once its loads were planned, until it jumps over
+        # them or is freed
+        self._load_from: dict[str, tuple[int, int] | None] = {}
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
         self._reads: dict[int, _Read] = {}  # read job -> what it fills, in submission order
         self._reads_left: dict[str, int] = {}  # request -> its reads in flight
@@ -132,7 +133,7 @@ class LowerTier:
         into CPU blocks held for it; how many reads started (none: nothing is loaded)."""
         queued = len(self._reads)
         started = self._start(request_id, refs) if refs else 0
-        self._load_from[request_id] = load_from if started else None
+        self._load_from[request_id] = (load_from, started) if started else None
         if started:
             self._clocks[request_id] = (time.monotonic(), queued + len(refs))
         return started
@@ -156,7 +157,14 @@ class LowerTier:
 
     def load_from(self, request_id: str) -> int | None:
         """The first token of the request's prefix blocks being loaded (None: none)."""
-        return self._load_from.get(request_id)
+        planned = self._load_from.get(request_id)
+        return planned[0] if planned is not None else None
+
+    def num_planned(self, request_id: str) -> int:
+        """Prefix blocks the request's plan reads from `load_from` on (0 once it jumped over
+        them, or with no plan)."""
+        planned = self._load_from.get(request_id)
+        return planned[1] if planned is not None else 0
 
     def arriving(self, request_id: str) -> bool:
         """Whether reads for the request are in flight."""
