@@ -227,7 +227,7 @@ def calibrate(
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
-    measured = []
+    measured = False  # anything new to cache
     try:
         compute = CostModel(**cached[compute_entry])
         probed = "cached"
@@ -235,17 +235,18 @@ def calibrate(
         if compute_entry in cached:
             logger.warning("ignoring a damaged cost model cached in %s", path)
         compute, probed = _measure_compute(device, prefill, n1, n2, context, bandwidth)
-        cached[compute_entry] = asdict(compute)
-        measured.append(compute_entry)
-    disk_rate = cached.get(disk_entry, {}).get("disk_read_bytes_per_s") if disk_entry else None
-    if disk is not None and disk_rate is None:
-        disk_rate = measure_disk_read(disk.directory, read_bytes=disk.read_bytes, queue_depth=disk.queue_depth,
-                                      backend=disk.backend)
-        if disk_rate is not None:
-            cached[disk_entry] = {"disk_read_bytes_per_s": disk_rate}
-            measured.append(disk_entry)
-    model = replace(compute, disk_read_bytes_per_s=disk_rate if disk is None or disk_rate is not None
-                    else DEFAULT_DISK_READ_BYTES_PER_S)  # a guess where the disk could not be measured: not cached
+        cached[compute_entry], measured = asdict(compute), True
+    disk_rate = None
+    if disk is not None:
+        disk_rate = cached.get(disk_entry, {}).get("disk_read_bytes_per_s")
+        if disk_rate is None:
+            disk_rate = measure_disk_read(disk.directory, read_bytes=disk.read_bytes,
+                                          queue_depth=disk.queue_depth, backend=disk.backend)
+            if disk_rate is None:  # a guess where the disk could not be measured: not cached
+                disk_rate = DEFAULT_DISK_READ_BYTES_PER_S
+            else:
+                cached[disk_entry], measured = {"disk_read_bytes_per_s": disk_rate}, True
+    model = replace(compute, disk_read_bytes_per_s=disk_rate)
     if not measured:
         return model
     described = _describe(model, probed, disk if disk_entry in cached else None)
