@@ -2,14 +2,15 @@
 
 Figures (one line each: name, value, peak, ratio):
 - copy peak: `b.copy_(a)` on 1 GiB, bytes read + written;  matmul peak: bf16 8192^3;
-- decode attention, Llama-3-8B shape, batch 64, context 8192, scattered blocks: K/V bytes read
-  (a read-only stream can beat the copy figure, which mixes reads and writes: ratio > 100%);
+- decode attention, Llama-3-8B shape, batch 64, context 8192, scattered 16- and 128-token blocks:
+  K/V bytes read (a read-only stream can beat the copy figure, which mixes reads and writes:
+  ratio > 100%);
 - gather / scatter of 256 scattered Llama-3-8B blocks (2 MiB each): bytes read + written;
 - prefill attention (causal TFLOP/s), Llama-3-8B heads, bf16: 16k, 32k and 64k tokens as a whole
   prompt and as their last 2048-token chunk over the rest cached (what a chunked prefill step
-  computes), and 4 x 4k; our paged kernel and torch SDPA's flash and cuDNN backends (dense, KV
-  heads expanded) side by side (`prefill_peers.py`), our kernel first checked against the
-  reference (PASS/FAIL), each peer against ours.
+  computes), and 4 x 4k; our paged kernel on 16-token and 128-token pages and torch SDPA's flash
+  and cuDNN backends (dense, KV heads expanded) side by side (`prefill_peers.py`), our kernel
+  first checked against the reference (PASS/FAIL), each peer against ours.
 
     python benchmarks/bench_kernels.py [--json results/kernels.json]
 """
@@ -91,12 +92,12 @@ def matmul_peak_tflops() -> float:
 
 
 def attention_inputs(
-    q_lens: list[int], context_lens: list[int], spare_blocks: int = 64
+    q_lens: list[int], context_lens: list[int], spare_blocks: int = 64, block_size: int = BLOCK_SIZE
 ) -> tuple[torch.Tensor, ...]:
     """Random query, one layer's K/V cache with each sequence's blocks scattered at random."""
-    blocks = [math.ceil(c / BLOCK_SIZE) for c in context_lens]
+    blocks = [math.ceil(c / block_size) for c in context_lens]
     num_blocks = sum(blocks) + spare_blocks
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     v_cache = torch.randn_like(k_cache)
     perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
     tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device="cuda")
@@ -110,11 +111,13 @@ def attention_inputs(
     return query, k_cache, v_cache, tables, cu, ctx
 
 
-def bench_decode(copy_peak: float, batch: int = 64, context: int = 8192) -> Figure:
-    args = attention_inputs([1] * batch, [context] * batch)
+def bench_decode(
+    copy_peak: float, batch: int = 64, context: int = 8192, block_size: int = BLOCK_SIZE
+) -> Figure:
+    args = attention_inputs([1] * batch, [context] * batch, block_size=block_size)
     ms = time_ms(lambda: paged_attention(*args, HEAD_DIM**-0.5))
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
-    name = f"decode attn b={batch} ctx={context}"
+    name = f"decode attn b={batch} ctx={context} bs={block_size}"
     return Figure(name, kv_bytes / ms / 1e6, "GB/s", copy_peak, "copy")
 
 
@@ -170,7 +173,8 @@ def main() -> int:
     copy_peak, matmul_peak = copy_peak_gbs(), matmul_peak_tflops()
     device = f"{torch.cuda.get_device_name()} (cc {'.'.join(map(str, torch.cuda.get_device_capability()))})"
     print(f"device {device}: copy peak {copy_peak:.1f} GB/s, bf16 matmul peak {matmul_peak:.1f} TFLOP/s")
-    figures = [bench_decode(copy_peak), *bench_block_copy(copy_peak)]
+    figures = [bench_decode(copy_peak), bench_decode(copy_peak, block_size=128),
+               *bench_block_copy(copy_peak)]
     for figure in figures:
         print(figure.line())
     report = {"device": device, "figures": [{**asdict(f), "ratio": f.ratio} for f in figures]}

@@ -1,6 +1,8 @@
 """Prefill attention side by side, on the same shapes and in the same run (needs CUDA):
 
-- `paged (ours)`: our paged prefill kernel (one query head per tile), its default launch config;
+- `ours, N-token pages`: our paged prefill kernel (one query head per tile) with its default launch
+  config for that block size: 16-token pages gather each key row through the block table;
+  128-token pages (Hopper and newer) load whole tiles by TMA;
 - `sdpa-flash`, `sdpa-cudnn`: torch SDPA restricted to one backend, dense, KV heads expanded
   with repeat_interleave (a 2k chunk over a cache: flash's causal is lower-right aligned; cuDNN
   gets a boolean lower-right mask).
@@ -25,7 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 Inputs = tuple[torch.Tensor, ...]
 
-OURS = "paged (ours)"
+OURS = "ours"
+PAGE_SIZES = (16, 128)  # a gathered-row and a whole-tile (TMA) block size
 PEER_TOLERANCE = 2e-2  # bf16: our kernel further than this from the reference, or a peer from ours, is not timed
 
 
@@ -69,22 +72,30 @@ def causal_flops(q_lens: list[int], ctx_lens: list[int], q_heads: int, head_dim:
     return 4 * head_dim * q_heads * pairs
 
 
-def config_name(dtype: torch.dtype, head_dim: int) -> str:
-    """Our kernel's default launch config for this dtype and head size, in short."""
-    cfg = tiled.default_config(dtype, head_dim)
-    return f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+def ours_name(page: int) -> str:
+    return f"{OURS}, {page}-token pages"
 
 
-def check_ours(make_inputs: Callable[[list[int], list[int]], Inputs], scale: float) -> bool:
+def config_name(query: torch.Tensor, page: int) -> str:
+    """Our kernel's default launch config for this batch and block size, in short."""
+    cfg = tiled.config_for(query, page)
+    path = "TMA" if cfg.get("paged_tma") else "gathered"
+    return f"{path} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+
+
+def check_ours(make_inputs: Callable[..., Inputs], scale: float) -> bool:
     """Our kernel on a small odd batch (decode rows, chunks starting inside a block) against
-    paged_attention_ref; prints PASS/FAIL and returns whether it passed."""
-    args = make_inputs([300, 1, 77, 1000], [1000, 500, 77, 1333])
-    out = torch.full_like(args[0], float("nan"))
-    tiled.prefill_attention(*args, out, scale, None)
-    err = (out.float() - paged_attention_ref(*args, scale).float()).abs().max().item()
-    ok = err <= PEER_TOLERANCE  # False for NaN
-    print(f"  check {OURS:<18} {config_name(args[0].dtype, args[0].shape[-1]):<24} max|err| {err:.2e}  "
-          f"{'PASS' if ok else 'FAIL'}")
+    paged_attention_ref, at each page size; prints PASS/FAIL and returns whether all passed."""
+    ok = True
+    for page in PAGE_SIZES:
+        args = make_inputs([300, 1, 77, 1000], [1000, 500, 77, 1333], block_size=page)
+        out = torch.full_like(args[0], float("nan"))
+        tiled.prefill_attention(*args, out, scale, None)
+        err = (out.float() - paged_attention_ref(*args, scale).float()).abs().max().item()
+        passed = err <= PEER_TOLERANCE  # False for NaN
+        print(f"  check {ours_name(page):<24} {config_name(args[0], page):<30} max|err| {err:.2e}  "
+              f"{'PASS' if passed else 'FAIL'}")
+        ok &= passed
     return ok
 
 
@@ -133,11 +144,12 @@ def measure_shape(shape: Shape, make_inputs: Callable, scale: float, flops: floa
     """Time our kernel, then the SDPA backends, checking each peer's output against ours
     (max |diff| in the note)."""
     res = ShapeResults(shape, flops)
-    args = make_inputs(shape.q_lens, shape.ctx_lens)
-    out = torch.empty_like(args[0])
-    ms = bench_ms(lambda: tiled.prefill_attention(*args, out, scale, None))
-    res.results.append(Result(OURS, config_name(args[0].dtype, args[0].shape[-1]), flops / ms / 1e9))
-    # every timed call wrote our output into `out`: the peers are checked against it
+    for page in PAGE_SIZES:
+        args = make_inputs(shape.q_lens, shape.ctx_lens, block_size=page)
+        out = torch.empty_like(args[0])
+        ms = bench_ms(lambda: tiled.prefill_attention(*args, out, scale, None))
+        res.results.append(Result(ours_name(page), config_name(args[0], page), flops / ms / 1e9))
+    # every timed call wrote our output into `out`: the peers are checked against the last
     ours = out.view(len(shape.q_lens), shape.q_lens[0], *out.shape[1:]).transpose(1, 2).float()
     for name, call in dense_peers(args, shape, scale).items():
         try:
@@ -159,20 +171,27 @@ def print_shape(res: ShapeResults, peak: float) -> None:
     print(f"== {res.shape.name}: {res.flops / 1e12:.2f} TFLOP causal")
     for r in res.results:
         if r.tflops is None:
-            print(f"  {r.variant:<24} {r.config:<24} {'-':>8}                         {r.note}")
+            print(f"  {r.variant:<24} {r.config:<30} {'-':>8}                         {r.note}")
             continue
         vs = f"{r.tflops / cudnn.tflops:5.2f}x cuDNN" if cudnn else "   - x cuDNN"
-        print(f"  {r.variant:<24} {r.config:<24} {r.tflops:6.1f} TFLOP/s {r.tflops / peak:6.1%} of mm  {vs}  {r.note}")
+        print(f"  {r.variant:<24} {r.config:<30} {r.tflops:6.1f} TFLOP/s {r.tflops / peak:6.1%} of mm  {vs}  {r.note}")
 
 
 def print_summary(all_res: list[ShapeResults], peak: float) -> None:
-    """One line per shape: ours, flash, cuDNN (% of the matmul peak), ours / cuDNN."""
+    """One line per shape: ours at each page size, flash, cuDNN (% of the matmul peak), and each
+    of ours / cuDNN."""
+    pages = [ours_name(p) for p in PAGE_SIZES]
     print(f"\nsummary (% of bf16 matmul peak {peak:.1f} TFLOP/s)")
-    print(f"{'shape':<24} {'ours':>6} {'flash':>6} {'cudnn':>6}  {'ours/cudnn':>10}")
+    print(f"{'shape':<24} " + " ".join(f"{f'ours b{p}':>9}" for p in PAGE_SIZES)
+          + f" {'flash':>6} {'cudnn':>6}  " + " ".join(f"{f'b{p}/cudnn':>10}" for p in PAGE_SIZES))
     for res in all_res:
-        ours, flash, cudnn = res.best(OURS), res.best("sdpa-flash"), res.best("sdpa-cudnn")
+        ours = [res.best(name) for name in pages]
+        flash, cudnn = res.best("sdpa-flash"), res.best("sdpa-cudnn")
 
         def pct(r: Result | None) -> str:
             return f"{r.tflops / peak:.1%}" if r else "-"
-        ratio = f"{ours.tflops / cudnn.tflops:.2f}x" if ours and cudnn else "-"
-        print(f"{res.shape.name:<24} {pct(ours):>6} {pct(flash):>6} {pct(cudnn):>6}  {ratio:>10}")
+
+        def ratio(r: Result | None) -> str:
+            return f"{r.tflops / cudnn.tflops:.2f}x" if r and cudnn else "-"
+        print(f"{res.shape.name:<24} " + " ".join(f"{pct(r):>9}" for r in ours)
+              + f" {pct(flash):>6} {pct(cudnn):>6}  " + " ".join(f"{ratio(r):>10}" for r in ours))

@@ -1,7 +1,9 @@
 """Triton building blocks shared by the decode and prefill attention kernels.
 
 - `find_seq`: which sequence owns a query tile (binary search over cu_seqlens_q, no host sync);
-- `attend_tiles`: online-softmax over a range of key positions read through a block table.
+- `attend_tiles`: online-softmax over a range of key positions read through a block table;
+- `attend_pages`: the same over whole unmasked tiles that each lie inside one page, loaded by the
+  tensor memory accelerator (TMA) through descriptors of the caches.
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ def find_seq(cu_q_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
         lo = tl.where(start <= pid, mid, lo)
         hi = tl.where(start <= pid, hi, mid)
     return lo
+
+
+@triton.jit
+def _online_softmax(s, m, denom, scale_log2):
+    """One tile's step of the online softmax: scores `s` (raw; -inf where a key is hidden) into
+    the running max and sum (m, denom). Returns (m, denom, p, alpha): the tile's probabilities
+    and the factor that rescales what was accumulated before it.
+
+    Scores are scaled where they are used (scale_log2 > 0, so the max commutes with it): one fused
+    multiply-add per score instead of a multiply and a subtract. A row that has seen no visible
+    key yet keeps m = -inf; it shifts by 0 to avoid inf - inf.
+    """
+    m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_safe)
+    p = tl.math.exp2(s * scale_log2 - m_safe[:, None])
+    return m_new, denom * alpha + tl.sum(p, 1), p, alpha
 
 
 @triton.jit
@@ -86,18 +105,42 @@ def attend_tiles(
             if USE_WINDOW:
                 keep = keep & (cols[None, :] > pos[:, None] - window)
             s = tl.where(keep, s, float("-inf"))
-        # Scores are scaled where they are used (scale_log2 > 0, so the max commutes with it):
-        # one fused multiply-add per score instead of a multiply and a subtract.
-        m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
-        # A row that has seen no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        p = tl.math.exp2(s * scale_log2 - m_safe[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
+        m, denom, p, alpha = _online_softmax(s, m, denom, scale_log2)
         if MASKED:
             v = tl.load(v_ptr + kv_offset[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + kv_offset[:, None] + dims[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    return m, denom, acc
+
+
+@triton.jit
+def attend_pages(
+    q,
+    m,
+    denom,
+    acc,
+    k_desc,
+    v_desc,
+    table_ptr,
+    head_col,
+    start,
+    end,
+    scale_log2,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """`attend_tiles` over unmasked keys [start, end) (multiples of BLOCK_N), each tile one TMA
+    load: BLOCK_SIZE % BLOCK_N == 0, so a tile never crosses a page. The descriptors view a cache
+    as rows [num_blocks * BLOCK_SIZE, kv_heads * HEAD_DIM]; key j of kv head h is row
+    `block_table[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE`, columns from head_col = h * HEAD_DIM.
+    """
+    for n0 in range(start, end, BLOCK_N):
+        row = tl.load(table_ptr + n0 // BLOCK_SIZE) * BLOCK_SIZE + n0 % BLOCK_SIZE
+        k = k_desc.load([row, head_col])
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        v = v_desc.load([row, head_col])
+        m, denom, p, alpha = _online_softmax(s, m, denom, scale_log2)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m, denom, acc

@@ -3,39 +3,55 @@ mixed batches.
 
 Operation: `prefill_attention` (launcher; `paged_attention` validates the arguments first).
 
-Grid (query tile, query head). A program owns BLOCK_M consecutive rows of one sequence and walks
-the keys in BLOCK_N tiles. Keys before the tile's first position are visible to every row, so
-those tiles skip masking; only the diagonal band is masked:
+A program owns BLOCK_M consecutive rows of one query head of one sequence and walks the keys in
+BLOCK_N tiles. Keys before the tile's first position are visible to every row, so those tiles skip
+masking; only the diagonal band is masked:
 
     rows  p0 .. p0+BLOCK_M-1        keys 0 ─────────────── p0 ──────── p0+BLOCK_M
                                          | unmasked tiles  | masked (causal) |
 
 With a sliding window every tile is masked (rows see different lower bounds).
+
+Two ways to read the unmasked tiles, chosen by the launch config (`config_for`):
+- gathered: each key row's address from the block table, any block size (`attend_tiles`);
+- paged TMA (Hopper and newer, 16-bit caches, block_size a multiple of BLOCK_N): a tile lies
+  inside one page and comes in one tensor-memory-accelerator load (`attend_pages`). The grid then
+  runs the query heads fastest (the heads of a kv head read the same tiles at about the same
+  time) and the sequences' last query tiles, which see the most keys, first.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ._attention_common import LOG2_E, attend_tiles, find_seq
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._attention_common import LOG2_E, attend_pages, attend_tiles, find_seq
 from ._checks import check_launchable
 
 
 # per-step sizes are not specialized on: one compiled kernel serves every batch
 @triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr,
     table_ptr, cu_q_ptr, ctx_ptr,
     num_seqs, scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SKIP_SINGLE_ROW_SEQS: tl.constexpr,
+    PAGED_TMA: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
+    if PAGED_TMA:  # grid (head, tile), last tiles first
+        head = tl.program_id(0)
+        pid = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:  # grid (tile, head)
+        pid = tl.program_id(0)
+        head = tl.program_id(1)
     b = find_seq(cu_q_ptr, num_seqs, pid, BLOCK_M)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
@@ -60,7 +76,8 @@ def _prefill_kernel(
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = table_ptr + b * stride_bt
-    head_offset = (head // GROUP) * stride_kh
+    kv_head = head // GROUP
+    head_offset = kv_head * stride_kh
     end = tl.minimum(first_pos + BLOCK_M, ctx)
     if USE_WINDOW:
         start = tl.maximum(first_pos + 1 - window, 0)
@@ -70,11 +87,17 @@ def _prefill_kernel(
         )
     else:
         full_end = first_pos // BLOCK_N * BLOCK_N
-        m, denom, acc = attend_tiles(
-            q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, 0, full_end, window,
-            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False,
-            PRECISION,
-        )
+        if PAGED_TMA:
+            m, denom, acc = attend_pages(
+                q, m, denom, acc, k_desc, v_desc, table, kv_head * HEAD_DIM, 0, full_end,
+                scale_log2, BLOCK_SIZE, BLOCK_N, PRECISION,
+            )
+        else:
+            m, denom, acc = attend_tiles(
+                q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, 0, full_end, window,
+                scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False,
+                PRECISION,
+            )
         m, denom, acc = attend_tiles(
             q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, full_end, end, window,
             scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
@@ -84,14 +107,51 @@ def _prefill_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+# Paged TMA: measured on an H200 (BENCHMARKS.md, "Prefill attention from pages"), bf16 head_dim 128.
+PAGED_TMA_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "paged_tma": True}
+
+
 def default_config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
-    """Tile sizes and launch options (tuned on an H200 for bf16, head_dim 128; smaller tiles where
-    float32 or a wide head would overflow shared memory)."""
+    """Tile sizes and launch options of the gathered kernel (tuned on an H200 for bf16,
+    head_dim 128; smaller tiles where float32 or a wide head would overflow shared memory)."""
     if dtype == torch.float32 or head_dim >= 256:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if head_dim <= 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+
+
+def config_for(query: torch.Tensor, block_size: int) -> dict[str, int]:
+    """The launch config for this batch's dtype, head size, block size and device: paged TMA
+    where the device has a tensor memory accelerator (compute capability 9+), the cache is 16-bit
+    and each page holds whole tiles; else the gathered kernel's `default_config`."""
+    head_dim = query.shape[2]
+    if (
+        query.device.type == "cuda"
+        and _has_tma(query.device)
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and head_dim <= 128
+        and block_size % PAGED_TMA_CONFIG["BLOCK_N"] == 0
+    ):
+        return PAGED_TMA_CONFIG
+    return default_config(query.dtype, head_dim)
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _page_descriptors(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int
+) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """Descriptors of the caches as rows [num_blocks * block_size, kv_heads * head_dim], tiles of
+    [block_n, head_dim] (one kv head's block_n consecutive keys of one page)."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    shape, strides = [num_blocks * block_size, kv_heads * head_dim], [kv_heads * head_dim, 1]
+    return tuple(
+        TensorDescriptor(cache, shape, strides, [block_n, head_dim]) for cache in (k_cache, v_cache)
+    )
 
 
 def prefill_attention(
@@ -110,7 +170,8 @@ def prefill_attention(
     """Write attention of query rows into `out` (validated arguments, see module doc).
 
     skip_single_row_seqs: leave sequences with q_len == 1 to the decode kernel.
-    config: BLOCK_M, BLOCK_N, num_warps, num_stages; None picks by dtype and head_dim.
+    config: BLOCK_M, BLOCK_N, num_warps, num_stages and optionally paged_tma (block_size must then
+    be a multiple of BLOCK_N); None picks by `config_for`.
     """
     check_launchable("paged_attention", query.device, _prefill_kernel)
     num_rows, num_heads, head_dim = query.shape
@@ -118,10 +179,22 @@ def prefill_attention(
         return
     _, block_size, kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
-    config = config or default_config(query.dtype, head_dim)
-    grid = (num_rows // config["BLOCK_M"] + num_seqs, num_heads)
+    config = dict(config or config_for(query, block_size))
+    paged_tma = config.pop("paged_tma", False)
+    tiles = num_rows // config["BLOCK_M"] + num_seqs
+    if paged_tma:
+        if block_size % config["BLOCK_N"] != 0:
+            raise ValueError(
+                f"paged TMA needs block_size ({block_size}) to be a multiple of BLOCK_N "
+                f"({config['BLOCK_N']})"
+            )
+        k_desc, v_desc = _page_descriptors(k_cache, v_cache, config["BLOCK_N"])
+        grid = (num_heads, tiles)
+    else:
+        k_desc, v_desc = k_cache, v_cache  # not read
+        grid = (tiles, num_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out,
+        query, k_cache, v_cache, k_desc, v_desc, out,
         block_tables, cu_seqlens_q, context_lens,
         num_seqs, scale * LOG2_E, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -129,5 +202,5 @@ def prefill_attention(
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        SKIP_SINGLE_ROW_SEQS=skip_single_row_seqs, **config,
+        SKIP_SINGLE_ROW_SEQS=skip_single_row_seqs, PAGED_TMA=paged_tma, **config,
     )

@@ -196,12 +196,17 @@ class ModelRunner:
     def close(self) -> None:
         """Release the CUDA graphs, the KV tensor and the block copies' staging buffer. The
         graphs go first and now, not whenever the collector finds them: a graph destroyed while
-        another engine in the process captures its own would break that capture."""
+        another engine in the process captures its own would break that capture. On CUDA the
+        freed memory goes back to the device: kept in torch's cache, the next engine of the
+        process would place its weights inside the old KV tensor's segment and find no room left
+        in one piece for its own KV (--compare with a KV cache of most of the device)."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
         self.kv_cache = None
         self._copy_staging = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
