@@ -37,7 +37,7 @@ from ._checks import check_launchable
 # per-step sizes are not specialized on: one compiled kernel serves every batch
 @triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr,
+    q_ptr, k_ptr, v_ptr, q_desc, k_desc, v_desc, out_ptr,
     table_ptr, cu_q_ptr, ctx_ptr,
     num_seqs, scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
@@ -68,10 +68,13 @@ def _prefill_kernel(
     pos = first_pos + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + rows).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
-        mask=row_ok[:, None], other=0.0,
-    )
+    if PAGED_TMA:  # rows past q_len are the next sequence's (or zeros): computed, not stored
+        q = q_desc.load([q_start + row0, head * HEAD_DIM])
+    else:
+        q = tl.load(
+            q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+            mask=row_ok[:, None], other=0.0,
+        )
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -123,8 +126,9 @@ def default_config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
 
 def config_for(query: torch.Tensor, block_size: int) -> dict[str, int]:
     """The launch config for this batch's dtype, head size, block size and device: paged TMA
-    where the device has a tensor memory accelerator (compute capability 9+), the cache is 16-bit
-    and each page holds whole tiles; else the gathered kernel's `default_config`."""
+    where the device has a tensor memory accelerator (compute capability 9+), the cache is 16-bit,
+    each page holds whole tiles and the query rows can be TMA tiles; else the gathered kernel's
+    `default_config`."""
     head_dim = query.shape[2]
     if (
         query.device.type == "cuda"
@@ -132,6 +136,9 @@ def config_for(query: torch.Tensor, block_size: int) -> dict[str, int]:
         and query.dtype in (torch.float16, torch.bfloat16)
         and head_dim <= 128
         and block_size % PAGED_TMA_CONFIG["BLOCK_N"] == 0
+        and query.stride(1) == head_dim  # the query's rows as one [T, heads * head_dim] matrix,
+        and (query.stride(0) * query.element_size()) % 16 == 0  # TMA-aligned
+        and query.data_ptr() % 16 == 0
     ):
         return PAGED_TMA_CONFIG
     return default_config(query.dtype, head_dim)
@@ -142,14 +149,19 @@ def _has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _page_descriptors(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int
-) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """Descriptors of the caches as rows [num_blocks * block_size, kv_heads * head_dim], tiles of
+def _descriptors(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_m: int, block_n: int
+) -> tuple[TensorDescriptor, ...]:
+    """TMA descriptors: the query as rows [T, heads * head_dim] in tiles of [block_m, head_dim]
+    (one head's rows: loaded into shared memory, where the matrix units read it, it takes no
+    registers); the caches as rows [num_blocks * block_size, kv_heads * head_dim] in tiles of
     [block_n, head_dim] (one kv head's block_n consecutive keys of one page)."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    num_rows, num_heads, head_dim = query.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    q_desc = TensorDescriptor(query, [num_rows, num_heads * head_dim], [query.stride(0), 1],
+                              [block_m, head_dim])
     shape, strides = [num_blocks * block_size, kv_heads * head_dim], [kv_heads * head_dim, 1]
-    return tuple(
+    return q_desc, *(
         TensorDescriptor(cache, shape, strides, [block_n, head_dim]) for cache in (k_cache, v_cache)
     )
 
@@ -188,13 +200,13 @@ def prefill_attention(
                 f"paged TMA needs block_size ({block_size}) to be a multiple of BLOCK_N "
                 f"({config['BLOCK_N']})"
             )
-        k_desc, v_desc = _page_descriptors(k_cache, v_cache, config["BLOCK_N"])
+        descriptors = _descriptors(query, k_cache, v_cache, config["BLOCK_M"], config["BLOCK_N"])
         grid = (num_heads, tiles)
     else:
-        k_desc, v_desc = k_cache, v_cache  # not read
+        descriptors = (query, k_cache, v_cache)  # not read
         grid = (tiles, num_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, k_desc, v_desc, out,
+        query, k_cache, v_cache, *descriptors, out,
         block_tables, cu_seqlens_q, context_lens,
         num_seqs, scale * LOG2_E, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
