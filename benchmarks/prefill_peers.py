@@ -15,6 +15,7 @@ and each peer against our kernel on the shape it is timed on.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ def measure_shape(shape: Shape, make_inputs: Callable, scale: float, flops: floa
     for page in PAGE_SIZES:
         args = make_inputs(shape.q_lens, shape.ctx_lens, block_size=page)
         out = torch.empty_like(args[0])
-        ms = bench_ms(lambda: tiled.prefill_attention(*args, out, scale, None))
+        ms = bench_ms(functools.partial(tiled.prefill_attention, *args, out, scale, None))
         res.results.append(Result(ours_name(page), config_name(args[0], page), flops / ms / 1e9))
     # every timed call wrote our output into `out`: the peers are checked against the last
     ours = out.view(len(shape.q_lens), shape.q_lens[0], *out.shape[1:]).transpose(1, 2).float()
@@ -191,7 +192,7 @@ def print_summary(all_res: list[ShapeResults], peak: float) -> None:
         def pct(r: Result | None) -> str:
             return f"{r.tflops / peak:.1%}" if r else "-"
 
-        def ratio(r: Result | None) -> str:
+        def ratio(r: Result | None, cudnn: Result | None = cudnn) -> str:
             return f"{r.tflops / cudnn.tflops:.2f}x" if r and cudnn else "-"
         print(f"{res.shape.name:<24} " + " ".join(f"{pct(r):>9}" for r in ours)
               + f" {pct(flash):>6} {pct(cudnn):>6}  " + " ".join(f"{ratio(r):>10}" for r in ours))

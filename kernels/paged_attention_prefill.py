@@ -27,7 +27,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._attention_common import LOG2_E, attend_pages, attend_tiles, find_seq
