@@ -19,7 +19,7 @@ def longest_request_blocks(prompts: list[list[int]], block_size: int) -> int:
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 16, 64])
 @pytest.mark.parametrize("pressure", [False, True], ids=["large-cache", "tiny-cache"])
 def test_greedy_matches_transformers(preset, block_size, pressure, reference_outputs):
     prompts = make_prompts(vocab_size=512)
@@ -32,9 +32,10 @@ def test_greedy_matches_transformers(preset, block_size, pressure, reference_out
     assert [o.token_ids for o in outs] == expected
     stats = llm.stats()
     if pressure:
-        # preempted requests come back and find their own full blocks in the cache
         assert stats["preemptions"]["recompute"] > 0
-        assert stats["prefix_hit_tokens"] > 0
+        if block_size <= 16:  # requests of at most 110 tokens seldom fill a 64-token block
+            # preempted requests come back and find their own full blocks in the cache
+            assert stats["prefix_hit_tokens"] > 0
     else:
         assert stats["preemptions"]["recompute"] == 0
     # every request finished: nothing but cached blocks is left
