@@ -311,19 +311,21 @@ PAGED_TMA_SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "dtype"),
-    [(4, 4, 16, torch.float32), (8, 2, 32, torch.bfloat16), (8, 1, 16, torch.float16)],
+    ("heads", "kv_heads", "head_dim", "dtype", "window"),
+    [(4, 4, 16, torch.float32, None), (8, 2, 32, torch.bfloat16, None),
+     (8, 1, 16, torch.float16, None), (8, 2, 16, torch.float32, 21)],
 )
-def test_prefill_paged_tma_matches_ref(heads: int, kv_heads: int, head_dim: int, dtype) -> None:
+def test_prefill_paged_tma_matches_ref(heads: int, kv_heads: int, head_dim: int, dtype, window) -> None:
     """The paged TMA path (whole tiles loaded from pages; interpreted on CPU) on odd lengths: a
-    whole prompt, chunks that start inside a page, a decode row and an empty sequence, GQA 1/4/8.
-    Unused slots hold NaN, so a tile read past a sequence's keys shows."""
+    whole prompt, chunks that start inside a page, a decode row and an empty sequence, GQA 1/4/8,
+    and a sliding window (its tiles all masked, the query still by TMA). Unused slots hold NaN,
+    so a tile read past a sequence's keys shows."""
     q_lens, ctxs = [77, 37, 1, 0, 13], [77, 100, 45, 9, 64]
     args, _, _ = make_batch(q_lens, ctxs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                             block_size=32, dtype=dtype)
     out = torch.full_like(args[0], float("nan"))
-    pa_prefill.prefill_attention(*args, out, head_dim**-0.5, None, config=PAGED_TMA_SMALL)
-    _assert_close(out, pa.paged_attention_ref(*args, head_dim**-0.5), dtype)
+    pa_prefill.prefill_attention(*args, out, head_dim**-0.5, window, config=PAGED_TMA_SMALL)
+    _assert_close(out, pa.paged_attention_ref(*args, head_dim**-0.5, window), dtype)
 
 
 def test_prefill_paged_tma_needs_whole_tiles_per_page() -> None:
@@ -748,17 +750,18 @@ def test_gpu_prefill_llama3_8b(dtype: torch.dtype, window: int | None) -> None:
 @needs_cuda
 @pytest.mark.parametrize("kv_heads", [32, 8, 4])  # GQA 1, 4, 8
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [64, 128])
-def test_gpu_prefill_paged_tma(kv_heads: int, head_dim: int, block_size: int) -> None:
+@pytest.mark.parametrize(("block_size", "window"), [(64, None), (128, None), (128, 1000)])
+def test_gpu_prefill_paged_tma(kv_heads: int, head_dim: int, block_size: int, window: int | None) -> None:
     """Pages of whole tiles: the default config takes the paged TMA path on Hopper and newer;
-    odd lengths, chunks starting inside a page, decode rows and an empty sequence in one batch."""
+    odd lengths, chunks starting inside a page, decode rows and an empty sequence in one batch;
+    a sliding window too."""
     q_lens, ctxs = [2048, 1, 0, 1500, 300, 77, 1000], [2048, 8000, 10, 8192, 300, 4097, 1063]
     args, _, _ = make_batch(q_lens, ctxs, heads=32, kv_heads=kv_heads, head_dim=head_dim,
                             block_size=block_size, dtype=torch.bfloat16, device="cuda")
     if torch.cuda.get_device_capability()[0] >= 9:
         assert pa_prefill.config_for(args[0], block_size).get("paged_tma")
-    out = pa.paged_attention(*args, head_dim**-0.5)
-    _assert_close(out, pa.paged_attention_ref(*args, head_dim**-0.5), torch.bfloat16)
+    out = pa.paged_attention(*args, head_dim**-0.5, window)
+    _assert_close(out, pa.paged_attention_ref(*args, head_dim**-0.5, window), torch.bfloat16)
 
 
 @gpu
