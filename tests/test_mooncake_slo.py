@@ -137,9 +137,11 @@ def test_shipped_real_trace_configs_match_their_headers(name, counts):
     assert [r.name for r in experiment.runs] == [f"mooncake_{name}_8b/{v}/speed={s}" for v in variants for s in speeds]
     assert experiment.slo.targets == {"ttft_ms": 30000, "slow_itl_ms": 100, "attainment": 0.9}
     gpu_kv = {r.variant: r.engine_doc["cache"] for r in experiment.runs}
-    assert {v: (c["num_gpu_blocks"], c["cpu_cache_bytes"], c.get("nvme_bytes")) for v, c in gpu_kv.items()} == {
-        "recompute-only": (8192, 0, None), "gpu+cpu16": (8192, "16GiB", None), "gpu+cpu64": (8192, "64GiB", None),
-        "gpu+cpu16+nvme": (8192, "16GiB", "40GiB")}
+    gpu_tokens = 131_072  # 16 GiB of llama-3-8b KV at 128 KiB a token
+    assert {v: (c["num_gpu_blocks"] * c["block_size"], c["cpu_cache_bytes"], c.get("nvme_bytes"))
+            for v, c in gpu_kv.items()} == {
+        "recompute-only": (gpu_tokens, 0, None), "gpu+cpu16": (gpu_tokens, "16GiB", None),
+        "gpu+cpu64": (gpu_tokens, "64GiB", None), "gpu+cpu16+nvme": (gpu_tokens, "16GiB", "40GiB")}
     trace = experiment.runs[0].workload.describe()
     assert (trace["requests"], trace["returning"], trace["conversations"], trace["prompt_tokens"], trace["lines"]) \
         == (requests, returning, conversations, prompt_tokens, lines)
