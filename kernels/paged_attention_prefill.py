@@ -146,7 +146,8 @@ def config_for(query: torch.Tensor, block_size: int) -> dict[str, int]:
 
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """An NVIDIA GPU of compute capability 9+ (ROCm reports its own architectures as capabilities)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _descriptors(
