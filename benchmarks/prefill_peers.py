@@ -191,8 +191,6 @@ def print_summary(all_res: list[ShapeResults], peak: float) -> None:
 
         def pct(r: Result | None) -> str:
             return f"{r.tflops / peak:.1%}" if r else "-"
-
-        def ratio(r: Result | None, cudnn: Result | None = cudnn) -> str:
-            return f"{r.tflops / cudnn.tflops:.2f}x" if r and cudnn else "-"
+        ratios = [f"{r.tflops / cudnn.tflops:.2f}x" if r and cudnn else "-" for r in ours]
         print(f"{res.shape.name:<24} " + " ".join(f"{pct(r):>9}" for r in ours)
-              + f" {pct(flash):>6} {pct(cudnn):>6}  " + " ".join(f"{ratio(r):>10}" for r in ours))
+              + f" {pct(flash):>6} {pct(cudnn):>6}  " + " ".join(f"{r:>10}" for r in ratios))
