@@ -124,22 +124,30 @@ def attend_pages(
     v_desc,
     table_ptr,
     head_col,
+    pos,
     start,
     end,
     scale_log2,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """`attend_tiles` over unmasked keys [start, end) (multiples of BLOCK_N), each tile one TMA
-    load: BLOCK_SIZE % BLOCK_N == 0, so a tile never crosses a page. The descriptors view a cache
-    as rows [num_blocks * BLOCK_SIZE, kv_heads * HEAD_DIM]; key j of kv head h is row
+    """`attend_tiles` over keys [start, end) (multiples of BLOCK_N), each tile one TMA load:
+    BLOCK_SIZE % BLOCK_N == 0, so a tile never crosses a page. The descriptors view a cache as
+    rows [num_blocks * BLOCK_SIZE, kv_heads * HEAD_DIM]; key j of kv head h is row
     `block_table[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE`, columns from head_col = h * HEAD_DIM.
+
+    Every key in range must be written (a tile is loaded whole, and an unwritten slot may hold
+    NaN); with CAUSAL, a row sees only the keys at or before its position `pos` (the diagonal band).
     """
     for n0 in range(start, end, BLOCK_N):
         row = tl.load(table_ptr + n0 // BLOCK_SIZE) * BLOCK_SIZE + n0 % BLOCK_SIZE
         k = k_desc.load([row, head_col])
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if CAUSAL:
+            cols = n0 + tl.arange(0, BLOCK_N)
+            s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
         v = v_desc.load([row, head_col])
         m, denom, p, alpha = _online_softmax(s, m, denom, scale_log2)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)

@@ -12,12 +12,15 @@ masking; only the diagonal band is masked:
 
 With a sliding window every tile is masked (rows see different lower bounds).
 
-Two ways to read the unmasked tiles, chosen by the launch config (`config_for`):
-- gathered: each key row's address from the block table, any block size (`attend_tiles`);
+Two ways to read the tiles, chosen by the launch config (`config_for`):
+- gathered: each key row's address from the block table, any block size (`attend_tiles`); the
+  band's tiles by masked loads;
 - paged TMA (Hopper and newer, 16-bit caches, block_size a multiple of BLOCK_N): a tile lies
-  inside one page and comes in one tensor-memory-accelerator load (`attend_pages`). The grid then
-  runs the query heads fastest (the heads of a kv head read the same tiles at about the same
-  time) and the sequences' last query tiles, which see the most keys, first.
+  inside one page and comes in one tensor-memory-accelerator load (`attend_pages`), the band's
+  too, masked in registers; only a tile reaching past the sequence's last key (its slots beyond
+  are not written) is read by masked loads. The grid then runs the query heads fastest (the heads
+  of a kv head read the same tiles at about the same time) and the sequences' last query tiles,
+  which see the most keys, first.
 """
 
 from __future__ import annotations
@@ -89,19 +92,26 @@ def _prefill_kernel(
         )
     else:
         full_end = first_pos // BLOCK_N * BLOCK_N
-        if PAGED_TMA:
+        if PAGED_TMA:  # whole tiles by TMA, the band's too; a tile reaching past `ctx` by pointers
+            band_end = tl.maximum(full_end, end // BLOCK_N * BLOCK_N)
+            head_col = kv_head * HEAD_DIM
             m, denom, acc = attend_pages(
-                q, m, denom, acc, k_desc, v_desc, table, kv_head * HEAD_DIM, 0, full_end,
-                scale_log2, BLOCK_SIZE, BLOCK_N, PRECISION,
+                q, m, denom, acc, k_desc, v_desc, table, head_col, pos, 0, full_end,
+                scale_log2, BLOCK_SIZE, BLOCK_N, False, PRECISION,
+            )
+            m, denom, acc = attend_pages(
+                q, m, denom, acc, k_desc, v_desc, table, head_col, pos, full_end, band_end,
+                scale_log2, BLOCK_SIZE, BLOCK_N, True, PRECISION,
             )
         else:
+            band_end = full_end
             m, denom, acc = attend_tiles(
                 q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, 0, full_end, window,
                 scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False,
                 PRECISION,
             )
         m, denom, acc = attend_tiles(
-            q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, full_end, end, window,
+            q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, band_end, end, window,
             scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
         )
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]

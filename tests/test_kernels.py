@@ -318,9 +318,10 @@ PAGED_TMA_SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1
 def test_prefill_paged_tma_matches_ref(heads: int, kv_heads: int, head_dim: int, dtype, window) -> None:
     """The paged TMA path (whole tiles loaded from pages; interpreted on CPU) on odd lengths: a
     whole prompt, chunks that start inside a page, a decode row and an empty sequence, GQA 1/4/8,
-    and a sliding window (its tiles all masked, the query still by TMA). Unused slots hold NaN,
-    so a tile read past a sequence's keys shows."""
-    q_lens, ctxs = [77, 37, 1, 0, 13], [77, 100, 45, 9, 64]
+    and a sliding window (its tiles all masked, the query still by TMA); diagonal bands ending
+    inside a tile (by masked loads) and on a tile's end (by TMA). Unused slots hold NaN, so a
+    tile read past a sequence's keys shows."""
+    q_lens, ctxs = [77, 37, 1, 0, 13, 64], [77, 100, 45, 9, 64, 96]
     args, _, _ = make_batch(q_lens, ctxs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                             block_size=32, dtype=dtype)
     out = torch.full_like(args[0], float("nan"))
