@@ -69,16 +69,21 @@ def test_every_tier_configuration_schedules_with_the_same_prefill_figures(tmp_pa
 
 def test_the_disk_is_measured_by_its_best_pass(tmp_path, monkeypatch):
     """A disk busy with other work for a moment reads slowly in one pass; the rate is cached, so
-    the probe keeps the best of its passes (a real disk, timings replaced)."""
+    the probe keeps the best of its passes, each reading at least DISK_PROBE_READS blocks (a
+    real disk, timings replaced)."""
     from tieredkv import calibrate
 
     passes = iter([54e6, 2.1e9, 1.9e9])
     real = calibrate._timed_reads
+    sizes = []
 
-    def timed(*args):
-        real(*args)  # the real reads, through a backend of their own each pass
+    def timed(fd, num_bytes, read_bytes, buffers, io):
+        sizes.append((num_bytes, read_bytes, len(buffers)))
+        real(fd, num_bytes, read_bytes, buffers, io)  # the real reads, through a backend of their own each pass
         return next(passes)
 
     monkeypatch.setattr(calibrate, "_timed_reads", timed)
     assert calibrate.measure_disk_read(str(tmp_path), num_bytes=8 << 20, read_bytes=1 << 20, queue_depth=4) == 2.1e9
     assert next(passes, None) is None  # every pass ran
+    # each pass reads at least DISK_PROBE_READS blocks (8 MiB asked for, 1 MiB reads): one slow read is not the rate
+    assert sizes == [(calibrate.DISK_PROBE_READS << 20, 1 << 20, 4)] * 3

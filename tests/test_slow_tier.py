@@ -17,6 +17,7 @@ from tests.kv_factory import BLOCK_SHAPE, make_kv, make_scheduler, make_seq, run
 from tests.test_nvme_store import BLOCK_BYTES as STORE_BLOCK_BYTES
 from tests.test_nvme_store import BLOCK_SIZE, FP, cpu_pool, fill, parent_of, same_bytes, slots_capacity, tokens_of
 from tieredkv.cache.block_pool import BlockPool
+from tieredkv.cache.lower_tier import LowerTier
 from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, Spill
 from tieredkv.replacement import AdmitAll
 from tieredkv.tiers.backend import BlockRef
@@ -257,3 +258,44 @@ def test_a_read_that_hangs_is_given_up_and_its_request_computes(monkeypatch):
     lower.retire()
     assert lower.reads_in_flight == 0 and pool.num_free == free
     assert lower.failed_loads == 0 and lower.loaded_blocks == 3  # late, intact: cached
+
+
+def cached_block(pool: BlockPool, h: int):
+    """A block of `pool` caching `ref(h)`, owned by nobody."""
+    [block] = pool.allocate(1)
+    pool.cache(block, h, parent_of(h), tokens_of(h))
+    pool.release([block])
+    return block
+
+
+def test_a_block_the_cpu_tier_holds_is_held_for_the_request_not_read():
+    """The match stops the CPU run at its first miss; a later block the CPU tier holds is held
+    by the plan, not read again from the store (a read it could not even cache)."""
+    store, pool = HungReads(), BlockPool(8)
+    lower = LowerTier(store, pool, torch.zeros((8, *BLOCK_SHAPE)), AdmitAll())
+    second = cached_block(pool, 2)
+    assert lower.plan("r", [ref(1), ref(2), ref(3)], load_from=16) == 3
+    assert store.reads == [1, 3] and second.ref_count == 1
+    assert lower.arriving("r") and lower.num_planned("r") == 3
+    store.finish()
+    lower.retire()
+    lower.landed("r")
+    assert second.ref_count == 0 and pool.lookup(2, parent_of(2), tokens_of(2)) is second
+
+
+def test_a_waiting_request_holds_its_cpu_hits_until_admitted_or_freed():
+    """While a request waits for its loads, the CPU blocks before them are held: loads (its own
+    or others') take CPU blocks, and would evict the prefix the request was planned on."""
+    store, pool = HungReads(), BlockPool(8)
+    lower = LowerTier(store, pool, torch.zeros((8, *BLOCK_SHAPE)), AdmitAll())
+    hits = [cached_block(pool, h) for h in (1, 2)]
+    assert lower.plan("r", [ref(3)], load_from=32, hits=hits) == 1
+    assert [b.ref_count for b in hits] == [1, 1]
+    free = pool.num_free
+    assert lower.plan("other", [ref(h) for h in range(10, 20)], load_from=0) == free  # takes every free block
+    # not evicted
+    assert all(pool.lookup(h, parent_of(h), tokens_of(h)) is b for h, b in zip((1, 2), hits, strict=True))
+    lower.forget("r")
+    assert [b.ref_count for b in hits] == [0, 0]
+    # a plan that reads nothing holds nothing
+    assert lower.plan("s", [], load_from=32, hits=hits) == 0 and [b.ref_count for b in hits] == [0, 0]

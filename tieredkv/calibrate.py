@@ -36,6 +36,7 @@ DEFAULT_DISK_READ_BYTES_PER_S = 2e9  # a mid-range NVMe drive: assumed where the
 MAX_PREFILL_PROBE = 8192  # tokens: prefill is timed in chunks of this size (at most)
 MAX_CONTEXT_PROBE = 32768  # tokens: the cached context the second chunk attends to (at most)
 DISK_PROBE_PASSES = 3  # the disk's read rate is the best of this many passes
+DISK_PROBE_READS = 16  # each pass reads at least this many blocks (a stall of one is not the rate)
 
 
 def cache_file() -> Path:
@@ -76,12 +77,14 @@ def measure_disk_read(
     where the probe cannot be written (less than twice its size free, or a write error): the
     caller then assumes DEFAULT_DISK_READ_BYTES_PER_S."""
     why = None
+    read_bytes = -(-read_bytes // ALIGN) * ALIGN
+    num_bytes = max(num_bytes, DISK_PROBE_READS * read_bytes)
     try:
         free = shutil.disk_usage(directory).free
         if free < 2 * num_bytes:
             why = f"{free >> 20} MiB free, the probe needs {2 * num_bytes >> 20} MiB"
         else:
-            return _probe_disk_read(directory, num_bytes, -(-read_bytes // ALIGN) * ALIGN, queue_depth, backend)
+            return _probe_disk_read(directory, num_bytes, read_bytes, queue_depth, backend)
     except OSError as err:
         why = f"writing the probe file failed: {err}"
     logger.warning(
@@ -96,7 +99,9 @@ def _probe_disk_read(directory: str, num_bytes: int, read_bytes: int, queue_dept
     """The best of DISK_PROBE_PASSES passes over the probe file, as prefill is timed: a disk
     that other work keeps busy for a moment at start-up (another engine, a store's file just
     made) read 54 MB/s in one pass where serving then read 1.4-2.6 GB/s, and the rate is cached.
-    O_DIRECT where it works; otherwise the page cache is dropped for the file before each pass."""
+    O_DIRECT where it works; otherwise the page cache is dropped for the file before each pass.
+    The destination buffers are made and touched once, before any pass: faulting their pages in
+    is not the disk's time."""
     path = os.path.join(directory, ".tieredkv-calibration")
     chunk = 4 << 20
     buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
@@ -113,11 +118,15 @@ def _probe_disk_read(directory: str, num_bytes: int, read_bytes: int, queue_dept
         except OSError:
             fd = os.open(path, os.O_RDONLY)
         try:
+            buffers = [aligned_empty(read_bytes) for _ in range(min(queue_depth, num_bytes // read_bytes))]
+            for buffer in buffers:
+                buffer.zero_()
+            views = [memoryview(buffer.numpy()) for buffer in buffers]
             rates = []
             for _ in range(DISK_PROBE_PASSES):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 io = make_backend(backend, queue_depth, directory)
-                rates.append(_timed_reads(fd, num_bytes, read_bytes, queue_depth, io))
+                rates.append(_timed_reads(fd, num_bytes, read_bytes, views, io))
             return max(rates)
         finally:
             os.close(fd)
@@ -127,11 +136,10 @@ def _probe_disk_read(directory: str, num_bytes: int, read_bytes: int, queue_dept
             os.remove(path)
 
 
-def _timed_reads(fd: int, num_bytes: int, read_bytes: int, queue_depth: int, io: BlockIO) -> float:
-    """Read `num_bytes` of `fd` in `read_bytes` pieces, `queue_depth` in flight; bytes/s."""
+def _timed_reads(fd: int, num_bytes: int, read_bytes: int, buffers: list[memoryview], io: BlockIO) -> float:
+    """Read `num_bytes` of `fd` in `read_bytes` pieces, one in flight per buffer; bytes/s."""
     offsets = list(range(0, num_bytes - read_bytes + 1, read_bytes))
     total = len(offsets)
-    buffers = [memoryview(aligned_empty(read_bytes).numpy()) for _ in range(min(queue_depth, total))]
     free, done = list(range(len(buffers))), 0
     start = time.perf_counter()
     try:

@@ -5,7 +5,7 @@ and every request's load state; the KV manager asks it questions and never names
 Operations:
 - `held_run(hashes, start) -> stop`: how far from block `start` on the tier holds a prompt's blocks;
   `requested(hashes, num_hits_above)`: an admitted request's blocks, for the store's policy.
-- loads, one plan per request: `plan(request_id, refs, load_from)` reads `refs` into CPU blocks
+- loads, one plan per request: `plan(request_id, refs, load_from, hits)` reads `refs` into CPU blocks
   held for the request; `load_from(request_id)` (the first token being read), `num_planned`, `arriving`,
   `wait_state` (`LoadWait`), `release` (drop the hold once admitted), `landed` (the sequence
   jumps over the loaded blocks), `forget` (the sequence was freed); `landed_loads()`: how long
@@ -128,20 +128,36 @@ class LowerTier:
         """Whether the request's loads were planned (until it jumps over them or is freed)."""
         return request_id in self._load_from
 
-    def plan(self, request_id: str, refs: Sequence[BlockRef], load_from: int) -> int:
+    def plan(self, request_id: str, refs: Sequence[BlockRef], load_from: int, hits: Sequence[Block] = ()) -> int:
         """Plan the request's loads: read `refs` (its prefix blocks from token `load_from` on)
-        into CPU blocks held for it; how many reads started (none: nothing is loaded)."""
+        into CPU blocks held for it; a block the CPU tier holds already (past a gap in the run
+        the match found) is held, not read. While it waits for them, its CPU-tier `hits` (the
+        blocks before `load_from`) are held too: loads, its own or others', take CPU blocks and
+        would otherwise evict them. How many blocks the plan brings (none: nothing is loaded,
+        nothing held)."""
         queued = len(self._reads)
-        started = self._start(request_id, refs) if refs else 0
-        self._load_from[request_id] = (load_from, started) if started else None
-        if started:
-            self._clocks[request_id] = (time.monotonic(), queued + len(refs))
-        return started
+        brought = self._start(request_id, refs) if refs else 0
+        self._load_from[request_id] = (load_from, brought) if brought else None
+        if brought:
+            for block in hits:
+                self.cpu_pool.touch(block)
+            self._loads[request_id].extend(hits)
+        if self.arriving(request_id):
+            self._clocks[request_id] = (time.monotonic(), queued + self._reads_left[request_id])
+        return brought
 
     def _start(self, request_id: str, refs: Sequence[BlockRef]) -> int:
+        """Hold or read `refs` for the request, in order, up to the first that can be neither;
+        how many."""
         held = self._loads.setdefault(request_id, [])
-        started = 0
+        brought = reads = 0
         for ref in refs:
+            cached = self.cpu_pool.lookup(ref.block_hash, ref.parent_hash, ref.token_ids)
+            if cached is not None:
+                self.cpu_pool.touch(cached)
+                held.append(cached)
+                brought += 1
+                continue
             taken = self.cpu_pool.allocate(1)
             if taken is None:
                 break
@@ -151,9 +167,11 @@ class LowerTier:
                 break
             held.append(taken[0])
             self._reads[job] = _Read(request_id, taken[0], ref, time.monotonic())
-            started += 1
-        self._reads_left[request_id] = self._reads_left.get(request_id, 0) + started
-        return started
+            brought += 1
+            reads += 1
+        if reads:
+            self._reads_left[request_id] = self._reads_left.get(request_id, 0) + reads
+        return brought
 
     def load_from(self, request_id: str) -> int | None:
         """The first token of the request's prefix blocks being loaded (None: none)."""

@@ -147,7 +147,7 @@ class KVCacheManager:
         prefix = self.match_prefix(seq)
         first = prefix.num_tokens(self.block_size)
         compute = split(len(prefix.lower_refs), first) if prefix.lower_refs else 0
-        self.lower.plan(seq.seq_id, prefix.lower_refs[compute:], first + compute * self.block_size)
+        self.lower.plan(seq.seq_id, prefix.lower_refs[compute:], first + compute * self.block_size, prefix.cpu_blocks)
         if not prefix.lower_refs:
             return None
         return LoadPlan(compute, len(prefix.lower_refs) - compute)
