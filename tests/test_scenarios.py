@@ -317,6 +317,23 @@ def test_a_swapped_out_decode_comes_back_at_once_however_long_its_context(policy
     assert len(s.output_token_ids) == 3 and sim.kv.stats()["gpu_blocks_used"] == 0
 
 
+def test_a_waiting_prefix_being_loaded_is_ranked_by_what_it_computes(tmp_path):
+    """A waiting sequence whose lower-tier loads started ahead of its turn (prefetched while no
+    sequence slot is free) is ranked, and counted in the GPU queue that later loads are planned
+    against, by the tokens it will compute: the prefix being read is not GPU work."""
+    store_prompts(str(tmp_path))
+    sim = make_kv(8, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
+    sched = make_scheduler(sim, "recompute", BALANCED, max_num_seqs=1, scheduling_policy="ttft")
+    first, q = make_seq("first", range(50, 53), max_tokens=4), make_seq("q", list(range(9)), max_tokens=2)
+    sched.add(first)
+    sched.add(q)
+    run_step(sched, sim)
+    assert q in sched.waiting and sim.kv.tokens_to_load(q) > 0
+    assert sched.ranking.to_compute(q) == q.num_tokens - sim.kv.tokens_to_load(q)
+    run_until_done(sched, sim)
+    assert q.is_finished and sim.kv.tokens_to_load(q) == 0
+
+
 def test_a_prefix_split_between_computing_and_loading_is_ranked_by_what_it_computes(tmp_path):
     """While q computes its first block and reads its second, it has 1 token to compute (its
     last), not 5: ranked by its whole rest, a shorter prompt arriving then would take its turn

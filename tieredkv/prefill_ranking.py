@@ -1,6 +1,6 @@
 """What the scheduler's prefills are ranked by (`scheduling_policy` `ttft`, `hrrn`): how long each
 sequence has waited, counted in tokens of work scheduled since it arrived, and how many tokens
-it has left to compute, a waiting one's resident prefix (GPU and CPU tiers) and a running one's
+it has left to compute, a waiting one's resident prefix (GPU and CPU tiers) and any sequence's
 prefix blocks being loaded from the lower tier counting as computed.
 The policy's maths over those numbers is `tieredkv.scheduling`.
 
@@ -13,7 +13,7 @@ Operations:
   asked for: one a step, as matching costs.
 - `share(seqs, budget, ride_cost) -> PrefillShares`: the sequences ranked, with their shares of
   `budget`; `to_compute(seq)`: the tokens it is ranked by (less a waiting one's resident prefix,
-  and a running one's loads).
+  and its loads).
 """
 
 from __future__ import annotations
@@ -80,16 +80,18 @@ class PrefillRanking:
                              config.max_prefill_chunk_tokens, attention)
 
     def to_compute(self, seq: Sequence) -> int:
-        """Tokens the sequence has left to compute: for a waiting one, less the prefix found
-        resident (GPU and CPU tiers) when it was last matched; for a running one, less what its
-        lower-tier loads bring (a prefix split between computing and loading is ranked by its
-        computing part)."""
+        """Tokens the sequence has left to compute, less what its lower-tier loads bring (a
+        prefix split between computing and loading is ranked by its computing part, and
+        counted so in the GPU queue that later loads are planned against): for a waiting one,
+        less the prefix found resident (GPU and CPU tiers) when it was last matched too; for a
+        running one, from its computed tokens on."""
         if seq.status is not SequenceStatus.WAITING:
             return seq.num_tokens - seq.num_computed_tokens - self.kv.tokens_to_load(seq)
         resident = self._resident_tokens.get(seq.seq_id)
         if resident is None:
             resident = self._resident_tokens[seq.seq_id] = self.kv.match_prefix(seq).num_tokens(self.kv.block_size)
-        return seq.num_tokens - resident
+        # loads that landed in the CPU tier before admission are resident too: counted once
+        return seq.num_tokens - resident - self.kv.tokens_to_load(seq, have=resident)
 
     def _waited(self, seq: Sequence) -> int:
         """Tokens scheduled (for anyone) since the sequence arrived."""

@@ -152,14 +152,14 @@ class KVCacheManager:
             return None
         return LoadPlan(compute, len(prefix.lower_refs) - compute)
 
-    def tokens_to_load(self, seq: Sequence) -> int:
-        """Prompt tokens the sequence's lower-tier loads bring that it has not computed: it
-        jumps over them once they land (0 with no loads planned)."""
+    def tokens_to_load(self, seq: Sequence, have: int | None = None) -> int:
+        """Prompt tokens the sequence's lower-tier loads bring past the first `have` (default:
+        those it has computed): it jumps over them once they land (0 with no loads planned)."""
         load_from = self.lower.load_from(seq.seq_id) if self.lower is not None else None
         if load_from is None:
             return 0
         end = load_from + self.lower.num_planned(seq.seq_id) * self.block_size
-        return max(0, end - max(load_from, seq.num_computed_tokens))
+        return max(0, end - max(load_from, seq.num_computed_tokens if have is None else have))
 
     def lower_reads_in_flight(self) -> int:
         """Lower-tier block reads submitted and not finished: the tier's queue."""
