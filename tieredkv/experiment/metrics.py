@@ -229,8 +229,8 @@ def format_summary(s: Summary) -> str:
         ("E2EL p50 / p90 / p99", _ms(s.e2el_s)),
         _split_row(s.ttft_split_s),
         ("prefix hit rate", hit),
-        ("  from GPU / CPU / NVMe", f"{s.stats.get('gpu_hit_blocks', 0)} / {s.stats.get('cpu_hit_blocks', 0)} / "
-                                    f"{s.stats.get('nvme_loaded_blocks', 0)} blocks"),
+        ("  from GPU / CPU tier", f"{s.stats.get('gpu_hit_blocks', 0)} / {s.stats.get('cpu_hit_blocks', 0)} blocks "
+                                  f"({s.stats.get('nvme_loaded_blocks', 0)} read into the CPU tier from below)"),
         ("preemptions", ", ".join(f"{k} {v}" for k, v in preempt.items())),
         ("GPU blocks evicted", str(s.stats.get("gpu_evictions", 0))),
         ("moved D2H / H2D",
