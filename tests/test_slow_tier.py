@@ -7,6 +7,7 @@ is full); `BehindStore` a store whose writes never finish until released."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -206,6 +207,39 @@ def test_spills_are_dropped_not_queued_when_the_store_is_behind():
     spill.spill_ahead(reads_in_flight=1)
     assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # no write beside a read
     assert (spill.dropped, spill.held_blocks, spill.writes_in_flight) == (3, 8, 0)  # 8: the staging blocks
+
+
+class RefusingStore(BehindStore):
+    """A store whose policy keeps what it holds: every write is refused, none started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offered: list[int] = []
+
+    def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
+        self.offered.append(ref.block_hash)
+        return None
+
+
+def test_a_write_the_store_refuses_is_no_fault_and_not_offered_again_at_once(monkeypatch, caplog):
+    """A store's policy declining a write (or every slot busy) starts no I/O and is no disk
+    fault: spilling does not pause, and spill-ahead, which scans its window every step, offers
+    that block again only after `REFUSED_RETRY_S`."""
+    from tieredkv.cache import spill as spill_module
+
+    clock = [100.0]
+    monkeypatch.setattr(spill_module.time, "monotonic", lambda: clock[0])
+    store = RefusingStore()
+    spill = Spill(store, cached_pool(128, 64), torch.zeros((128, *BLOCK_SHAPE)), AdmitAll())
+    with caplog.at_level(logging.WARNING, logger="tieredkv"):
+        for _ in range(20):
+            spill.spill_ahead(reads_in_flight=0)
+    window = sorted(set(store.offered))
+    assert store.offered == window and len(window) == spill.window  # the coldest window, each once
+    assert not spill.paused and not caplog.records
+    clock[0] += spill_module.REFUSED_RETRY_S
+    spill.spill_ahead(reads_in_flight=0)
+    assert len(store.offered) == 2 * len(window)  # offered again: the store's policy may take it now
 
 
 class HungReads(BehindStore):

@@ -121,7 +121,7 @@ class CPUOffload:
                     self.pool.uncache(cpu_block)
                     self.pool.release([cpu_block])
             return
-        self.demoted_blocks += len(pending)
+        self.demoted_blocks += sum(c.block_id not in self._staging for _, c in pending)  # kept, not passing through
         self._held[job_id] = [c for _, c in pending]
 
     def lookup(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> Block | None:

@@ -14,7 +14,9 @@ it admits by frequency (its counts, `replacement.py`):
 
 Writes never wait and never crowd out reads: while reads are in flight, or `MAX_WRITES_IN_FLIGHT`
 writes are, the disk is behind and a spill is dropped (counted), not queued; after repeated
-failed writes (a full or lost disk) spilling pauses, for longer each time, and says so once.
+failed writes (a full or lost disk) spilling pauses, for longer each time, and says so once. A
+write the store refuses without starting it (its policy keeps the victim, every slot is busy,
+it is down) is no fault: spill-ahead passes over that block for `REFUSED_RETRY_S`.
 `poll() -> [(job, ok)]`: the store's finished reads (finished writes are booked here).
 """
 
@@ -37,6 +39,7 @@ STAGING_FRACTION = 16  # 1/16 of the CPU tier stages blocks on their way to disk
 MAX_STAGING_BLOCKS = 256
 FAILURES_BEFORE_PAUSE = 8  # failed writes in a row (one write window) before spilling pauses
 PAUSE_FIRST_S, PAUSE_MAX_S = 1.0, 60.0  # the pause doubles while writes keep failing
+REFUSED_RETRY_S = 1.0  # a block the store refused is offered again after this long
 
 
 def staging_blocks(num_cpu_blocks: int) -> int:
@@ -63,6 +66,8 @@ class Spill:
         # cpu block id -> the hash of the content of it that is on disk: spill-ahead skips these
         # without calling into the store (it scans its window on every step)
         self._on_disk: dict[int, int] = {}
+        # cpu block id -> (hash, when) of content the store refused: spill-ahead passes over it a while
+        self._refused: dict[int, tuple[int, float]] = {}
         self._failures = 0  # failed writes in a row
         self._pause_s, self._paused_until = PAUSE_FIRST_S, 0.0
         self.spilled_blocks = 0
@@ -129,8 +134,11 @@ class Spill:
         """Write those of `blocks` worth it (all of them when `closing`), keeping at most
         `MAX_WRITES_IN_FLIGHT` writes in flight: beyond it (or once writes fail), stop, or when
         `closing` wait for the oldest write."""
+        now = time.monotonic()
         for block in list(blocks):
             if self._on_disk.get(block.block_id) == block.block_hash:
+                continue
+            if not closing and self._refused_lately(block, now):
                 continue
             # asked before the store (a lookup may cost a round trip)
             if not closing and not self.worth_writing(block.block_hash):
@@ -146,6 +154,11 @@ class Spill:
                 self.cpu_pool.touch(block)  # held while written: never evicted, never waited for
                 self._write(block, BlockRef(block.block_hash, block.parent_hash, block.token_ids), staged=False)
 
+    def _refused_lately(self, block: Block, now: float) -> bool:
+        """Whether the store refused this content of the block less than REFUSED_RETRY_S ago."""
+        refused = self._refused.get(block.block_id)
+        return refused is not None and refused[0] == block.block_hash and now - refused[1] < REFUSED_RETRY_S
+
     def _settle(self, jobs: list[int]) -> None:
         for job, ok in self.store.wait(jobs).items():
             self._wrote_job(job, ok)
@@ -153,21 +166,24 @@ class Spill:
     def _write(self, block: Block, ref: BlockRef, staged: bool) -> None:
         if staged and self.store.contains(ref.block_hash):
             self.skipped_blocks += 1
-            job = None
-        else:
-            job = self.store.submit_write(ref, self.cpu_blocks[block.block_id])
-        if job is None:
-            self._wrote(block, ref.block_hash, staged, self.store.contains(ref.block_hash))
-        else:
+            self._release(block, ref.block_hash, staged, on_disk=True)
+            return
+        job = self.store.submit_write(ref, self.cpu_blocks[block.block_id])
+        if job is not None:
             self._writes[job] = (block, ref.block_hash, staged)
+            return
+        # no write started: the block is stored (or being written) already, or the store refused it; no fault
+        stored = self.store.contains(ref.block_hash)
+        if not stored and not staged:
+            self._refused[block.block_id] = (ref.block_hash, time.monotonic())
+        self._release(block, ref.block_hash, staged, stored)
 
-    def _wrote(self, block: Block, block_hash: int, staged: bool, ok: bool) -> None:
+    def _release(self, block: Block, block_hash: int, staged: bool, on_disk: bool) -> None:
         """A write finished (or never started): its block is released either way."""
-        self._count_outcome(ok)
         if staged:
             self._staging.append(block)
             return
-        if ok:
+        if on_disk:
             self._on_disk[block.block_id] = block_hash
         self.cpu_pool.release([block], evict_first=True)  # back to the front, where it was taken
 
@@ -209,7 +225,8 @@ class Spill:
 
     def _wrote_job(self, job: int, ok: bool) -> None:
         self.spilled_blocks += ok
-        self._wrote(*self._writes.pop(job), ok)
+        self._count_outcome(ok)
+        self._release(*self._writes.pop(job), ok)
 
     def stats(self) -> dict[str, int | str]:
         store = self.store.stats()

@@ -236,9 +236,10 @@ def format_summary(s: Summary) -> str:
         ("moved D2H / H2D",
          f"{s.stats.get('bytes_d2h', 0) / 2**20:.1f} / {s.stats.get('bytes_h2d', 0) / 2**20:.1f} MiB"),
         ("compute waited on transfers", f"{s.stats.get('transfer_wait_s', 0.0):.3f} s"),
-        ("CPU demotions: kept / turned down (on disk)",
+        ("CPU demotions: kept / turned down",
          f"{s.stats.get('cpu_demoted_blocks', 0)} / {s.stats.get('cpu_rejected_blocks', 0)} "
-         f"({s.stats.get('cpu_demotions_on_disk', 0)})"),
+         f"({s.stats.get('nvme_staged_blocks', 0)} staged for the tier below, "
+         f"{s.stats.get('cpu_demotions_on_disk', 0)} on it already)"),
         ("spilled to NVMe", f"{s.stats.get('nvme_spilled_blocks', 0)} blocks "
                             f"({s.stats.get('nvme_write_skipped_blocks', 0)} on disk already, "
                             f"{s.stats.get('nvme_write_backlog', 0)} queued at the end)"),
