@@ -94,3 +94,18 @@ def test_fused_ops_replace_the_elementwise_ops_of_our_forward_only(monkeypatch):
     hf = build_preset("tiny-llama", 0, torch.float32, "cpu", "eager")
     hf(torch.tensor([[1, 2, 3]]))
     assert calls["apply_rotary"] == layers * forwards
+
+
+def test_the_warm_up_of_eager_steps_runs_their_shapes_and_leaves_the_engine_exact(reference_outputs):
+    """Before serving, a CUDA engine runs once each eager step shape that picks a kernel variant
+    (a chunk past the mixed graphs after a long context, beside 0, 1, 2, 4 decodes, at two
+    block-table widths), so that none compiles while requests wait. The same steps on the CPU: they fit the pool and the
+    model's positions, and the tokens stay exact after them (they write only the KV of blocks
+    no request holds yet)."""
+    prompts = make_prompts(vocab_size=512)
+    with LLM(model="tiny-llama", block_size=16, num_gpu_blocks=64, max_num_seqs=8) as llm:
+        steps = llm.runner.warm_eager_steps(max_batch=8, chunk=300)
+        # tables of 64 and 63 blocks (1,024 and 1,008 tokens), less the chunk
+        assert steps == [(d, 724) for d in (0, 1, 2, 4)] + [(d, 708) for d in (0, 1, 2, 4)]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference_outputs("tiny-llama", prompts, NEW_TOKENS)

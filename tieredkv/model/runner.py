@@ -47,6 +47,8 @@ from tieredkv.transfer.engine import TransferEngine, make_transfer_engine
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 COPY_STAGING_BLOCKS = 16  # blocks one gather + scatter of `copy_blocks` moves
+# the context of the warm-up's eager steps: long enough for the decode kernel's most key splits
+WARM_CONTEXT_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -260,6 +262,36 @@ class ModelRunner:
         assert self.kv_cache is not None, "allocate_kv_cache() before capture_graphs()"
         width = min(-(-self.max_model_len // self.block_size), self.kv_cache.shape[2])
         self.graphs = StepGraphs(self, max_batch, width, max_mixed_tokens)
+        self.warm_eager_steps(max_batch, max_mixed_tokens + 1)
+
+    def warm_eager_steps(self, max_batch: int, chunk: int) -> list[tuple[int, int]]:
+        """Run once the eager steps serving meets past the captured graphs: a `chunk`-token
+        prefill after a long context beside 0, 1, 2, 4, ... decodes (fewer than `max_batch`).
+        The attention kernels pick their variant by such shapes (the decode kernel's split count
+        from the number of decodes and the longest context), and Triton compiles each variant at
+        its first use, ~1 s apiece, which the first requests of a run otherwise waited for (13-17 s
+        in all on an H200: BENCHMARKS.md, "Real-trace configs at 128-token blocks"). Each shape
+        runs at two block-table widths, one a multiple of 16 blocks and one not: Triton compiles
+        apart for integer arguments divisible by 16 (the tables' row stride is one). Writes the KV
+        of the first blocks, so run it before any request does. The (decodes, context) run."""
+        bs = self.block_size
+        most = min(self.max_model_len, self.kv_cache.shape[2] * bs, WARM_CONTEXT_TOKENS + chunk) // bs
+        widths = [w for w in (most // 16 * 16, most // 16 * 16 - 1) if w * bs >= chunk]
+        steps = []
+        for width in widths:
+            context, table = width * bs - chunk, list(range(width))
+            for decodes in (0, *(1 << i for i in range(max(0, max_batch - 1).bit_length()))):
+                prefill = Seq("warm", [0] * (context + chunk), SamplingParams(max_tokens=1))
+                prefill.num_computed_tokens = context
+                scheduled, tables = [ScheduledSeq(prefill, chunk)], [table]
+                for i in range(decodes):
+                    decode = Seq(f"warm-{i}", [0, 0], SamplingParams(max_tokens=1))
+                    decode.num_computed_tokens = 1
+                    scheduled.append(ScheduledSeq(decode, 1))
+                    tables.append(table[:1])
+                self.execute(scheduled, tables)
+                steps.append((decodes, context))
+        return steps
 
     def prefill_probe(self, num_tokens: int, context_tokens: int = 0) -> None:
         """One forward pass over `num_tokens` dummy tokens after `context_tokens` already in the
