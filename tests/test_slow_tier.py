@@ -333,3 +333,21 @@ def test_a_waiting_request_holds_its_cpu_hits_until_admitted_or_freed():
     assert [b.ref_count for b in hits] == [0, 0]
     # a plan that reads nothing holds nothing
     assert lower.plan("s", [], load_from=32, hits=hits) == 0 and [b.ref_count for b in hits] == [0, 0]
+
+
+def test_an_admitted_request_holds_its_loaded_blocks_until_it_reaches_them():
+    """Admitted while its loads arrive (it computes the tokens before them meanwhile), a request
+    lets go of its CPU hits (copied in by then) but not of the blocks its loads bring: released
+    at admission, they sat at the eviction end and were evicted before it reached them."""
+    store, pool = HungReads(), BlockPool(8)
+    lower = LowerTier(store, pool, torch.zeros((8, *BLOCK_SHAPE)), AdmitAll())
+    hits = [cached_block(pool, 1)]
+    assert lower.plan("r", [ref(2), ref(3)], load_from=16, hits=hits) == 2
+    lower.admitted("r")
+    assert hits[0].ref_count == 0
+    store.finish()
+    lower.retire()
+    loaded = [pool.lookup(h, parent_of(h), tokens_of(h)) for h in (2, 3)]
+    assert all(b is not None and b.ref_count == 1 for b in loaded)  # cached, and still held
+    lower.landed("r")
+    assert [b.ref_count for b in loaded] == [0, 0]

@@ -7,9 +7,9 @@ Operations:
   `requested(hashes, num_hits_above)`: an admitted request's blocks, for the store's policy.
 - loads, one plan per request: `plan(request_id, refs, load_from, hits)` reads `refs` into CPU blocks
   held for the request; `load_from(request_id)` (the first token being read), `num_planned`, `arriving`,
-  `wait_state` (`LoadWait`), `release` (drop the hold once admitted), `landed` (the sequence
-  jumps over the loaded blocks), `forget` (the sequence was freed); `landed_loads()`: how long
-  the loads that landed took, from submission;
+  `wait_state` (`LoadWait`), `admitted` (its CPU hits are its own now; the loaded blocks stay
+  held until it reaches them), `landed` (the sequence jumps over the loaded blocks), `forget`
+  (the sequence was freed); `landed_loads()`: how long the loads that landed took, from submission;
 - spills (`cache/spill.py`, `Spill`), for the CPU tier: `worth_writing(hash)`, `stage()`,
   `write_staged(block, ref)`, `unstage(block)`; `retire()` books finished reads and writes and
   spills ahead; `close()` first writes the CPU tier's cached blocks down (`persist`).
@@ -84,6 +84,7 @@ class LowerTier:
         # them or is freed
         self._load_from: dict[str, tuple[int, int] | None] = {}
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
+        self._hits: dict[str, list[Block]] = {}  # request -> its CPU hits, held until it is admitted
         self._reads: dict[int, _Read] = {}  # read job -> what it fills, in submission order
         self._reads_left: dict[str, int] = {}  # request -> its reads in flight
         self._orphans: set[int] = set()  # reads whose request let go of them before they finished
@@ -141,7 +142,7 @@ class LowerTier:
         if brought:
             for block in hits:
                 self.cpu_pool.touch(block)
-            self._loads[request_id].extend(hits)
+            self._hits[request_id] = list(hits)
         if self.arriving(request_id):
             self._clocks[request_id] = (time.monotonic(), queued + self._reads_left[request_id])
         return brought
@@ -206,8 +207,15 @@ class LowerTier:
         """Block reads submitted and not finished: the tier's queue."""
         return len(self._reads)
 
-    def release(self, request_id: str) -> None:
-        """Drop the request's hold on its loaded blocks (they stay cached in the CPU tier)."""
+    def admitted(self, request_id: str) -> None:
+        """The request was admitted: its CPU hits are its own now (copied in, or recomputed).
+        The blocks its loads bring stay held until it reaches them (`landed`): released now,
+        they were evicted before it did."""
+        self.cpu_pool.release(self._hits.pop(request_id, []))
+
+    def _release(self, request_id: str) -> None:
+        """Drop the request's hold on its CPU hits and loaded blocks (they stay cached in the CPU tier)."""
+        self.admitted(request_id)
         held = self._loads.pop(request_id, [])
         if not self.arriving(request_id):  # the common case (called on every admission and free)
             self.cpu_pool.release(held)
@@ -224,14 +232,14 @@ class LowerTier:
         """The sequence jumped over its loaded blocks (or found none intact): its plan is done."""
         del self._load_from[request_id]
         self._waiting.discard(request_id)
-        self.release(request_id)
+        self._release(request_id)
 
     def forget(self, request_id: str) -> None:
         """The request was freed: forget its plan; its reads in flight still finish."""
         self._load_from.pop(request_id, None)
         self._waiting.discard(request_id)
         self._clocks.pop(request_id, None)
-        self.release(request_id)
+        self._release(request_id)
 
     def landed_loads(self) -> list[LandedLoad]:
         """The requests whose loads landed since the last call, and how long they took."""

@@ -276,7 +276,7 @@ class KVCacheManager:
         for block in promoted:  # hold them: demotions below could otherwise evict them
             self.offload.pool.touch(block)
         if self.lower is not None:
-            self.lower.release(seq.seq_id)
+            self.lower.admitted(seq.seq_id)
         for block in reused:
             self.pool.touch(block)
         # reused blocks may be another request's promotion, still landing
