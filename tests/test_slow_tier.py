@@ -351,3 +351,14 @@ def test_an_admitted_request_holds_its_loaded_blocks_until_it_reaches_them():
     assert all(b is not None and b.ref_count == 1 for b in loaded)  # cached, and still held
     lower.landed("r")
     assert [b.ref_count for b in loaded] == [0, 0]
+
+
+def test_a_request_s_own_reads_do_not_evict_its_cpu_hits():
+    """Its hits are held before its reads take CPU blocks: a plan longer than the free blocks
+    stops short instead of evicting the prefix it starts from."""
+    store, pool = HungReads(), BlockPool(8)
+    lower = LowerTier(store, pool, torch.zeros((8, *BLOCK_SHAPE)), AdmitAll())
+    hits = [cached_block(pool, h) for h in (1, 2)]
+    empty = pool.num_free - len(hits)  # (less the spill's staging block)
+    assert lower.plan("r", [ref(h) for h in range(3, 20)], load_from=32, hits=hits) == empty
+    assert all(pool.lookup(h, parent_of(h), tokens_of(h)) is b for h, b in zip((1, 2), hits, strict=True))

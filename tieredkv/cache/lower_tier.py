@@ -137,12 +137,17 @@ class LowerTier:
         would otherwise evict them. How many blocks the plan brings (none: nothing is loaded,
         nothing held)."""
         queued = len(self._reads)
-        brought = self._start(request_id, refs) if refs else 0
+        if not refs:
+            self._load_from[request_id] = None
+            return 0
+        for block in hits:  # before its own reads take CPU blocks
+            self.cpu_pool.touch(block)
+        brought = self._start(request_id, refs)
         self._load_from[request_id] = (load_from, brought) if brought else None
         if brought:
-            for block in hits:
-                self.cpu_pool.touch(block)
             self._hits[request_id] = list(hits)
+        else:
+            self.cpu_pool.release(hits)
         if self.arriving(request_id):
             self._clocks[request_id] = (time.monotonic(), queued + self._reads_left[request_id])
         return brought
@@ -217,7 +222,7 @@ class LowerTier:
         """Drop the request's hold on its CPU hits and loaded blocks (they stay cached in the CPU tier)."""
         self.admitted(request_id)
         held = self._loads.pop(request_id, [])
-        if not self.arriving(request_id):  # the common case (called on every admission and free)
+        if not self.arriving(request_id):  # the common case (its loads landed, or it never had any)
             self.cpu_pool.release(held)
             return
         in_flight = {id(read.block): job for job, read in self._reads.items() if read.request_id == request_id}
