@@ -98,3 +98,5 @@ def test_a_run_writes_each_split_and_the_engine_loop_in_a_valid_result(tmp_path)
     stats = result["summary"]["stats"]
     assert stats["loop_model_s"] > 0 and stats["loop_schedule_s"] > 0 and stats["loop_tiers_s"] > 0
     assert stats["loop_model_s"] > stats["loop_schedule_s"]
+    # the longest step, where a stall (a kernel compiled at its first use) shows
+    assert 0 < stats["longest_step_s"] <= stats["loop_model_s"]

@@ -105,6 +105,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0}
         self._loop_s = dict.fromkeys(LOOP_STATS, 0.0)
+        self._longest_step_s = 0.0  # one step's forward pass and sampling: a stall shows here
         self._closed = False
 
     @property
@@ -273,8 +274,10 @@ class LLMEngine:
         with self._timed("loop_tiers_s"):
             tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
             self.kv.before_forward()
+        start = time.perf_counter()
         with self._timed("loop_model_s"):
             news = self._forward(batch, tables)
+        self._longest_step_s = max(self._longest_step_s, time.perf_counter() - start)
         outputs = [self._output(seq) for seq in news]
         for out in outputs:
             if out.finished and self.seqs.pop(out.request_id, None) is not None:
@@ -344,6 +347,7 @@ class LLMEngine:
             "nvme_load_waits": self.scheduler.load_waits,
             **self._counters,
             **self._loop_s,
+            "longest_step_s": self._longest_step_s,
             "requests_waiting": len(self.scheduler.waiting),
             "requests_running": len(self.scheduler.running),
             **(self.remote.stats() if self.remote is not None else {}),

@@ -270,8 +270,9 @@ def _loop_row(stats: dict[str, Any]) -> tuple[str, str]:
     keys = [k for k in stats if k.startswith("loop_") and k.endswith("_s")]
     if not keys:
         return "engine loop", "n/a"
+    longest = f"; longest step {stats['longest_step_s'] * 1e3:,.0f} ms" if "longest_step_s" in stats else ""
     return (f"engine loop: {' / '.join(k[5:-2] for k in keys)}",
-            " / ".join(f"{stats[k]:.2f}" for k in keys) + " s")
+            " / ".join(f"{stats[k]:.2f}" for k in keys) + " s" + longest)
 
 
 def _restart_rows(s: Summary) -> list[tuple[str, str]]:
