@@ -277,20 +277,18 @@ class ModelRunner:
         bs = self.block_size
         most = min(self.max_model_len, self.kv_cache.shape[2] * bs, WARM_CONTEXT_TOKENS + chunk) // bs
         widths = [w for w in (most // 16 * 16, most // 16 * 16 - 1) if w * bs >= chunk]
+        decodes = [Seq(f"warm-{i}", [0, 0], SamplingParams(max_tokens=1)) for i in range(max_batch - 1)]
+        for decode in decodes:
+            decode.num_computed_tokens = 1
         steps = []
         for width in widths:
             context, table = width * bs - chunk, list(range(width))
-            for decodes in (0, *(1 << i for i in range(max(0, max_batch - 1).bit_length()))):
-                prefill = Seq("warm", [0] * (context + chunk), SamplingParams(max_tokens=1))
-                prefill.num_computed_tokens = context
-                scheduled, tables = [ScheduledSeq(prefill, chunk)], [table]
-                for i in range(decodes):
-                    decode = Seq(f"warm-{i}", [0, 0], SamplingParams(max_tokens=1))
-                    decode.num_computed_tokens = 1
-                    scheduled.append(ScheduledSeq(decode, 1))
-                    tables.append(table[:1])
-                self.execute(scheduled, tables)
-                steps.append((decodes, context))
+            prefill = Seq("warm", [0] * (context + chunk), SamplingParams(max_tokens=1))
+            prefill.num_computed_tokens = context
+            for n in (0, *(1 << i for i in range(max(0, max_batch - 1).bit_length()))):
+                scheduled = [ScheduledSeq(prefill, chunk), *(ScheduledSeq(d, 1) for d in decodes[:n])]
+                self.execute(scheduled, [table] + [table[:1]] * n)
+                steps.append((n, context))
         return steps
 
     def prefill_probe(self, num_tokens: int, context_tokens: int = 0) -> None:
