@@ -26,6 +26,8 @@ Two ways to read the tiles, chosen by the launch config (`config_for`):
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -119,9 +121,13 @@ def _prefill_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-# Paged TMA: the best of a sweep on an H200, bf16, head_dim 128 (BENCHMARKS.md, "Prefill attention
-# from whole pages by TMA").
+# Paged TMA where no tuned config is on record for the card: the best of a sweep on an H200, bf16,
+# head_dim 128 (BENCHMARKS.md, "Prefill attention from whole pages by TMA").
 PAGED_TMA_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "paged_tma": True}
+
+# Paged TMA configs tuned per GPU kind by `benchmarks/tune_prefill.py --write`:
+# {device name: {"<dtype>/<head_dim>": {"config": {...}, ...what the sweep measured}}}.
+TUNED_CONFIGS = Path(__file__).with_name("prefill_tuned.json")
 
 
 def default_config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
@@ -134,10 +140,27 @@ def default_config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 
 
+def tuned_key(dtype: torch.dtype, head_dim: int) -> str:
+    """The key of a dtype and head size in a device's entry of TUNED_CONFIGS ("bfloat16/128")."""
+    return f"{str(dtype).removeprefix('torch.')}/{head_dim}"
+
+
+@functools.cache
+def tuned_config(device_name: str, dtype: torch.dtype, head_dim: int) -> dict[str, int] | None:
+    """The paged TMA config tuned on this kind of GPU for this dtype and head size, or None."""
+    try:
+        table = json.loads(TUNED_CONFIGS.read_text())
+    except FileNotFoundError:
+        return None
+    entry = table.get(device_name, {}).get(tuned_key(dtype, head_dim))
+    return {**entry["config"], "paged_tma": True} if entry else None
+
+
 def config_for(query: torch.Tensor, block_size: int) -> dict[str, int]:
     """The launch config for this batch's dtype, head size, block size and device: paged TMA
     where the device has a tensor memory accelerator (compute capability 9+), the cache is 16-bit,
-    each page holds whole tiles and the query rows can be TMA tiles; else the gathered kernel's
+    each page holds whole tiles and the query rows can be TMA tiles (the config tuned on this kind
+    of GPU if one is on record, else PAGED_TMA_CONFIG); else the gathered kernel's
     `default_config`."""
     head_dim = query.shape[2]
     if (
@@ -145,13 +168,20 @@ def config_for(query: torch.Tensor, block_size: int) -> dict[str, int]:
         and _has_tma(query.device)
         and query.dtype in (torch.float16, torch.bfloat16)
         and head_dim <= 128
-        and block_size % PAGED_TMA_CONFIG["BLOCK_N"] == 0
         and query.stride(1) == head_dim  # the query's rows as one [T, heads * head_dim] matrix,
         and (query.stride(0) * query.element_size()) % 16 == 0  # TMA-aligned
         and query.data_ptr() % 16 == 0
     ):
-        return PAGED_TMA_CONFIG
+        tuned = tuned_config(_device_name(query.device), query.dtype, head_dim)
+        for config in (tuned, PAGED_TMA_CONFIG):
+            if config and block_size % config["BLOCK_N"] == 0:
+                return config
     return default_config(query.dtype, head_dim)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
 
 
 @functools.cache

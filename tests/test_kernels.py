@@ -14,6 +14,7 @@ a child pytest that has TRITON_INTERPRET=1 from the start.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 import subprocess
@@ -763,6 +764,62 @@ def test_gpu_prefill_paged_tma(kv_heads: int, head_dim: int, block_size: int, wi
         assert pa_prefill.config_for(args[0], block_size).get("paged_tma")
     out = pa.paged_attention(*args, head_dim**-0.5, window)
     _assert_close(out, pa.paged_attention_ref(*args, head_dim**-0.5, window), torch.bfloat16)
+
+
+def _tuned_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, table: dict) -> None:
+    path = tmp_path / "prefill_tuned.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(pa_prefill, "TUNED_CONFIGS", path)
+    pa_prefill.tuned_config.cache_clear()
+
+
+def test_tuned_prefill_config_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config tuned for a GPU kind is found by device name, dtype and head size, and only there."""
+    tuned = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+    _tuned_file(tmp_path, monkeypatch, {"NVIDIA H200": {"bfloat16/128": {"config": tuned}}})
+    try:
+        assert pa_prefill.tuned_config("NVIDIA H200", torch.bfloat16, 128) == {**tuned, "paged_tma": True}
+        assert pa_prefill.tuned_config("NVIDIA H200", torch.float16, 128) is None
+        assert pa_prefill.tuned_config("NVIDIA H200", torch.bfloat16, 64) is None
+        assert pa_prefill.tuned_config("NVIDIA H100 80GB HBM3", torch.bfloat16, 128) is None
+        monkeypatch.setattr(pa_prefill, "TUNED_CONFIGS", tmp_path / "absent.json")
+        pa_prefill.tuned_config.cache_clear()
+        assert pa_prefill.tuned_config("NVIDIA H200", torch.bfloat16, 128) is None
+    finally:
+        pa_prefill.tuned_config.cache_clear()
+
+
+def test_shipped_tuned_prefill_configs_are_launchable() -> None:
+    """Every recorded config names the four launch options, with tiles the kernel can take."""
+    if not pa_prefill.TUNED_CONFIGS.exists():
+        pytest.skip("no tuned configs recorded")
+    for device, entries in json.loads(pa_prefill.TUNED_CONFIGS.read_text()).items():
+        for key, entry in entries.items():
+            config = entry["config"]
+            assert set(config) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}, (device, key)
+            assert config["BLOCK_M"] in (64, 128) and config["BLOCK_N"] in (64, 128), (device, key)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_gpu_prefill_tuned_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_size: int) -> None:
+    """A config tuned for this GPU is what `config_for` launches where its tiles fit the pages
+    (else the built-in one), and the kernel stays exact with it."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("paged TMA needs compute capability 9+")
+    tuned = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+    _tuned_file(tmp_path, monkeypatch, {torch.cuda.get_device_name(): {"bfloat16/128": {"config": tuned}}})
+    try:
+        q_lens, ctxs = [2048, 1, 1500, 77], [2048, 8000, 8192, 4097]
+        args, _, _ = make_batch(q_lens, ctxs, heads=32, kv_heads=8, head_dim=128, block_size=block_size,
+                                dtype=torch.bfloat16, device="cuda")
+        want = {**tuned, "paged_tma": True} if block_size == 128 else pa_prefill.PAGED_TMA_CONFIG
+        assert pa_prefill.config_for(args[0], block_size) == want
+        out = pa.paged_attention(*args, 128**-0.5)
+        _assert_close(out, pa.paged_attention_ref(*args, 128**-0.5), torch.bfloat16)
+    finally:
+        pa_prefill.tuned_config.cache_clear()
 
 
 @gpu
