@@ -36,15 +36,22 @@ SHAPES = (
 
 
 def candidates() -> list[dict[str, int]]:
-    """Every config of the sweep; the built-in PAGED_TMA_CONFIG is among them."""
-    return [
+    """Every config of the sweep; the built-in PAGED_TMA_CONFIG is among them. Warp
+    specialization is tried at the tile sizes that do best without it."""
+    plain = [
         {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "paged_tma": True}
         for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))
     ]
+    specialized = [
+        {"BLOCK_M": 128, "BLOCK_N": n, "num_warps": w, "num_stages": s, "paged_tma": True, "warp_specialize": True}
+        for n, w, s in itertools.product((64, 128), (4, 8), (2, 3))
+    ]
+    return plain + specialized
 
 
 def name(config: dict[str, int]) -> str:
-    return f"BM{config['BLOCK_M']} BN{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+    ws = " ws" if config.get("warp_specialize") else ""
+    return f"BM{config['BLOCK_M']} BN{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}{ws}"
 
 
 def check(config: dict[str, int], scale: float) -> str | None:
