@@ -132,7 +132,6 @@ def attend_pages(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """`attend_tiles` over keys [start, end) (multiples of BLOCK_N), each tile one TMA load:
     BLOCK_SIZE % BLOCK_N == 0, so a tile never crosses a page. The descriptors view a cache as
@@ -141,9 +140,8 @@ def attend_pages(
 
     Every key in range must be written (a tile is loaded whole, and an unwritten slot may hold
     NaN); with CAUSAL, a row sees only the keys at or before its position `pos` (the diagonal band).
-    WARP_SPECIALIZE: Triton's warp specialization of the loop (loads in their own warps).
     """
-    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for n0 in range(start, end, BLOCK_N):
         row = tl.load(table_ptr + n0 // BLOCK_SIZE) * BLOCK_SIZE + n0 % BLOCK_SIZE
         k = k_desc.load([row, head_col])
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)

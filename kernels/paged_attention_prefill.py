@@ -48,7 +48,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SKIP_SINGLE_ROW_SEQS: tl.constexpr,
-    PAGED_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PAGED_TMA: tl.constexpr,
 ):
     if PAGED_TMA:  # grid (head, tile), last tiles first
         head = tl.program_id(0)
@@ -99,7 +99,7 @@ def _prefill_kernel(
             head_col = kv_head * HEAD_DIM
             m, denom, acc = attend_pages(
                 q, m, denom, acc, k_desc, v_desc, table, head_col, pos, 0, full_end,
-                scale_log2, BLOCK_SIZE, BLOCK_N, False, PRECISION, WARP_SPECIALIZE,
+                scale_log2, BLOCK_SIZE, BLOCK_N, False, PRECISION,
             )
             m, denom, acc = attend_pages(
                 q, m, denom, acc, k_desc, v_desc, table, head_col, pos, full_end, band_end,
@@ -224,8 +224,7 @@ def prefill_attention(
 
     skip_single_row_seqs: leave sequences with q_len == 1 to the decode kernel.
     config: BLOCK_M, BLOCK_N, num_warps, num_stages and optionally paged_tma (block_size must then
-    be a multiple of BLOCK_N) and warp_specialize (the paged TMA path's unmasked loop); None picks
-    by `config_for`.
+    be a multiple of BLOCK_N); None picks by `config_for`.
     """
     check_launchable("paged_attention", query.device, _prefill_kernel)
     num_rows, num_heads, head_dim = query.shape
@@ -235,7 +234,6 @@ def prefill_attention(
     num_seqs = block_tables.shape[0]
     config = dict(config or config_for(query, block_size))
     paged_tma = config.pop("paged_tma", False)
-    warp_specialize = config.pop("warp_specialize", False)
     tiles = num_rows // config["BLOCK_M"] + num_seqs
     if paged_tma:
         if block_size % config["BLOCK_N"] != 0:
@@ -257,6 +255,5 @@ def prefill_attention(
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        SKIP_SINGLE_ROW_SEQS=skip_single_row_seqs, PAGED_TMA=paged_tma,
-        WARP_SPECIALIZE=warp_specialize, **config,
+        SKIP_SINGLE_ROW_SEQS=skip_single_row_seqs, PAGED_TMA=paged_tma, **config,
     )
