@@ -53,10 +53,11 @@ def hf_beams(model: torch.nn.Module, prompt: list[int], width: int, max_new_toke
 
 
 def settle_writes(llm, timeout_s: float = 30.0) -> dict:
-    """Step the idle engine `llm` until the lower-tier writes it has in flight are finished and
-    booked (they run on the store's I/O thread, so a run may end before they do); its stats."""
+    """Step the idle engine `llm` until the lower-tier writes and reads it has in flight are
+    finished and booked (they run on the store's I/O threads, so a run may end before they do);
+    its stats."""
     deadline = time.monotonic() + timeout_s
-    while llm.stats()["nvme_write_backlog"] and time.monotonic() < deadline:
+    while (llm.stats()["nvme_write_backlog"] or llm.kv.lower_reads_in_flight()) and time.monotonic() < deadline:
         llm.step()
         time.sleep(0.005)
     return llm.stats()

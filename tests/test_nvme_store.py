@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme import io_backends, slot_file, slot_format
 from tieredkv.tiers.nvme.block_io import BlockIO, IOCompletion, IORequest
+from tieredkv.tiers.nvme.file_keeper import LOOK_EVERY_S
 from tieredkv.tiers.nvme.io_backends import FaultyBackend, SyncBackend
 from tieredkv.tiers.nvme.slot_format import SUPERBLOCK_BYTES, SlotGeometry, aligned_empty
 from tieredkv.tiers.nvme.store import NVMeStore
@@ -487,6 +489,7 @@ def test_deleted_file(open_store):
     fill(src, [1, 2])
     write_all(store, src, [1, 2])
     os.unlink(store.path)
+    time.sleep(LOOK_EVERY_S)
     assert read_one(store, 1, dst[0]) is None  # noticed at the next submit: every block is lost
     assert store.stats()["files_lost"] == 1 and not store.contains(2)
     assert_still_works(store)

@@ -89,7 +89,7 @@ class PrefillRanking:
             return seq.num_tokens - seq.num_computed_tokens - self.kv.tokens_to_load(seq)
         resident = self._resident_tokens.get(seq.seq_id)
         if resident is None:
-            resident = self._resident_tokens[seq.seq_id] = self.kv.match_prefix(seq).num_tokens(self.kv.block_size)
+            resident = self._resident_tokens[seq.seq_id] = self.kv.resident_tokens(seq)
         # loads that landed in the CPU tier before admission are resident too: counted once
         return seq.num_tokens - resident - self.kv.tokens_to_load(seq, have=resident)
 

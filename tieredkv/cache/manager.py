@@ -4,7 +4,9 @@ sequence's progress).
 
 Operations:
 - `match_prefix(seq) -> PrefixMatch`: the longest run of cached full blocks of the sequence,
-  on the GPU, then in the CPU tier, then in the lower tier (disk, remote).
+  on the GPU, then in the CPU tier, then in the lower tier (disk, remote);
+  `resident_tokens(seq)`: the tokens of that run on the GPU and in the CPU tier (no lower-tier
+  lookup).
 - `plan_loads(seq, split) -> LoadPlan | None`: once per stay in the waiting queue, start
   reading the later part of the sequence's lower-tier prefix blocks into the CPU tier (`split`,
   the policy, says how many of the earlier ones to compute instead).
@@ -136,6 +138,11 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """The sequence's prefix found in each tier (`find_prefix`)."""
         return find_prefix(seq, self.keys, self.pool, self.offload)
+
+    def resident_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens of the sequence's prefix cached on the GPU and in the CPU tier (what
+        `match_prefix` counts as usable now, without asking the lower tier)."""
+        return find_prefix(seq, self.keys, self.pool, self.offload, lower=False).num_tokens(self.block_size)
 
     # ------------------------------------------------------------------ lower-tier loads
 

@@ -5,8 +5,9 @@ Operations:
   `refs(seq, start, stop)` (`BlockRef`s), the hashes a prefix hit may cover,
   `hit_candidates(seq)`, and `found_run(seq, hashes, pool, start)`: the blocks a pool holds for them
   from `start` on, up to the first miss.
-- `find_prefix(seq, keys, gpu, offload) -> PrefixMatch`: the longest run of cached full
-  blocks, on the GPU, then in the CPU tier, then in the lower tier (disk, remote).
+- `find_prefix(seq, keys, gpu, offload, lower=True) -> PrefixMatch`: the longest run of cached
+  full blocks, on the GPU, then in the CPU tier, then (unless `lower` is False) in the lower tier
+  (disk, remote).
 
 A prefix hit stops one block short of a full hit: at least one token must be computed to get
 logits.
@@ -81,17 +82,18 @@ class BlockKeys:
             yield BlockRef(hashes[i], parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
 
 
-def find_prefix(seq: Sequence, keys: BlockKeys, gpu: BlockPool, offload: CPUOffload | None) -> PrefixMatch:
+def find_prefix(seq: Sequence, keys: BlockKeys, gpu: BlockPool, offload: CPUOffload | None,
+                lower: bool = True) -> PrefixMatch:
     """The sequence's prefix found in each tier, in order: GPU blocks, then CPU blocks, then
-    blocks in the lower tier. Costs the blocks found, not the prompt (a waiting request is
-    matched again at each step it cannot be admitted)."""
+    (with `lower`) blocks in the lower tier. Costs the blocks found, not the prompt (a waiting
+    request is matched again at each step it cannot be admitted)."""
     hashes = keys.hit_candidates(seq)
     gpu_blocks = keys.found_run(seq, hashes, gpu)
     if offload is None or len(gpu_blocks) == len(hashes):
         return PrefixMatch(tuple(gpu_blocks))
     cpu_blocks = keys.found_run(seq, hashes, offload.pool, len(gpu_blocks))
     start = len(gpu_blocks) + len(cpu_blocks)
-    if start == len(hashes) or offload.lower is None:
+    if start == len(hashes) or offload.lower is None or not lower:
         return PrefixMatch(tuple(gpu_blocks), tuple(cpu_blocks))
     # the store verifies parent and tokens when it reads the block
     stop = offload.lower.held_run(hashes, start)

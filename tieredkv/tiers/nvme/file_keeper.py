@@ -12,6 +12,11 @@ the store, kept open while jobs still use it, and made anew, with a backoff when
     files.open_for(job) -> fault | None      # SlotIO's `open_file`: make a new file if due
     files.close(); files.discard()           # at the end; after a failed open
 
+`vanished` looks at the path (a `stat`) at most every LOOK_EVERY_S: the store asks at every
+submit, thousands a second, and a `stat` gives up the GIL to the I/O threads each time. Jobs
+submitted in between use the lost file, which stays open: a read still reads what it holds, a
+write is lost with it.
+
 A lost file stays open while jobs of its generation run (their I/O must land somewhere), then is
 closed so that its space returns. The first job submitted after a loss makes a new file (and
 directory) on the issuing thread; if that fails (a full disk), jobs fail with `enospc` or
@@ -36,6 +41,8 @@ from tieredkv.tiers.nvme.slot_io import SlotJob
 
 logger = logging.getLogger(__name__)
 
+LOOK_EVERY_S = 0.05  # how often `vanished` looks at the path
+
 REOPEN_FIRST_S, REOPEN_MAX_S = 1.0, 60.0  # waits before remaking a lost file after a failure
 
 
@@ -53,6 +60,7 @@ class FileKeeper:
         self._retired: dict[int, SlotFile] = {}  # generation -> a file lost under us, open while its jobs run
         self._reopen_at, self._reopen_wait = 0.0, REOPEN_FIRST_S  # no file: when to try making one
         self._reopen_fault = "io_errors"  # what jobs fail with while no file can be made
+        self._next_look = 0.0  # when `vanished` may look at the path again
         try:
             self.current: SlotFile | None = SlotFile(self.path, geometry, self.owns_file)
         except BaseException:
@@ -92,7 +100,12 @@ class FileKeeper:
             return self.current is None and time.monotonic() < self._reopen_at
 
     def vanished(self) -> bool:
-        """True if the open file was deleted or replaced (a quick look, without the lock)."""
+        """True if the open file was deleted or replaced (a quick look, without the lock; False
+        until LOOK_EVERY_S after the last look)."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return False
+        self._next_look = now + LOOK_EVERY_S
         file = self.current
         return file is not None and file.vanished()
 
