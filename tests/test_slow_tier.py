@@ -202,11 +202,31 @@ def test_spills_are_dropped_not_queued_when_the_store_is_behind():
     assert spill.poll() == [] and spill.writes_in_flight == 0  # the writes were booked
     staging = spill.stage(reads_in_flight=0)
     assert staging is not None
-    spill.write_staged(staging, ref(7), reads_in_flight=1)  # a read came first: dropped
+    spill.write_staged(staging, ref(7), reads_in_flight=1)  # a read came first: it waits in its staging block
     assert spill.stage(reads_in_flight=1) is None  # and no staging while reads are in flight
     spill.spill_ahead(reads_in_flight=1)
     assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # no write beside a read
-    assert (spill.dropped, spill.held_blocks, spill.writes_in_flight) == (3, 8, 0)  # 8: the staging blocks
+    assert (spill.dropped, spill.staged_waited, spill.held_blocks, spill.writes_in_flight) == (2, 1, 8, 0)
+    spill.spill_ahead(reads_in_flight=0)  # the reads are done: the waiting copy goes first, then spill-ahead
+    assert store.writes[MAX_WRITES_IN_FLIGHT] == ref(7).block_hash
+    assert len(store.writes) == 2 * MAX_WRITES_IN_FLIGHT and spill.writes_in_flight == MAX_WRITES_IN_FLIGHT
+
+
+def test_staged_copies_wait_for_the_disk_in_their_staging_blocks():
+    store = BehindStore()
+    pool = cached_pool(128, 0)  # 8 staging blocks, nothing cached to spill ahead
+    spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)), AdmitAll())
+    staged = [spill.stage(reads_in_flight=0) for _ in range(8)]
+    for i, block in enumerate(staged):
+        spill.write_staged(block, ref(100 + i), reads_in_flight=1)  # reads in flight: all eight wait
+    assert store.writes == [] and spill.staged_waited == 8 and spill.held_blocks == 8
+    assert spill.stage(reads_in_flight=1) is None and spill.dropped == 1  # behind: dropped before its copy
+    # not behind: the waiting copies are written first; their writes hold every staging block
+    assert spill.stage(reads_in_flight=0) is None
+    assert store.writes == [100 + i for i in range(8)] and (spill.dropped, spill.staging_full) == (2, 2)
+    store.release()
+    assert spill.poll() == [] and spill.writes_in_flight == 0
+    assert spill.stage(reads_in_flight=0) is not None and spill.held_blocks == 8
 
 
 class RefusingStore(BehindStore):

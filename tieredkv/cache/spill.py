@@ -9,11 +9,15 @@ it admits by frequency (its counts, `replacement.py`):
   tier's free queue, where it was taken, once it is on disk (evicting it then loses nothing);
 - `stage(reads_in_flight) -> cpu block | None` / `write_staged(block, ref, reads_in_flight)`:
   a demotion the full CPU tier turned down but the disk should keep passes through one of a
-  few staging blocks of the CPU tier on its way down;
+  few staging blocks of the CPU tier on its way down; a copy that lands while the disk is
+  behind waits in its staging block, not in the disk's queue, and is written (before any
+  spill-ahead) once no read is in flight: its copy over PCIe is paid already;
 - `persist()`: at shutdown, every cached CPU block, so that a restart finds them on disk.
 
 Writes never wait and never crowd out reads: while reads are in flight, or `MAX_WRITES_IN_FLIGHT`
-writes are, the disk is behind and a spill is dropped (counted), not queued; after repeated
+writes are, the disk is behind and a spill is dropped (counted), not queued (a staged copy
+waits in its staging block; with every staging block taken, demotions are dropped before their
+copy); after repeated
 failed writes (a full or lost disk) spilling pauses, for longer each time, and says so once. A
 write the store refuses without starting it (its policy keeps the victim, every slot is busy,
 it is down) is no fault: spill-ahead passes over that block for `REFUSED_RETRY_S`.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 from tieredkv.cache.block_pool import Block, BlockPool
@@ -62,6 +67,8 @@ class Spill:
         self.window = max(8, len(cpu_pool.blocks) // 4)  # the coldest cached blocks, kept on disk
         self.num_staging = staging_blocks(len(cpu_pool.blocks))
         self._staging = cpu_pool.allocate(self.num_staging) or []
+        # staged copies that landed while the disk was behind, oldest first: written before spill-ahead
+        self._waiting: deque[tuple[Block, BlockRef]] = deque()
         self._writes: dict[int, tuple[Block, int, bool]] = {}  # write job -> (CPU block, hash, staged)
         # cpu block id -> the hash of the content of it that is on disk: spill-ahead skips these
         # without calling into the store (it scans its window on every step)
@@ -74,6 +81,7 @@ class Spill:
         self.skipped_blocks = 0  # found on disk already: not written again
         self.staged_blocks = 0
         self.staging_full = 0  # demotions dropped: no staging block free
+        self.staged_waited = 0  # staged copies that waited in their staging block for the disk
         self.dropped = 0  # demotions bound for disk dropped: the disk was behind (staging full included)
 
     def worth_writing(self, block_hash: int) -> bool:
@@ -93,8 +101,11 @@ class Spill:
     # ------------------------------------------------------------------ writes
 
     def stage(self, reads_in_flight: int) -> Block | None:
-        """A staging block for a demotion on its way to disk, or None (a dropped spill, counted)
-        if the disk is behind or no staging block is free."""
+        """A staging block for a demotion on its way to disk, or None (a dropped spill, counted,
+        before its copy) if the disk is behind or no staging block is free. Staged copies
+        waiting for the disk are written first."""
+        if not self.behind(reads_in_flight):
+            self._write_waiting()
         if self.behind(reads_in_flight) or not self._staging:
             self.staging_full += not self._staging
             self.dropped += 1
@@ -103,13 +114,18 @@ class Spill:
         return self._staging.pop()
 
     def write_staged(self, block: Block, ref: BlockRef, reads_in_flight: int) -> None:
-        """The staging block holds the demoted block now: write it, or drop it (counted) if the
-        disk is behind; it is never queued."""
+        """The staging block holds the demoted block now: write it, or, if the disk is behind,
+        keep it there until it is not (it is never queued on the disk)."""
         if self.behind(reads_in_flight):
-            self.dropped += 1
-            self._staging.append(block)
+            self.staged_waited += 1
+            self._waiting.append((block, ref))
             return
         self._write(block, ref, staged=True)
+
+    def _write_waiting(self) -> None:
+        """Write the staged copies that waited for the disk, oldest first, while it has room."""
+        while self._waiting and not self.behind(0):
+            self._write(*self._waiting.popleft(), staged=True)
 
     def unstage(self, block: Block) -> None:
         """The staging block's copy never arrived: it is free again."""
@@ -117,6 +133,7 @@ class Spill:
 
     def spill_ahead(self, reads_in_flight: int) -> None:
         if not self.behind(reads_in_flight):
+            self._write_waiting()
             self._spill(itertools.islice(self.cpu_pool.cold_blocks(), self.window), closing=False)
 
     def persist(self) -> None:
@@ -124,6 +141,10 @@ class Spill:
         disk lacks, the coldest first (an LRU store keeps the hottest), so that a restart finds
         them there; wait until all writes are done."""
         start, before = time.monotonic(), self.spilled_blocks
+        while self._waiting:  # staged copies first: no CPU block holds them
+            if len(self._writes) >= MAX_WRITES_IN_FLIGHT:
+                self._settle(list(self._writes)[:1])
+            self._write(*self._waiting.popleft(), staged=True)
         self._spill(self.cpu_pool.cold_blocks(), closing=True)
         self._settle(list(self._writes))
         if self.spilled_blocks > before:
@@ -235,6 +256,7 @@ class Spill:
             "nvme_write_skipped_blocks": self.skipped_blocks,
             "nvme_staged_blocks": self.staged_blocks,
             "nvme_staging_full": self.staging_full,
+            "nvme_staged_waited": self.staged_waited,
             "nvme_spills_dropped": self.dropped,
             "nvme_write_backlog": self.writes_in_flight,
             "nvme_bytes_written": store["bytes_written"],
