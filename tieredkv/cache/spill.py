@@ -258,7 +258,7 @@ class Spill:
             "nvme_staging_full": self.staging_full,
             "nvme_staged_waited": self.staged_waited,
             "nvme_spills_dropped": self.dropped,
-            "nvme_write_backlog": self.writes_in_flight,
+            "nvme_write_backlog": self.writes_in_flight + len(self._waiting),  # in flight, or staged and waiting
             "nvme_bytes_written": store["bytes_written"],
             "nvme_bytes_read": store["bytes_read"],
             "nvme_slots_total": store["slots_total"],
