@@ -242,6 +242,8 @@ def format_summary(s: Summary) -> str:
          f"{s.stats.get('cpu_demotions_on_disk', 0)} on it already)"),
         ("spilled to NVMe", f"{s.stats.get('nvme_spilled_blocks', 0)} blocks "
                             f"({s.stats.get('nvme_write_skipped_blocks', 0)} on disk already, "
+                            f"{s.stats.get('nvme_staged_waited', 0)} staged ones waited for it, "
+                            f"{s.stats.get('nvme_spills_dropped', 0)} dropped, "
                             f"{s.stats.get('nvme_write_backlog', 0)} queued at the end)"),
         ("NVMe prefix blocks: load / compute", f"{nvme_choice.get('load', 0)} / {nvme_choice.get('compute', 0)} "
                                                f"({nvme_choice.get('compute_for_queues', 0)} for the queues)"),
