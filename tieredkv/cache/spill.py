@@ -104,8 +104,7 @@ class Spill:
         """A staging block for a demotion on its way to disk, or None (a dropped spill, counted,
         before its copy) if the disk is behind or no staging block is free. Staged copies
         waiting for the disk are written first."""
-        if not self.behind(reads_in_flight):
-            self._write_waiting()
+        self._write_waiting(reads_in_flight)
         if self.behind(reads_in_flight) or not self._staging:
             self.staging_full += not self._staging
             self.dropped += 1
@@ -122,9 +121,9 @@ class Spill:
             return
         self._write(block, ref, staged=True)
 
-    def _write_waiting(self) -> None:
+    def _write_waiting(self, reads_in_flight: int) -> None:
         """Write the staged copies that waited for the disk, oldest first, while it has room."""
-        while self._waiting and not self.behind(0):
+        while self._waiting and not self.behind(reads_in_flight):
             self._write(*self._waiting.popleft(), staged=True)
 
     def unstage(self, block: Block) -> None:
@@ -132,8 +131,8 @@ class Spill:
         self._staging.append(block)
 
     def spill_ahead(self, reads_in_flight: int) -> None:
+        self._write_waiting(reads_in_flight)
         if not self.behind(reads_in_flight):
-            self._write_waiting()
             self._spill(itertools.islice(self.cpu_pool.cold_blocks(), self.window), closing=False)
 
     def persist(self) -> None:
@@ -142,8 +141,7 @@ class Spill:
         them there; wait until all writes are done."""
         start, before = time.monotonic(), self.spilled_blocks
         while self._waiting:  # staged copies first: no CPU block holds them
-            if len(self._writes) >= MAX_WRITES_IN_FLIGHT:
-                self._settle(list(self._writes)[:1])
+            self._settle_one_if_full()
             self._write(*self._waiting.popleft(), staged=True)
         self._spill(self.cpu_pool.cold_blocks(), closing=True)
         self._settle(list(self._writes))
@@ -166,8 +164,7 @@ class Spill:
                 continue
             if not closing and self.behind(0):
                 return
-            if len(self._writes) >= MAX_WRITES_IN_FLIGHT:
-                self._settle(list(self._writes)[:1])
+            self._settle_one_if_full()
             if self.store.contains(block.block_hash):  # e.g. loaded from disk: left where it is
                 self._on_disk[block.block_id] = block.block_hash
                 self.skipped_blocks += 1
@@ -179,6 +176,11 @@ class Spill:
         """Whether the store refused this content of the block less than REFUSED_RETRY_S ago."""
         refused = self._refused.get(block.block_id)
         return refused is not None and refused[0] == block.block_hash and now - refused[1] < REFUSED_RETRY_S
+
+    def _settle_one_if_full(self) -> None:
+        """At MAX_WRITES_IN_FLIGHT writes, wait for the oldest (only where writes may wait: closing)."""
+        if len(self._writes) >= MAX_WRITES_IN_FLIGHT:
+            self._settle(list(self._writes)[:1])
 
     def _settle(self, jobs: list[int]) -> None:
         for job, ok in self.store.wait(jobs).items():
