@@ -77,25 +77,36 @@ def ours_name(page: int) -> str:
     return f"{OURS}, {page}-token pages"
 
 
-def config_name(query: torch.Tensor, page: int) -> str:
-    """Our kernel's default launch config for this batch and block size, in short."""
-    cfg = tiled.config_for(query, page)
+def config_label(cfg: dict[str, int]) -> str:
+    """A launch config of our kernel, in short ("TMA BM128 BN64 w4 s3")."""
     path = "TMA" if cfg.get("paged_tma") else "gathered"
     return f"{path} BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
 
 
+def config_name(query: torch.Tensor, page: int) -> str:
+    """Our kernel's default launch config for this batch and block size, in short."""
+    return config_label(tiled.config_for(query, page))
+
+
+def error_of_ours(make_inputs: Callable[..., Inputs], scale: float, page: int,
+                  config: dict[str, int] | None = None) -> tuple[float, str]:
+    """Our kernel (at `config`, default: its own choice) on a small odd batch (decode rows, chunks
+    starting inside a block) against paged_attention_ref: (max |error|, NaN for a NaN output;
+    its config, in short)."""
+    args = make_inputs([300, 1, 77, 1000], [1000, 500, 77, 1333], block_size=page)
+    out = torch.full_like(args[0], float("nan"))
+    tiled.prefill_attention(*args, out, scale, None, config=config)
+    err = (out.float() - paged_attention_ref(*args, scale).float()).abs().max().item()
+    return err, config_label(config) if config else config_name(args[0], page)
+
+
 def check_ours(make_inputs: Callable[..., Inputs], scale: float) -> bool:
-    """Our kernel on a small odd batch (decode rows, chunks starting inside a block) against
-    paged_attention_ref, at each page size; prints PASS/FAIL and returns whether all passed."""
+    """`error_of_ours` at each page size within PEER_TOLERANCE? Prints PASS/FAIL per page size."""
     ok = True
     for page in PAGE_SIZES:
-        args = make_inputs([300, 1, 77, 1000], [1000, 500, 77, 1333], block_size=page)
-        out = torch.full_like(args[0], float("nan"))
-        tiled.prefill_attention(*args, out, scale, None)
-        err = (out.float() - paged_attention_ref(*args, scale).float()).abs().max().item()
+        err, config = error_of_ours(make_inputs, scale, page)
         passed = err <= PEER_TOLERANCE  # False for NaN
-        print(f"  check {ours_name(page):<24} {config_name(args[0], page):<30} max|err| {err:.2e}  "
-              f"{'PASS' if passed else 'FAIL'}")
+        print(f"  check {ours_name(page):<24} {config:<30} max|err| {err:.2e}  {'PASS' if passed else 'FAIL'}")
         ok &= passed
     return ok
 

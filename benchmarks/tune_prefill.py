@@ -24,8 +24,8 @@ import prefill_peers
 import torch
 import triton
 from bench_kernels import CHUNK, DTYPE, HEAD_DIM, Q_HEADS, attention_inputs, matmul_peak_tflops
+from prefill_peers import config_label
 from tieredkv.kernels import paged_attention_prefill as tiled
-from tieredkv.kernels.paged_attention import paged_attention_ref
 
 PAGE = 128
 MIN_GAIN = 0.02  # the geometric-mean gain over the built-in config that a recorded config must show
@@ -45,20 +45,13 @@ def candidates() -> list[dict[str, int]]:
     ]
 
 
-def name(config: dict[str, int]) -> str:
-    return f"BM{config['BLOCK_M']} BN{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
-
-
 def check(config: dict[str, int], scale: float) -> str | None:
     """None if the kernel at `config` matches the reference on a small odd batch (decode rows,
     chunks starting inside a page, a band ending inside a tile); else why not."""
-    args = attention_inputs([300, 1, 77, 1000], [1000, 500, 77, 1333], block_size=PAGE)
-    out = torch.full_like(args[0], float("nan"))
     try:
-        tiled.prefill_attention(*args, out, scale, None, config=config)
+        err, _ = prefill_peers.error_of_ours(attention_inputs, scale, PAGE, config)
     except Exception as err:  # a config the compiler or the card rejects (shared memory, registers)
         return f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
-    err = (out.float() - paged_attention_ref(*args, scale).float()).abs().max().item()
     return None if err <= prefill_peers.PEER_TOLERANCE else f"max|err| {err:.2e}"
 
 
@@ -72,7 +65,7 @@ def sweep(peak: float) -> list[dict]:
     for config in candidates():
         failed = check(config, scale)
         if failed:
-            print(f"{name(config):<22} skipped: {failed}")
+            print(f"{config_label(config):<22} skipped: {failed}")
             rows.append({"config": config, "tflops": None, "note": failed})
             continue
         tflops = []
@@ -83,7 +76,7 @@ def sweep(peak: float) -> list[dict]:
                     *args, out, scale, None, config=config))
             tflops.append(f / ms / 1e9)
         mean = math.exp(sum(map(math.log, tflops)) / len(tflops))
-        print(f"{name(config):<22}" + "".join(f"{t / peak:>24.1%}" for t in tflops) + f"{mean / peak:>10.1%}",
+        print(f"{config_label(config):<22}" + "".join(f"{t / peak:>24.1%}" for t in tflops) + f"{mean / peak:>10.1%}",
               flush=True)
         rows.append({"config": config, "tflops": tflops, "geomean_tflops": mean})
     return rows
@@ -125,9 +118,9 @@ def main() -> int:
         return 1
     best = max(timed, key=lambda r: r["geomean_tflops"])
     default = next(r for r in rows if r["config"] == tiled.PAGED_TMA_CONFIG)
-    print(f"best {name(best['config'])}: geomean {best['geomean_tflops'] / peak:.1%} of peak; built-in "
-          f"{name(default['config'])}: {default['geomean_tflops'] / peak:.1%}" if default["tflops"] else
-          f"best {name(best['config'])}; the built-in config failed its check")
+    print(f"best {config_label(best['config'])}: geomean {best['geomean_tflops'] / peak:.1%} of peak; built-in "
+          f"{config_label(default['config'])}: {default['geomean_tflops'] / peak:.1%}" if default["tflops"] else
+          f"best {config_label(best['config'])}; the built-in config failed its check")
     if opts.json:
         opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps({"device": device, "peak_tflops": peak, "page": PAGE,
