@@ -4,11 +4,11 @@
   (batch 64, context 2k) and a prefill step (4 x 2k tokens), each timed as the engine runs it
   (inputs sent to the ranks, forward pass, rank 0 samples); each against its memory floor (a
   rank's weights and KV read at the HBM copy bandwidth measured in the same run). The
-  collectives' share: the GPU time of NCCL kernels in a step (profiler on the ranks, eager), the
-  all-reduces of a step (2 per layer) timed alone on the same activations, and beside NCCL's own
-  bus bandwidth at 1 GiB and at the step's message size; last, a decode step's all-reduces
-  captured in one CUDA graph, as the graphed step runs them (the eager timings include a Python
-  launch per call and the ranks' skew).
+  collectives' share, each step run as serving runs it (a decode step in a CUDA graph, a
+  prefill step eagerly): the GPU time of its kernels beside its wall time, the GPU time of its
+  NCCL kernels (profiler on the ranks), and the step's all-reduces (2 per layer) timed alone
+  the same way on the same activations: in-step / alone is the target (>= 80%); NCCL's bus
+  bandwidth on 1 GiB beside them.
 - The same TP=2 engine with `all_reduce: auto`: its decode and prefill steps against the NCCL
   engine's, and a decode step's all-reduces through the one-shot path in symmetric memory, alone
   (eager) and in one CUDA graph, against NCCL's same figures.
@@ -87,10 +87,12 @@ def rank_weight_bytes(worker) -> int:
     return weight_bytes(worker.runner.model)
 
 
-def rank_nccl_time(worker, plan: StepPlan, reps: int) -> float:
-    """GPU seconds of NCCL kernels per step of `plan` on this rank (eager: the profiler sees
-    every kernel)."""
-    graphs, worker.runner.graphs = worker.runner.graphs, None
+def rank_kernel_times(worker, plan: StepPlan, reps: int, graphed: bool) -> tuple[float, float]:
+    """(NCCL kernels, all kernels): GPU seconds per step of `plan` on this rank, its decode
+    batches run as a CUDA graph (`graphed`, as serving runs them) or eagerly."""
+    graphs = worker.runner.graphs
+    if not graphed:
+        worker.runner.graphs = None
     try:
         worker.step(plan)
         torch.cuda.synchronize()
@@ -100,8 +102,10 @@ def rank_nccl_time(worker, plan: StepPlan, reps: int) -> float:
             torch.cuda.synchronize()
     finally:
         worker.runner.graphs = graphs
-    nccl_us = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower())
-    return nccl_us / 1e6 / reps
+    events = prof.key_averages()
+    nccl_us = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
+    all_us = sum(e.self_device_time_total for e in events)
+    return nccl_us / 1e6 / reps, all_us / 1e6 / reps
 
 
 def rank_all_reduce_time(worker, tokens: int, reps: int, one_shot: bool = False) -> float:
@@ -224,33 +228,47 @@ def plan_of(llm: LLM, step) -> StepPlan:
 
 
 def collectives(llm: LLM, decode, prefill, args, records: list, steps: dict) -> dict[str, float]:
-    """Per step: the GPU time of its NCCL kernels, the same all-reduces timed alone (NCCL's own
-    time for that size: in-step efficiency is alone / in-step), and the bus bandwidth both reach
-    beside NCCL's peak on a 1 GiB all-reduce and NCCL's own at the step's message size. Returns
-    the seconds of one all-reduce alone, per step."""
+    """Per step, as serving runs it (a decode step in a CUDA graph, a prefill step eagerly): the
+    GPU time of its kernels beside its wall time, the GPU time of its NCCL kernels, and the same
+    all-reduces timed alone the same way (NCCL's own time at that size: in-step efficiency is
+    alone / in-step); NCCL's bus bandwidth on a 1 GiB all-reduce beside them. Returns one decode
+    all-reduce's seconds alone, eager (`alone`) and in a CUDA graph of a step's all-reduces
+    (`graphed`)."""
     ranks = llm.runner.ranks
-    layers = llm.runner.hf_config.num_hidden_layers
+    count = 2 * llm.runner.hf_config.num_hidden_layers  # all-reduces per step
     hidden = llm.runner.hf_config.hidden_size
+    bus_factor = 2 * (ranks.world - 1) / ranks.world
     peak = min(ranks.call("apply", rank_bus_bandwidth, GiB))
     records.append(report("NCCL all-reduce bus bandwidth, 1 GiB", peak, "GB/s"))
-    alone_s = {}
-    for name, step, tokens in (("decode", decode, args.batch), ("prefill", prefill, args.prefill_seqs * args.context)):
-        nccl = max(ranks.call("apply", rank_nccl_time, plan_of(llm, step), 5))
-        alone_s[name] = max(ranks.call("apply", rank_all_reduce_time, tokens, 10))
-        alone = 2 * layers * alone_s[name]
-        records.append(report(f"TP=2 {name} step: NCCL kernel time (profiler, eager)", nccl * 1e3, "ms",
-                              steps[name] * 1e3, f"{name} step"))
-        records.append(report(f"TP=2 {name} step: {2 * layers} all-reduces of {tokens} tokens, alone",
-                              alone * 1e3, "ms", nccl * 1e3, "in-step NCCL time"))
+    decode_eager = max(ranks.call("apply", rank_all_reduce_time, args.batch, 10))
+    figures = {"alone": decode_eager}
+    for name, step, tokens, graphed in (("decode", decode, args.batch, True),
+                                        ("prefill", prefill, args.prefill_seqs * args.context, False)):
+        how = "one CUDA graph" if graphed else "eager"
+        per_rank = ranks.call("apply", rank_kernel_times, plan_of(llm, step), 5, graphed)
+        nccl, busy = max(n for n, _ in per_rank), max(b for _, b in per_rank)
+        if graphed:
+            alone = figures["graphed"] = max(ranks.call("apply", rank_graphed_all_reduces, tokens, count))
+        else:
+            alone = max(ranks.call("apply", rank_all_reduce_time, tokens, 10))
+        records.append(report(f"TP=2 {name} step ({how}): GPU kernel time", busy * 1e3, "ms",
+                              steps[name] * 1e3, f"{name} step, wall"))
+        records.append(report(f"TP=2 {name} step ({how}): NCCL kernel time", nccl * 1e3, "ms",
+                              busy * 1e3, "GPU kernel time"))
+        records.append(report(f"TP=2 {name}: {count} all-reduces of {tokens} tokens alone ({how})",
+                              count * alone * 1e3, "ms", nccl * 1e3, "in-step NCCL time"))
         message = tokens * hidden * 2
-        same_size = min(ranks.call("apply", rank_bus_bandwidth, message))
-        records.append(report(f"NCCL all-reduce bus bandwidth, {name} message ({message / 2**20:.2f} MiB)",
-                              same_size, "GB/s", peak, "NCCL, 1 GiB"))
-        bus = 2 * (ranks.world - 1) / ranks.world * 2 * layers * message / nccl / 1e9
-        records.append(report(f"TP=2 {name} step: all-reduce bus bandwidth in the step", bus, "GB/s",
-                              peak, "NCCL, 1 GiB"))
-        print(f"  in the step / NCCL at the same message size: {bus / same_size:.1%}")
-    return alone_s
+        own = bus_factor * message / alone / 1e9
+        records.append(report(f"NCCL all-reduce bus bandwidth, {name} message ({message / 2**20:.2f} MiB), "
+                              f"alone ({how})", own, "GB/s", peak, "NCCL, 1 GiB"))
+        if nccl == 0:
+            print(f"  the profiler saw no NCCL kernel in the {name} step")
+            continue
+        in_step = bus_factor * count * message / nccl / 1e9
+        records.append(report(f"TP=2 {name} step: all-reduce bus bandwidth in the step", in_step, "GB/s",
+                              own, "NCCL alone, same size"))
+        print(f"  in the step / NCCL alone at the same size: {in_step / own:.1%} (target >= 80%)")
+    return figures
 
 
 @dataclass(frozen=True)
@@ -358,11 +376,7 @@ def main() -> None:
         print(f"  TP=2 speed-up over TP=1 (prefill): {one[1] / two[1]:.2f}x")
         alone = collectives(llm, decode, prefill, args, records, {"decode": two[0], "prefill": two[1]})
         swap_bandwidth(llm, swap_bytes, records)
-        layers = llm.runner.hf_config.num_hidden_layers
-        graphed = max(llm.runner.ranks.call("apply", rank_graphed_all_reduces, args.batch, 2 * layers))
-        records.append(report(f"TP=2 decode: {2 * layers} all-reduces of {args.batch} tokens in one CUDA graph",
-                              2 * layers * graphed * 1e3, "ms", two[0] * 1e3, "decode step"))
-    nccl = NCCLFigures(two[0], two[1], alone["decode"], graphed, floor2)
+    nccl = NCCLFigures(two[0], two[1], alone["alone"], alone["graphed"], floor2)
     one_shot(args.model, num_blocks, decode, prefill, args, records, nccl)
     write_json(args.json, records)
 
