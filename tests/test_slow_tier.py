@@ -17,14 +17,17 @@ import torch
 from tests.kv_factory import BLOCK_SHAPE, make_kv, make_scheduler, make_seq, run_until_done
 from tests.test_nvme_store import BLOCK_BYTES as STORE_BLOCK_BYTES
 from tests.test_nvme_store import BLOCK_SIZE, FP, cpu_pool, fill, parent_of, same_bytes, slots_capacity, tokens_of
-from tieredkv.cache.block_pool import BlockPool
+from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.lower_tier import LowerTier
+from tieredkv.cache.offload import CPUOffload
 from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, Spill
 from tieredkv.replacement import AdmitAll
 from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.block_io import IORequest
 from tieredkv.tiers.nvme.io_backends import SyncBackend
 from tieredkv.tiers.nvme.store import NVMeStore
+from tieredkv.transfer.engine import TransferEngine
 
 WAIT_S = 30  # far longer than any step here takes: a step still running then waits for the disk
 
@@ -197,36 +200,68 @@ def test_spills_are_dropped_not_queued_when_the_store_is_behind():
     assert store.writes == list(range(1000, 1000 + MAX_WRITES_IN_FLIGHT))  # the coldest, up to the bound
     spill.spill_ahead(reads_in_flight=0)
     assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # behind: nothing more is submitted
-    assert spill.stage(reads_in_flight=0) is None  # a demotion bound for disk is dropped
+    staging = spill.stage(reads_in_flight=0)  # a demotion bound for disk waits in a staging block
+    spill.write_staged(staging, ref(7), reads_in_flight=0)
+    assert len(store.writes) == MAX_WRITES_IN_FLIGHT and spill.staged_waited == 1  # not queued on the disk
     store.release()
     assert spill.poll() == [] and spill.writes_in_flight == 0  # the writes were booked
-    staging = spill.stage(reads_in_flight=0)
-    assert staging is not None
-    spill.write_staged(staging, ref(7), reads_in_flight=1)  # a read came first: it waits in its staging block
-    assert spill.stage(reads_in_flight=1) is None  # and no staging while reads are in flight
     spill.spill_ahead(reads_in_flight=1)
-    assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # no write beside a read
-    assert (spill.dropped, spill.staged_waited, spill.held_blocks, spill.writes_in_flight) == (2, 1, 8, 0)
+    assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # no write beside a read, not even the waiting copy
     spill.spill_ahead(reads_in_flight=0)  # the reads are done: the waiting copy goes first, then spill-ahead
     assert store.writes[MAX_WRITES_IN_FLIGHT] == ref(7).block_hash
     assert len(store.writes) == 2 * MAX_WRITES_IN_FLIGHT and spill.writes_in_flight == MAX_WRITES_IN_FLIGHT
+    assert spill.dropped == 0
 
 
-def test_staged_copies_wait_for_the_disk_in_their_staging_blocks():
+def test_staged_copies_wait_for_the_disk_newest_first_and_the_oldest_make_way():
     store = BehindStore()
     pool = cached_pool(128, 0)  # 8 staging blocks, nothing cached to spill ahead
     spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)), AdmitAll())
-    staged = [spill.stage(reads_in_flight=0) for _ in range(8)]
+    staged = [spill.stage(reads_in_flight=1) for _ in range(8)]
     for i, block in enumerate(staged):
         spill.write_staged(block, ref(100 + i), reads_in_flight=1)  # reads in flight: all eight wait
     assert store.writes == [] and spill.staged_waited == 8 and spill.held_blocks == 8
-    assert spill.stage(reads_in_flight=1) is None and spill.dropped == 1  # behind: dropped before its copy
-    # not behind: the waiting copies are written first; their writes hold every staging block
-    assert spill.stage(reads_in_flight=0) is None
-    assert store.writes == [100 + i for i in range(8)] and (spill.dropped, spill.staging_full) == (2, 2)
+    # every staging block holds a waiting copy: the oldest gives its block to a new demotion
+    newest = spill.stage(reads_in_flight=1)
+    assert newest is staged[0] and spill.dropped == 1
+    spill.write_staged(newest, ref(200), reads_in_flight=1)
+    spill.spill_ahead(reads_in_flight=0)  # no read in flight: newest first, up to the bound
+    assert store.writes == [200] + [100 + i for i in range(7, 0, -1)]
+    # every staging block is being written: a demotion is dropped before its copy
+    assert spill.stage(reads_in_flight=0) is None and (spill.dropped, spill.staging_full) == (2, 1)
     store.release()
     assert spill.poll() == [] and spill.writes_in_flight == 0
     assert spill.stage(reads_in_flight=0) is not None and spill.held_blocks == 8
+
+
+class KeepsWhatItHas(AdmitAll):
+    """An admission policy that turns every demotion down once the tier is full."""
+
+    def admits(self, candidate: int, victim: int) -> bool:
+        return False
+
+
+def test_a_burst_of_demotions_stages_the_last_ones_the_heads_of_chains_evicted_tail_first():
+    gpu = torch.zeros((BLOCK_SHAPE[0], 2, 64, *BLOCK_SHAPE[2:]))
+    tier = CPUTier(24, BLOCK_SHAPE, gpu.dtype, pin=False)  # 1 staging block, 23 for the tier
+    store = BehindStore()
+    offload = CPUOffload(tier, TransferEngine(gpu, tier.data), store, "lru")
+    offload.admission = offload.lower.admission = offload.lower.spill.admission = KeepsWhatItHas()
+    cached = [Block(i, block_hash=500 + i, parent_hash=0, token_ids=(i,)) for i in range(23)]
+    for block in cached:  # free CPU blocks are taken whatever the policy
+        offload.demote(block)
+    offload.flush()
+    offload.drain()
+    # one step evicts a chain of 10 blocks, tail first: 909, 908, ..., 900 (its head)
+    chain = [Block(23 + i, block_hash=900 + i, parent_hash=900 + i - 1, token_ids=(i,)) for i in range(10)]
+    for block in reversed(chain):
+        offload.demote(block)
+    offload.flush()
+    offload.drain()
+    store.release()  # the disk catches up: the waiting copy is written first
+    offload.retire()
+    assert [h for h in store.writes if h >= 900] == [900]  # the staging block went to the head, not the tail
+    assert offload.lower.spill.dropped == 9
 
 
 class RefusingStore(BehindStore):

@@ -18,6 +18,7 @@ it and the spills to it, through CPU blocks of this tier.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection
 
 from tieredkv.cache.block_pool import Block, BlockPool
@@ -51,6 +52,7 @@ class CPUOffload:
         self.trace: BlockTrace | None = None
         self._demotions: list[tuple[int, Block]] = []
         self._staging: dict[int, BlockRef] = {}  # staging CPU block id -> the block it receives
+        self._staged_unflushed: deque[int] = deque()  # indexes in _demotions of staged ones, oldest first
         self._held: dict[int, list[Block]] = {}
         self._copies_in: dict[int, int] = {}  # H2D job -> its blocks
         self.hit_blocks = 0
@@ -94,11 +96,21 @@ class CPUOffload:
         if self.lower.contains(gpu_block.block_hash):
             self.on_disk_blocks += 1
             return
-        staging = self.lower.stage()
-        if staging is not None:
-            ref = BlockRef(gpu_block.block_hash, gpu_block.parent_hash, gpu_block.token_ids)
+        staging, index = self.lower.stage(), len(self._demotions)
+        if staging is None and self._staged_unflushed:
+            # every staging block is taken by this step's demotions: the oldest of them makes way
+            # (a chain is evicted tail first, so the newer one is nearer the head every hit needs)
+            index = self._staged_unflushed.popleft()
+            staging = self._demotions[index][1]
+        if staging is None:
+            return
+        ref = BlockRef(gpu_block.block_hash, gpu_block.parent_hash, gpu_block.token_ids)
+        if index == len(self._demotions):
             self._demotions.append((gpu_block.block_id, staging))
-            self._staging[staging.block_id] = ref
+        else:
+            self._demotions[index] = (gpu_block.block_id, staging)
+        self._staging[staging.block_id] = ref
+        self._staged_unflushed.append(index)
 
     def requested(self, block_hashes: list[int], num_gpu_hits: int) -> None:
         self.admission.record(block_hashes, num_gpu_hits)
@@ -110,6 +122,7 @@ class CPUOffload:
         if not self._demotions:
             return
         pending, self._demotions = self._demotions, []
+        self._staged_unflushed.clear()
         job = TransferJob("d2h", tuple(g for g, _ in pending), tuple(c.block_id for _, c in pending))
         try:
             job_id = self.transfers.submit(job)

@@ -10,17 +10,19 @@ it admits by frequency (its counts, `replacement.py`):
 - `stage(reads_in_flight) -> cpu block | None` / `write_staged(block, ref, reads_in_flight)`:
   a demotion the full CPU tier turned down but the disk should keep passes through one of a
   few staging blocks of the CPU tier on its way down; a copy that lands while the disk is
-  behind waits in its staging block, not in the disk's queue, and is written (before any
-  spill-ahead) once no read is in flight: its copy over PCIe is paid already;
+  behind waits in its staging block, not in the disk's queue. Waiting copies are written
+  newest first (before any spill-ahead) once no read is in flight, and with every staging
+  block taken the oldest waiting copy makes way for a new one: a chain is evicted tail first,
+  so what is written first, and kept longest, is the head every later hit needs;
 - `persist()`: at shutdown, every cached CPU block, so that a restart finds them on disk.
 
 Writes never wait and never crowd out reads: while reads are in flight, or `MAX_WRITES_IN_FLIGHT`
-writes are, the disk is behind and a spill is dropped (counted), not queued (a staged copy
-waits in its staging block; with every staging block taken, demotions are dropped before their
-copy); after repeated
-failed writes (a full or lost disk) spilling pauses, for longer each time, and says so once. A
-write the store refuses without starting it (its policy keeps the victim, every slot is busy,
-it is down) is no fault: spill-ahead passes over that block for `REFUSED_RETRY_S`.
+writes are, the disk is behind and nothing is submitted to it: a spill-ahead is dropped, a
+staged copy waits in its staging block (and is dropped, counted, when a newer one takes that
+block); after repeated failed writes (a full or lost disk) spilling pauses, for longer each
+time, and says so once. A write the store refuses without starting it (its policy keeps the
+victim, every slot is busy, it is down) is no fault: spill-ahead passes over that block for
+`REFUSED_RETRY_S`.
 `poll() -> [(job, ok)]`: the store's finished reads (finished writes are booked here).
 """
 
@@ -67,7 +69,8 @@ class Spill:
         self.window = max(8, len(cpu_pool.blocks) // 4)  # the coldest cached blocks, kept on disk
         self.num_staging = staging_blocks(len(cpu_pool.blocks))
         self._staging = cpu_pool.allocate(self.num_staging) or []
-        # staged copies that landed while the disk was behind, oldest first: written before spill-ahead
+        # staged copies that landed while the disk was behind, oldest first: written newest first,
+        # before spill-ahead; the oldest gives its block up to a new copy when none is free
         self._waiting: deque[tuple[Block, BlockRef]] = deque()
         self._writes: dict[int, tuple[Block, int, bool]] = {}  # write job -> (CPU block, hash, staged)
         # cpu block id -> the hash of the content of it that is on disk: spill-ahead skips these
@@ -80,9 +83,9 @@ class Spill:
         self.spilled_blocks = 0
         self.skipped_blocks = 0  # found on disk already: not written again
         self.staged_blocks = 0
-        self.staging_full = 0  # demotions dropped: no staging block free
+        self.staging_full = 0  # demotions dropped before their copy: every staging block busy
         self.staged_waited = 0  # staged copies that waited in their staging block for the disk
-        self.dropped = 0  # demotions bound for disk dropped: the disk was behind (staging full included)
+        self.dropped = 0  # demotions bound for disk dropped: before their copy, or waiting copies replaced
 
     def worth_writing(self, block_hash: int) -> bool:
         """Every block while the policy admits by recency; while it admits by frequency, those
@@ -101,16 +104,20 @@ class Spill:
     # ------------------------------------------------------------------ writes
 
     def stage(self, reads_in_flight: int) -> Block | None:
-        """A staging block for a demotion on its way to disk, or None (a dropped spill, counted,
-        before its copy) if the disk is behind or no staging block is free. Staged copies
-        waiting for the disk are written first."""
+        """A staging block for a demotion on its way to disk: a free one, else the one of the
+        oldest copy waiting for the disk (dropped, counted); None (dropped, counted) when every
+        staging block holds a copy in flight or a write. Waiting copies are written first, if
+        the disk has room."""
         self._write_waiting(reads_in_flight)
-        if self.behind(reads_in_flight) or not self._staging:
-            self.staging_full += not self._staging
-            self.dropped += 1
+        if self._staging:
+            self.staged_blocks += 1
+            return self._staging.pop()
+        self.dropped += 1
+        if not self._waiting:
+            self.staging_full += 1
             return None
         self.staged_blocks += 1
-        return self._staging.pop()
+        return self._waiting.popleft()[0]
 
     def write_staged(self, block: Block, ref: BlockRef, reads_in_flight: int) -> None:
         """The staging block holds the demoted block now: write it, or, if the disk is behind,
@@ -122,9 +129,9 @@ class Spill:
         self._write(block, ref, staged=True)
 
     def _write_waiting(self, reads_in_flight: int) -> None:
-        """Write the staged copies that waited for the disk, oldest first, while it has room."""
+        """Write the staged copies that waited for the disk, newest first, while it has room."""
         while self._waiting and not self.behind(reads_in_flight):
-            self._write(*self._waiting.popleft(), staged=True)
+            self._write(*self._waiting.pop(), staged=True)
 
     def unstage(self, block: Block) -> None:
         """The staging block's copy never arrived: it is free again."""
