@@ -14,7 +14,8 @@ Operations:
   `write_staged(block, ref)`, `unstage(block)`; `retire()` books finished reads and writes and
   spills ahead; `close()` first writes the CPU tier's cached blocks down (`persist`).
 
-Reads come first: while any is in flight, spills are dropped, never queued (`Spill.behind`).
+Reads come first: while any is in flight, no write is submitted (`Spill.behind`): spills are
+dropped or wait in CPU staging blocks, never queued on the disk.
 A read not finished `STALLED_READ_S` after it was submitted (a disk that hangs) is given up: its
 request stops waiting for it and computes those tokens; its CPU block stays taken until the
 store reports the read.
