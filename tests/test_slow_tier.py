@@ -19,6 +19,7 @@ from tests.test_nvme_store import BLOCK_BYTES as STORE_BLOCK_BYTES
 from tests.test_nvme_store import BLOCK_SIZE, FP, cpu_pool, fill, parent_of, same_bytes, slots_capacity, tokens_of
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.lower_tier import LowerTier
+from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, Spill
 from tieredkv.replacement import AdmitAll
@@ -153,6 +154,7 @@ class BehindStore:
         self.writes: list[int] = []
         self._done: list[tuple[int, bool]] = []
         self._stored: set[int] = set()
+        self._released = 0
 
     def contains(self, block_hash: int) -> bool:
         return block_hash in self._stored
@@ -165,8 +167,10 @@ class BehindStore:
         return None
 
     def release(self) -> None:
-        self._done = [(job, True) for job in range(1, len(self.writes) + 1)]
+        """Finish the writes submitted so far."""
+        self._done += [(job, True) for job in range(self._released + 1, len(self.writes) + 1)]
         self._stored.update(self.writes)
+        self._released = len(self.writes)
 
     def poll(self) -> list[tuple[int, bool]]:
         done, self._done = self._done, []
@@ -241,27 +245,45 @@ class KeepsWhatItHas(AdmitAll):
         return False
 
 
-def test_a_burst_of_demotions_stages_the_last_ones_the_heads_of_chains_evicted_tail_first():
+def full_tier_behind_a_burst() -> tuple[CPUOffload, BehindStore]:
+    """A full CPU tier (1 staging block) that turns every demotion down, over a disk with
+    `MAX_WRITES_IN_FLIGHT` spill-ahead writes in flight, after one step evicted a chain of 10
+    blocks tail first: 909, 908, ..., 900 (its head)."""
     gpu = torch.zeros((BLOCK_SHAPE[0], 2, 64, *BLOCK_SHAPE[2:]))
     tier = CPUTier(24, BLOCK_SHAPE, gpu.dtype, pin=False)  # 1 staging block, 23 for the tier
     store = BehindStore()
     offload = CPUOffload(tier, TransferEngine(gpu, tier.data), store, "lru")
     offload.admission = offload.lower.admission = offload.lower.spill.admission = KeepsWhatItHas()
-    cached = [Block(i, block_hash=500 + i, parent_hash=0, token_ids=(i,)) for i in range(23)]
-    for block in cached:  # free CPU blocks are taken whatever the policy
-        offload.demote(block)
+    for i in range(23):  # free CPU blocks are taken whatever the policy
+        offload.demote(Block(i, block_hash=500 + i, parent_hash=0, token_ids=(i,)))
     offload.flush()
     offload.drain()
-    # one step evicts a chain of 10 blocks, tail first: 909, 908, ..., 900 (its head)
     chain = [Block(23 + i, block_hash=900 + i, parent_hash=900 + i - 1, token_ids=(i,)) for i in range(10)]
     for block in reversed(chain):
         offload.demote(block)
     offload.flush()
     offload.drain()
+    return offload, store
+
+
+def test_a_burst_of_demotions_stages_the_last_ones_the_heads_of_chains_evicted_tail_first():
+    offload, store = full_tier_behind_a_burst()
     store.release()  # the disk catches up: the waiting copy is written first
     offload.retire()
     assert [h for h in store.writes if h >= 900] == [900]  # the staging block went to the head, not the tail
     assert offload.lower.spill.dropped == 9
+
+
+def test_between_requests_the_tiers_are_tended_until_their_writes_are_done():
+    offload, store = full_tier_behind_a_burst()
+    kv = KVCacheManager(64, BLOCK_SHAPE[2], 7, offload)
+    assert kv.tend()  # no step runs, but writes are in flight and a copy waits for the disk
+    for _ in range(10):
+        store.release()
+        if not kv.tend():
+            break
+    assert not kv.tend() and 900 in store.writes  # written with no step, and nothing left in flight
+    assert KVCacheManager(64, BLOCK_SHAPE[2], 7).tend() is False  # no tiers below the GPU: nothing to tend
 
 
 class RefusingStore(BehindStore):

@@ -3,7 +3,8 @@
 Operations:
 - `LLMEngine.add_request(prompt, params)`: validate and queue a request (ValueError if it can
   never run).
-- `LLMEngine.step()`: schedule, run one packed forward pass, sample, retire finished requests.
+- `LLMEngine.step()`: schedule, run one packed forward pass, sample, retire finished requests;
+  `tend_tiers()`: with no request, let the tiers' I/O go on.
 - `LLM.generate(prompts, params)`: run a batch to completion with a progress bar.
 - `LLM.beam_search(prompts, params)`: beam search of each prompt, its candidates best first.
 """
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 256
 IO_WAIT_S = 0.0005  # a step with nothing to run sleeps this long (releases the GIL to the I/O threads)
+TEND_EVERY_S = 0.005  # with no request, the engine loop tends the tiers this often while their I/O goes on
 # where the engine loop's time goes, cumulative seconds in stats(): scheduling; tier bookkeeping
 # (retiring transfers, block tables, submitting demotions and spills); the model (block copies,
 # forward pass, sampling); waiting with nothing to run (lower-tier reads in flight)
@@ -256,6 +258,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def tend_tiers(self) -> bool:
+        """With no request to step: let the tiers' I/O go on (writes to disk waiting for a step
+        would wait until the next request); whether it still does (call again after
+        `TEND_EVERY_S`)."""
+        with self._timed("loop_tiers_s"):
+            return self.kv.tend()
 
     # ------------------------------------------------------------------ the loop
 

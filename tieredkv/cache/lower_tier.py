@@ -317,6 +317,11 @@ class LowerTier:
         self.spill.unstage(block)
 
     @property
+    def busy(self) -> bool:
+        """Whether reads or writes are in flight, or staged copies wait for the disk."""
+        return bool(self._reads) or self.spill.backlog > 0
+
+    @property
     def held_blocks(self) -> int:
         """CPU blocks held on their way down (staging, writes in flight), not by requests."""
         return self.spill.held_blocks

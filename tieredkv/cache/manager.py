@@ -420,6 +420,15 @@ class KVCacheManager:
         if self.offload:
             self.offload.retire()
 
+    def tend(self) -> bool:
+        """Between requests (no step runs): book finished transfers and tier I/O, so that copies
+        waiting for the disk are written and cold blocks spilled while it is free; whether tier
+        work is still in flight (ask again a little later)."""
+        if not self.offload:
+            return False
+        self.retire()
+        return self.offload.busy
+
     def before_forward(self) -> None:
         """Submit queued demotions and order the next forward pass after pending transfers
         (all but this step's copies-in: no sequence of this pass reads them)."""

@@ -190,6 +190,11 @@ class CPUOffload:
             else:
                 self.lower.write_staged(block, ref)
 
+    @property
+    def busy(self) -> bool:
+        """Whether transfers or the lower tier's I/O are still in flight (`retire` books them)."""
+        return bool(self._held) or (self.lower is not None and self.lower.busy)
+
     def before_forward(self, later: Collection[int] = ()) -> None:
         self.flush()
         self.transfers.order_compute(later)

@@ -239,6 +239,11 @@ class Spill:
         return len(self._writes)
 
     @property
+    def backlog(self) -> int:
+        """Writes in flight, and staged copies waiting for the disk."""
+        return len(self._writes) + len(self._waiting)
+
+    @property
     def held_blocks(self) -> int:
         """CPU blocks the spill holds: the staging blocks, and cached blocks being written."""
         return self.num_staging + sum(not staged for _, _, staged in self._writes.values())
@@ -267,7 +272,7 @@ class Spill:
             "nvme_staging_full": self.staging_full,
             "nvme_staged_waited": self.staged_waited,
             "nvme_spills_dropped": self.dropped,
-            "nvme_write_backlog": self.writes_in_flight + len(self._waiting),  # in flight, or staged and waiting
+            "nvme_write_backlog": self.backlog,
             "nvme_bytes_written": store["bytes_written"],
             "nvme_bytes_read": store["bytes_read"],
             "nvme_slots_total": store["slots_total"],

@@ -15,7 +15,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine import LLMEngine
+from tieredkv.engine import TEND_EVERY_S, LLMEngine
 from tieredkv.engine_core import NewRequest
 from tieredkv.engine_core.deltas import DeltaEncoder
 from tieredkv.engine_core.info import EngineInfo
@@ -75,8 +75,9 @@ class EngineLoop:
     def run(self) -> None:
         while True:
             busy = self.engine.has_unfinished()
+            tending = not busy and self.engine.tend_tiers()  # the tiers' I/O goes on between requests
             outputs: list[RequestOutput] = []
-            for message in self._arrived(block=not busy):
+            for message in self._arrived(block=not busy, timeout=TEND_EVERY_S if tending else None):
                 if isinstance(message, Shutdown):
                     return
                 outputs += self._apply(message)
@@ -95,9 +96,15 @@ class EngineLoop:
         ended = [self.engine.abort(request_id) for request_id in sorted(self.engine.seqs)]
         return [out for out in ended if out is not None]
 
-    def _arrived(self, block: bool) -> list[Inbound]:
-        """What the server sent since the last look (waiting for something if `block`)."""
-        messages = [self.inbox.get()] if block else []
+    def _arrived(self, block: bool, timeout: float | None = None) -> list[Inbound]:
+        """What the server sent since the last look (if `block`, waiting for something, at most
+        `timeout` seconds)."""
+        messages = []
+        if block:
+            try:
+                messages.append(self.inbox.get(timeout=timeout))
+            except queue.Empty:
+                return messages
         while True:
             try:
                 messages.append(self.inbox.get_nowait())

@@ -1,6 +1,8 @@
 """`ThreadCore`: the engine loop in a thread of this process.
 
-The loop steps while there is work, so it never waits for the event loop between two steps.
+The loop steps while there is work, so it never waits for the event loop between two steps;
+with no request left it tends the tiers while their I/O goes on (writes to disk), until a
+request comes or `drained` is awaited.
 Only that thread changes the engine: requests added or aborted, and prefix-cache resets, are
 handed to it under a lock and applied between steps. Each step's outputs go to the event loop
 in one batch (`call_soon_threadsafe`).
@@ -11,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any
 
-from tieredkv.engine import LLMEngine
+from tieredkv.engine import TEND_EVERY_S, LLMEngine
 from tieredkv.engine_core import NewRequest, OutputSink
 from tieredkv.outputs import RequestOutput
 
@@ -34,6 +37,7 @@ class ThreadCore:
         self._aborts: list[str] = []
         self._resets: list[asyncio.Future[int]] = []
         self._thread: threading.Thread | None = None  # alive while the engine has work
+        self._stop_tending = False  # set while someone waits for the thread to stop (`drained`)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, request: NewRequest) -> None:
@@ -59,6 +63,7 @@ class ThreadCore:
         while True:
             with self._lock:
                 thread = self._thread
+                self._stop_tending = True  # the tiers' I/O between requests waits for the next one
             if thread is None:
                 return
             # the join's result is posted to this loop after everything the thread posted to it
@@ -77,6 +82,7 @@ class ThreadCore:
         with self._lock:
             queue.append(item)
             if self._thread is None:
+                self._stop_tending = False
                 self._loop = asyncio.get_running_loop()
                 self._thread = threading.Thread(target=self._run, name="tieredkv-engine", daemon=True)
                 self._thread.start()
@@ -105,8 +111,12 @@ class ThreadCore:
                 loop.call_soon_threadsafe(self._sink.deliver, aborted)
             if resets:
                 loop.call_soon_threadsafe(_settle, resets, self.engine.reset_prefix_cache())
-            if not self.engine.has_unfinished() and self._idle():
-                return
+            if not self.engine.has_unfinished():
+                if self._tending() and self.engine.tend_tiers():
+                    time.sleep(TEND_EVERY_S)
+                    continue
+                if self._idle():
+                    return
             outputs = self.engine.step()
             if outputs:
                 loop.call_soon_threadsafe(self._sink.deliver, outputs)
@@ -126,6 +136,11 @@ class ThreadCore:
                 loop.call_soon_threadsafe(self._sink.fail, request.request_id, err)
         ended = [self.engine.abort(request_id) for request_id in aborts]
         return [out for out in ended if out is not None], resets
+
+    def _tending(self) -> bool:
+        """Whether to go on tending the tiers with no request (not while `drained` waits)."""
+        with self._lock:
+            return not self._stop_tending
 
     def _idle(self) -> bool:
         """Stop the thread if nothing was handed over since the last look (under the lock, so
