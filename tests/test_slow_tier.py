@@ -286,6 +286,21 @@ def test_between_requests_the_tiers_are_tended_until_their_writes_are_done():
     assert KVCacheManager(64, BLOCK_SHAPE[2], 7).tend() is False  # no tiers below the GPU: nothing to tend
 
 
+def test_only_transfers_that_finish_between_steps_keep_the_tiers_tended():
+    class StepReported(TransferEngine):
+        finishes_between_steps = False  # as a tensor-parallel engine's: the ranks tell in a step's replies
+
+    gpu = torch.zeros((BLOCK_SHAPE[0], 2, 8, *BLOCK_SHAPE[2:]))
+    for transfers, busy in ((TransferEngine, True), (StepReported, False)):
+        tier = CPUTier(8, BLOCK_SHAPE, gpu.dtype, pin=False)
+        offload = CPUOffload(tier, transfers(gpu, tier.data))
+        offload.demote(Block(0, block_hash=1, parent_hash=0, token_ids=(0,)))
+        offload.flush()  # a D2H copy in flight, not booked yet
+        assert offload.busy is busy
+        offload.retire()
+        assert not offload.busy
+
+
 class RefusingStore(BehindStore):
     """A store whose policy keeps what it holds: every write is refused, none started."""
 

@@ -192,8 +192,11 @@ class CPUOffload:
 
     @property
     def busy(self) -> bool:
-        """Whether transfers or the lower tier's I/O are still in flight (`retire` books them)."""
-        return bool(self._held) or (self.lower is not None and self.lower.busy)
+        """Whether the lower tier's I/O, or transfers that finish without a step (not a
+        tensor-parallel engine's: its ranks report them in a step's replies), are still in
+        flight (`retire` books them)."""
+        held = bool(self._held) and self.transfers.finishes_between_steps
+        return held or (self.lower is not None and self.lower.busy)
 
     def before_forward(self, later: Collection[int] = ()) -> None:
         self.flush()

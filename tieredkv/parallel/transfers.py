@@ -23,6 +23,8 @@ from tieredkv.transfer.engine import TransferJob
 class WorkerTransfers:
     """Jobs for every rank; `block_bytes` is a block's bytes on all ranks together."""
 
+    finishes_between_steps = False  # the ranks report finished jobs in a step's replies
+
     def __init__(self, ranks: Ranks, block_bytes: int) -> None:
         self.ranks = ranks
         self.block_bytes = block_bytes

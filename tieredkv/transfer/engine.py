@@ -56,6 +56,8 @@ def consecutive_runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
 class TransferEngine:
     """Synchronous copies (CPU device); the CUDA engine overrides `_start` and friends."""
 
+    finishes_between_steps = True  # `poll` finds jobs finished with no step run since
+
     def __init__(self, kv_cache: torch.Tensor, cpu_data: torch.Tensor) -> None:
         self.kv_cache = kv_cache
         self.cpu_data = cpu_data
@@ -142,6 +144,10 @@ class FaultyTransfers:
                 self.injected += 1
                 raise TransferError(f"{job.kind} transfer of {len(job.gpu_block_ids)} blocks failed: injected")
         return self.inner.submit(job)
+
+    @property
+    def finishes_between_steps(self) -> bool:
+        return self.inner.finishes_between_steps
 
     def poll(self) -> list[int]:
         return self.inner.poll()
