@@ -12,6 +12,7 @@ import threading
 import time
 
 from tieredkv.engine_core import NewRequest
+from tieredkv.engine_core import thread as thread_core
 from tieredkv.engine_core.child import EngineLoop
 from tieredkv.engine_core.messages import Shutdown
 from tieredkv.engine_core.thread import ThreadCore
@@ -85,6 +86,17 @@ async def test_drained_stops_the_tending_at_once():
     tends = engine.tends
     await asyncio.sleep(0.05)
     assert engine.tends == tends  # the thread is gone
+
+
+async def test_a_request_handed_over_while_the_thread_tends_is_taken_at_once(monkeypatch):
+    monkeypatch.setattr(thread_core, "TEND_EVERY_S", 30.0)  # a tending pause far longer than the test
+    engine = TendingEngine(busy_tends=10**9)
+    core = ThreadCore(engine, Sink())
+    core.add(request(0))
+    await wait_for(lambda: engine.tends >= 1)  # the thread is in its tending pause
+    core.add(request(1))
+    await wait_for(lambda: engine.steps == 2, timeout_s=5.0)  # woken by the hand-over
+    await core.drained()
 
 
 def test_the_engine_process_loop_tends_the_tiers_between_requests_too():

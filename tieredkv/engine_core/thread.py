@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from typing import Any
 
 from tieredkv.engine import TEND_EVERY_S, LLMEngine
@@ -38,6 +37,7 @@ class ThreadCore:
         self._resets: list[asyncio.Future[int]] = []
         self._thread: threading.Thread | None = None  # alive while the engine has work
         self._stop_tending = False  # set while someone waits for the thread to stop (`drained`)
+        self._wake = threading.Event()  # ends the thread's tending pause: a hand-over, or `drained`
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, request: NewRequest) -> None:
@@ -64,6 +64,7 @@ class ThreadCore:
             with self._lock:
                 thread = self._thread
                 self._stop_tending = True  # the tiers' I/O between requests waits for the next one
+                self._wake.set()
             if thread is None:
                 return
             # the join's result is posted to this loop after everything the thread posted to it
@@ -81,6 +82,7 @@ class ThreadCore:
         not running (it stops when the engine runs out of work)."""
         with self._lock:
             queue.append(item)
+            self._wake.set()
             if self._thread is None:
                 self._stop_tending = False
                 self._loop = asyncio.get_running_loop()
@@ -106,6 +108,7 @@ class ThreadCore:
     def _step_while_busy(self, loop: asyncio.AbstractEventLoop) -> None:
         """Apply what was handed over, step, post the outputs; return when nothing is left."""
         while True:
+            self._wake.clear()  # before taking what was handed over: a later hand-over sets it
             aborted, resets = self._apply_handed_over(loop)
             if aborted:
                 loop.call_soon_threadsafe(self._sink.deliver, aborted)
@@ -113,7 +116,7 @@ class ThreadCore:
                 loop.call_soon_threadsafe(_settle, resets, self.engine.reset_prefix_cache())
             if not self.engine.has_unfinished():
                 if self._tending() and self.engine.tend_tiers():
-                    time.sleep(TEND_EVERY_S)
+                    self._wake.wait(TEND_EVERY_S)
                     continue
                 if self._idle():
                     return
