@@ -144,6 +144,26 @@ def test_engine_steps_run_on_while_the_disk_is_stuck(tmp_path):
     sim.kv.close()
 
 
+def test_tending_with_no_step_books_what_the_disk_finished_and_writes_on(tmp_path):
+    disk = StuckDisk()
+    sim = make_kv(4, num_cpu_blocks=16, nvme_path=str(tmp_path), cpu_policy="lru", backend=disk)
+    sched = make_scheduler(sim, "recompute")
+    disk.stuck.clear()
+    for i in range(12):  # as above: writes queue up while the disk is stuck
+        sched.add(make_seq(f"p{i}", [i * 100 + j for j in range(9)], max_tokens=2))
+        run_until_done(sched, sim)
+    before = sim.kv.stats()
+    assert not sched.has_unfinished() and before["nvme_write_backlog"] > 0 and before["nvme_spilled_blocks"] == 0
+    disk.stuck.set()  # the disk is back; no request comes, no step runs
+    deadline = time.monotonic() + WAIT_S
+    while sim.kv.tend():
+        assert time.monotonic() < deadline, "the tiers' I/O never settled"
+        time.sleep(0.005)
+    after = sim.kv.stats()
+    assert after["nvme_write_backlog"] == 0 and after["nvme_spilled_blocks"] >= before["nvme_write_backlog"]
+    sim.kv.close()
+
+
 # ------------------------------------------------------------------ dropped, not queued
 
 
