@@ -53,15 +53,11 @@ def hf_beams(model: torch.nn.Module, prompt: list[int], width: int, max_new_toke
 
 
 def settle_writes(llm, timeout_s: float = 30.0) -> dict:
-    """Step the idle engine `llm` until its transfers, and the lower-tier writes and reads it has
-    in flight, are finished and booked (they run on other threads, so a run may end before they
-    do; a finished transfer holds its CPU blocks until retired, and a staged copy then goes on to
-    be written); its stats."""
+    """Tend the idle engine `llm`'s tiers, as its loop does between requests
+    (`LLMEngine.tend_tiers`), until its transfers and the lower-tier writes and reads it has in
+    flight are finished and booked (they run on other threads, so a run may end before they do);
+    its stats."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        llm.kv.offload.drain()
-        if not (llm.stats()["nvme_write_backlog"] or llm.kv.lower_reads_in_flight()):
-            break
-        llm.step()
+    while llm.tend_tiers() and time.monotonic() < deadline:
         time.sleep(0.005)
     return llm.stats()

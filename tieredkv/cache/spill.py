@@ -110,14 +110,16 @@ class Spill:
         the disk has room."""
         self._write_waiting(reads_in_flight)
         if self._staging:
-            self.staged_blocks += 1
-            return self._staging.pop()
-        self.dropped += 1
-        if not self._waiting:
+            block = self._staging.pop()
+        elif self._waiting:
+            self.dropped += 1
+            block = self._waiting.popleft()[0]
+        else:
+            self.dropped += 1
             self.staging_full += 1
             return None
         self.staged_blocks += 1
-        return self._waiting.popleft()[0]
+        return block
 
     def write_staged(self, block: Block, ref: BlockRef, reads_in_flight: int) -> None:
         """The staging block holds the demoted block now: write it, or, if the disk is behind,
