@@ -237,6 +237,7 @@ def run(op, fd, bufs, tag):
     iov = L.Iovec([memoryview(b) for b in bufs])
     (L.io_uring_prep_readv if op == "r" else L.io_uring_prep_writev)(sqe, fd, iov, 0)
     L.io_uring_sqe_set_data64(sqe, tag)
+    L.io_uring_sqe_set_flags(sqe, L.IOSQE_ASYNC)
     L.io_uring_submit(ring)
     L.io_uring_wait_cqe(ring, cqe)
     got = []
