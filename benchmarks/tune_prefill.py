@@ -1,17 +1,14 @@
 """Tune the paged TMA prefill kernel's launch config on this GPU (needs CUDA, compute capability 9+).
 
-Sweeps tile sizes, warps and pipeline stages, each on the plain grid and on the persistent one
-(PROGRAMS_PER_SM programs per SM looping over the work items), over the shapes serving runs (a long
-whole prompt, a 2k chunk over a long cached context, four 4k prompts; Llama-3-8B heads, bf16,
-128-token pages), checks each config against `paged_attention_ref` before timing it, and prints
-every config's share of the bf16 matmul peak measured in the same run, then the best persistent
-config against the best plain one. The best by geometric mean over the shapes wins; `--write`
-records it for this kind of GPU in the kernels' tuned-config file, where `config_for` finds it, if
-it beats the built-in config by at least MIN_GAIN (two sweeps on one card differ by about a point;
-the kernel keeps its built-in config on a GPU with no entry). `--built-in-only` times just the
-built-in config and its persistent variants.
+Sweeps tile sizes, warps and pipeline stages over the shapes serving runs (a long whole prompt, a
+2k chunk over a long cached context, four 4k prompts; Llama-3-8B heads, bf16, 128-token pages),
+checks each config against `paged_attention_ref` before timing it, and prints every config's
+share of the bf16 matmul peak measured in the same run. The best by geometric mean over the shapes
+wins; `--write` records it for this kind of GPU in the kernels' tuned-config file, where
+`config_for` finds it, if it beats the built-in config by at least MIN_GAIN (two sweeps on one card
+differ by about a point; the kernel keeps its built-in config on a GPU with no entry).
 
-    python benchmarks/tune_prefill.py [--write] [--built-in-only] [--json results/tune.json]
+    python benchmarks/tune_prefill.py [--write] [--json results/tune.json]
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ from tieredkv.kernels import paged_attention_prefill as tiled
 
 PAGE = 128
 MIN_GAIN = 0.02  # the geometric-mean gain over the built-in config that a recorded config must show
-PROGRAMS_PER_SM = (1, 2)  # the persistent grid's sizes: one program per SM, or two where two fit
 SHAPES = (
     prefill_peers.Shape("16k whole prompt", [16384], [16384]),
     prefill_peers.Shape("64k whole prompt", [65536], [65536]),
@@ -41,21 +37,12 @@ SHAPES = (
 )
 
 
-def candidates(built_in_only: bool) -> list[dict[str, int]]:
-    """Every config of the sweep, each followed by its persistent variants; the built-in
-    PAGED_TMA_CONFIG is among them (with built_in_only, it and its variants are all)."""
-    plain = [tiled.PAGED_TMA_CONFIG] if built_in_only else [
+def candidates() -> list[dict[str, int]]:
+    """Every config of the sweep; the built-in PAGED_TMA_CONFIG is among them."""
+    return [
         {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "paged_tma": True}
         for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))
     ]
-    return [variant for config in plain for variant in (
-        config, *({**config, "persistent": True, "programs_per_sm": k} for k in PROGRAMS_PER_SM))]
-
-
-def label(config: dict[str, int]) -> str:
-    """`config_label`, and the persistent grid's size ("TMA BM128 BN64 w4 s3 persistent 2/SM")."""
-    persistent = f" persistent {config['programs_per_sm']}/SM" if config.get("persistent") else ""
-    return config_label(config) + persistent
 
 
 def check(config: dict[str, int], scale: float) -> str | None:
@@ -68,17 +55,17 @@ def check(config: dict[str, int], scale: float) -> str | None:
     return None if err <= prefill_peers.PEER_TOLERANCE else f"max|err| {err:.2e}"
 
 
-def sweep(peak: float, built_in_only: bool) -> list[dict]:
+def sweep(peak: float) -> list[dict]:
     """Each config's TFLOP/s per shape (None where it failed its check)."""
     scale = HEAD_DIM**-0.5
     inputs = [attention_inputs(s.q_lens, s.ctx_lens, block_size=PAGE) for s in SHAPES]
     flops = [prefill_peers.causal_flops(s.q_lens, s.ctx_lens, Q_HEADS, HEAD_DIM) for s in SHAPES]
-    print(f"{'config':<38}" + "".join(f"{s.name:>24}" for s in SHAPES) + f"{'geomean':>10}")
+    print(f"{'config':<22}" + "".join(f"{s.name:>24}" for s in SHAPES) + f"{'geomean':>10}")
     rows = []
-    for config in candidates(built_in_only):
+    for config in candidates():
         failed = check(config, scale)
         if failed:
-            print(f"{label(config):<38} skipped: {failed}")
+            print(f"{config_label(config):<22} skipped: {failed}")
             rows.append({"config": config, "tflops": None, "note": failed})
             continue
         tflops = []
@@ -89,24 +76,10 @@ def sweep(peak: float, built_in_only: bool) -> list[dict]:
                     *args, out, scale, None, config=config))
             tflops.append(f / ms / 1e9)
         mean = math.exp(sum(map(math.log, tflops)) / len(tflops))
-        print(f"{label(config):<38}" + "".join(f"{t / peak:>24.1%}" for t in tflops) + f"{mean / peak:>10.1%}",
+        print(f"{config_label(config):<22}" + "".join(f"{t / peak:>24.1%}" for t in tflops) + f"{mean / peak:>10.1%}",
               flush=True)
         rows.append({"config": config, "tflops": tflops, "geomean_tflops": mean})
     return rows
-
-
-def compare_grids(timed: list[dict]) -> None:
-    """Print the best persistent config against the best plain-grid one, shape by shape."""
-    best = {}
-    for persistent in (False, True):
-        rows = [r for r in timed if r["config"].get("persistent", False) == persistent]
-        if not rows:
-            return
-        best[persistent] = max(rows, key=lambda r: r["geomean_tflops"])
-    plain, persistent = best[False], best[True]
-    ratios = [f"{s.name} {a / b:.3f}x" for s, a, b in zip(SHAPES, persistent["tflops"], plain["tflops"], strict=True)]
-    print(f"{label(persistent['config'])} / {label(plain['config'])} (each grid's best): " + ", ".join(ratios)
-          + f"; geomean {persistent['geomean_tflops'] / plain['geomean_tflops']:.3f}x")
 
 
 def record(device: str, best: dict, default: dict, peak: float) -> None:
@@ -129,8 +102,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="record the winner for this GPU kind")
     parser.add_argument("--json", type=Path, help="write every config's figures to this JSON file")
-    parser.add_argument("--built-in-only", action="store_true",
-                        help="time only the built-in config, on the plain and the persistent grids")
     opts = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         print("tune_prefill needs a CUDA device of compute capability 9+ (TMA); none found, nothing tuned.")
@@ -140,17 +111,16 @@ def main() -> int:
     device = torch.cuda.get_device_name()
     peak = matmul_peak_tflops()
     print(f"device {device}: bf16 matmul peak {peak:.1f} TFLOP/s; {PAGE}-token pages, % of that peak")
-    rows = sweep(peak, opts.built_in_only)
+    rows = sweep(peak)
     timed = [r for r in rows if r["tflops"]]
     if not timed:
         print("no config passed its check: nothing recorded")
         return 1
     best = max(timed, key=lambda r: r["geomean_tflops"])
     default = next(r for r in rows if r["config"] == tiled.PAGED_TMA_CONFIG)
-    print(f"best {label(best['config'])}: geomean {best['geomean_tflops'] / peak:.1%} of peak; built-in "
-          f"{label(default['config'])}: {default['geomean_tflops'] / peak:.1%}" if default["tflops"] else
-          f"best {label(best['config'])}; the built-in config failed its check")
-    compare_grids(timed)
+    print(f"best {config_label(best['config'])}: geomean {best['geomean_tflops'] / peak:.1%} of peak; built-in "
+          f"{config_label(default['config'])}: {default['geomean_tflops'] / peak:.1%}" if default["tflops"] else
+          f"best {config_label(best['config'])}; the built-in config failed its check")
     if opts.json:
         opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps({"device": device, "peak_tflops": peak, "page": PAGE,

@@ -3,28 +3,15 @@
 - `find_seq`: which sequence owns a query tile (binary search over cu_seqlens_q, no host sync);
 - `attend_tiles`: online-softmax over a range of key positions read through a block table;
 - `attend_pages`: the same over whole unmasked tiles that each lie inside one page, loaded by the
-  tensor memory accelerator (TMA) through descriptors of the caches;
-- `num_sms` (host): how many streaming multiprocessors the launchers' grids fill.
+  tensor memory accelerator (TMA) through descriptors of the caches.
 """
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """The GPU's streaming multiprocessors; 4 on CPU (the interpreter), so that grid choices
-    depending on it are exercised there too."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

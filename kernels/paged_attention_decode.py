@@ -16,11 +16,13 @@ In a mixed batch it takes only the sequences with one query row (`single_row_seq
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ._attention_common import LOG2_E, attend_tiles, find_seq, num_sms
+from ._attention_common import LOG2_E, attend_tiles, find_seq
 from ._checks import check_launchable
 
 _MAX_SPLITS = 16
@@ -125,13 +127,20 @@ def _config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def choose_num_splits(
     num_rows: int, kv_heads: int, max_keys: int, device: torch.device
 ) -> int:
     """Split keys until the grid fills the GPU twice over, keeping >= 512 keys per split."""
     splits = 1
     while (
-        num_rows * kv_heads * splits < 2 * num_sms(device)
+        num_rows * kv_heads * splits < 2 * _num_sms(device)
         and max_keys >= 2 * splits * _MIN_KEYS_PER_SPLIT
         and splits < _MAX_SPLITS
     ):

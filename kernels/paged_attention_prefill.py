@@ -20,10 +20,7 @@ Two ways to read the tiles, chosen by the launch config (`config_for`):
   too, masked in registers; only a tile reaching past the sequence's last key (its slots beyond
   are not written) is read by masked loads. The grid then runs the query heads fastest (the heads
   of a kv head read the same tiles at about the same time) and the sequences' last query tiles,
-  which see the most keys, first. With `persistent` in the config, a grid of programs_per_sm
-  programs per SM takes these work items in the same order, each program several (`launch_grid`):
-
-      work item w = (tiles - 1 - tile) * num_heads + head      program p: w = p, p + programs, ...
+  which see the most keys, first.
 """
 
 from __future__ import annotations
@@ -37,53 +34,15 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._attention_common import LOG2_E, attend_pages, attend_tiles, find_seq, num_sms
+from ._attention_common import LOG2_E, attend_pages, attend_tiles, find_seq
 from ._checks import check_launchable
 
 
 # per-step sizes are not specialized on: one compiled kernel serves every batch
-@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, q_desc, k_desc, v_desc, out_ptr,
     table_ptr, cu_q_ptr, ctx_ptr,
-    num_seqs, num_heads, num_tiles, scale_log2, window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SKIP_SINGLE_ROW_SEQS: tl.constexpr,
-    PAGED_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-):
-    if PERSISTENT:  # grid (programs,): items w, w + programs, ... in the order of the (head, tile) grid
-        for w in range(tl.program_id(0), num_heads * num_tiles, tl.num_programs(0)):
-            _prefill_tile(
-                w % num_heads, num_tiles - 1 - w // num_heads,
-                q_ptr, k_ptr, v_ptr, q_desc, k_desc, v_desc, out_ptr, table_ptr, cu_q_ptr, ctx_ptr,
-                num_seqs, scale_log2, window,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
-                GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
-                USE_WINDOW, PRECISION, SKIP_SINGLE_ROW_SEQS, PAGED_TMA,
-            )
-    else:
-        if PAGED_TMA:  # grid (head, tile), last tiles first
-            head = tl.program_id(0)
-            pid = num_tiles - 1 - tl.program_id(1)
-        else:  # grid (tile, head)
-            pid = tl.program_id(0)
-            head = tl.program_id(1)
-        _prefill_tile(
-            head, pid,
-            q_ptr, k_ptr, v_ptr, q_desc, k_desc, v_desc, out_ptr, table_ptr, cu_q_ptr, ctx_ptr,
-            num_seqs, scale_log2, window,
-            stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
-            GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
-            USE_WINDOW, PRECISION, SKIP_SINGLE_ROW_SEQS, PAGED_TMA,
-        )
-
-
-@triton.jit
-def _prefill_tile(
-    head, pid,
-    q_ptr, k_ptr, v_ptr, q_desc, k_desc, v_desc, out_ptr, table_ptr, cu_q_ptr, ctx_ptr,
     num_seqs, scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -91,71 +50,75 @@ def _prefill_tile(
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SKIP_SINGLE_ROW_SEQS: tl.constexpr,
     PAGED_TMA: tl.constexpr,
 ):
-    """Query tile `pid` (numbered as in `find_seq`) of query head `head`: its rows' attention into
-    out. A tile past its sequence's rows, or of a skipped single-row sequence, writes nothing; it
-    is guarded by `if`, not left by `return`, so a persistent program goes on to its next tile."""
+    if PAGED_TMA:  # grid (head, tile), last tiles first
+        head = tl.program_id(0)
+        pid = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:  # grid (tile, head)
+        pid = tl.program_id(0)
+        head = tl.program_id(1)
     b = find_seq(cu_q_ptr, num_seqs, pid, BLOCK_M)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     row0 = (pid - q_start // BLOCK_M - b) * BLOCK_M
-    has_rows = row0 < q_len
+    skip = row0 >= q_len
     if SKIP_SINGLE_ROW_SEQS:
-        has_rows = has_rows & (q_len != 1)
-    if has_rows:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_len
-        ctx = tl.load(ctx_ptr + b)
-        first_pos = ctx - q_len + row0
-        pos = first_pos + tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, HEAD_DIM)
-        q_rows = (q_start + rows).to(tl.int64)
-        if PAGED_TMA:  # rows past q_len are the next sequence's (or zeros): computed, not stored
-            q = q_desc.load([q_start + row0, head * HEAD_DIM])
+        skip = skip | (q_len == 1)
+    if skip:
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    ctx = tl.load(ctx_ptr + b)
+    first_pos = ctx - q_len + row0
+    pos = first_pos + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + rows).to(tl.int64)
+    if PAGED_TMA:  # rows past q_len are the next sequence's (or zeros): computed, not stored
+        q = q_desc.load([q_start + row0, head * HEAD_DIM])
+    else:
+        q = tl.load(
+            q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+            mask=row_ok[:, None], other=0.0,
+        )
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = table_ptr + b * stride_bt
+    kv_head = head // GROUP
+    head_offset = kv_head * stride_kh
+    end = tl.minimum(first_pos + BLOCK_M, ctx)
+    if USE_WINDOW:
+        start = tl.maximum(first_pos + 1 - window, 0)
+        m, denom, acc = attend_tiles(
+            q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, start, end, window,
+            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, PRECISION,
+        )
+    else:
+        full_end = first_pos // BLOCK_N * BLOCK_N
+        if PAGED_TMA:  # whole tiles by TMA, the band's too; a tile reaching past `ctx` by pointers
+            band_end = tl.maximum(full_end, end // BLOCK_N * BLOCK_N)
+            head_col = kv_head * HEAD_DIM
+            m, denom, acc = attend_pages(
+                q, m, denom, acc, k_desc, v_desc, table, head_col, pos, 0, full_end,
+                scale_log2, BLOCK_SIZE, BLOCK_N, False, PRECISION,
+            )
+            m, denom, acc = attend_pages(
+                q, m, denom, acc, k_desc, v_desc, table, head_col, pos, full_end, band_end,
+                scale_log2, BLOCK_SIZE, BLOCK_N, True, PRECISION,
+            )
         else:
-            q = tl.load(
-                q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0,
-            )
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        denom = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        table = table_ptr + b * stride_bt
-        kv_head = head // GROUP
-        head_offset = kv_head * stride_kh
-        end = tl.minimum(first_pos + BLOCK_M, ctx)
-        if USE_WINDOW:
-            start = tl.maximum(first_pos + 1 - window, 0)
+            band_end = full_end
             m, denom, acc = attend_tiles(
-                q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, start, end, window,
-                scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, PRECISION,
+                q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, 0, full_end, window,
+                scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False,
+                PRECISION,
             )
-        else:
-            full_end = first_pos // BLOCK_N * BLOCK_N
-            if PAGED_TMA:  # whole tiles by TMA, the band's too; a tile reaching past `ctx` by pointers
-                band_end = tl.maximum(full_end, end // BLOCK_N * BLOCK_N)
-                head_col = kv_head * HEAD_DIM
-                m, denom, acc = attend_pages(
-                    q, m, denom, acc, k_desc, v_desc, table, head_col, pos, 0, full_end,
-                    scale_log2, BLOCK_SIZE, BLOCK_N, False, PRECISION,
-                )
-                m, denom, acc = attend_pages(
-                    q, m, denom, acc, k_desc, v_desc, table, head_col, pos, full_end, band_end,
-                    scale_log2, BLOCK_SIZE, BLOCK_N, True, PRECISION,
-                )
-            else:
-                band_end = full_end
-                m, denom, acc = attend_tiles(
-                    q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, 0, full_end, window,
-                    scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False,
-                    PRECISION,
-                )
-            m, denom, acc = attend_tiles(
-                q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, band_end, end, window,
-                scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
-            )
-        out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-        out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        m, denom, acc = attend_tiles(
+            q, m, denom, acc, k_ptr, v_ptr, table, head_offset, pos, band_end, end, window,
+            scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
+        )
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 # Paged TMA where no tuned config is on record for the card: the best of a sweep on an H200, bf16,
@@ -244,18 +207,6 @@ def _descriptors(
     )
 
 
-def launch_grid(num_heads: int, tiles: int, paged_tma: bool, max_programs: int | None) -> tuple[int, ...]:
-    """The kernel's grid for `tiles` query tiles (see `find_seq`) of each of num_heads query heads.
-
-    gathered: (tile, head); paged TMA: (head, tile), one program per work item. With max_programs
-    (persistent, paged TMA only) at most that many programs, which take the same work items in the
-    same order (w = tile from the end * num_heads + head), program p doing w = p, p + programs, ...
-    """
-    if max_programs is not None:
-        return (min(num_heads * tiles, max_programs),)
-    return (num_heads, tiles) if paged_tma else (tiles, num_heads)
-
-
 def prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -273,8 +224,7 @@ def prefill_attention(
 
     skip_single_row_seqs: leave sequences with q_len == 1 to the decode kernel.
     config: BLOCK_M, BLOCK_N, num_warps, num_stages and optionally paged_tma (block_size must then
-    be a multiple of BLOCK_N), and with it persistent and programs_per_sm (default 1; see
-    `launch_grid`); None picks by `config_for`.
+    be a multiple of BLOCK_N); None picks by `config_for`.
     """
     check_launchable("paged_attention", query.device, _prefill_kernel)
     num_rows, num_heads, head_dim = query.shape
@@ -284,10 +234,6 @@ def prefill_attention(
     num_seqs = block_tables.shape[0]
     config = dict(config or config_for(query, block_size))
     paged_tma = config.pop("paged_tma", False)
-    persistent = config.pop("persistent", False)
-    programs_per_sm = config.pop("programs_per_sm", 1)
-    if persistent and not paged_tma:
-        raise ValueError("config key persistent is an option of the paged TMA path: add \"paged_tma\": True")
     tiles = num_rows // config["BLOCK_M"] + num_seqs
     if paged_tma:
         if block_size % config["BLOCK_N"] != 0:
@@ -296,17 +242,18 @@ def prefill_attention(
                 f"({config['BLOCK_N']})"
             )
         descriptors = _descriptors(query, k_cache, v_cache, config["BLOCK_M"], config["BLOCK_N"])
+        grid = (num_heads, tiles)
     else:
         descriptors = (query, k_cache, v_cache)  # not read
-    max_programs = programs_per_sm * num_sms(query.device) if persistent else None
-    _prefill_kernel[launch_grid(num_heads, tiles, paged_tma, max_programs)](
+        grid = (tiles, num_heads)
+    _prefill_kernel[grid](
         query, k_cache, v_cache, *descriptors, out,
         block_tables, cu_seqlens_q, context_lens,
-        num_seqs, num_heads, tiles, scale * LOG2_E, sliding_window or 0,
+        num_seqs, scale * LOG2_E, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        SKIP_SINGLE_ROW_SEQS=skip_single_row_seqs, PAGED_TMA=paged_tma, PERSISTENT=persistent, **config,
+        SKIP_SINGLE_ROW_SEQS=skip_single_row_seqs, PAGED_TMA=paged_tma, **config,
     )

@@ -330,67 +330,6 @@ def test_prefill_paged_tma_matches_ref(heads: int, kv_heads: int, head_dim: int,
     _assert_close(out, pa.paged_attention_ref(*args, head_dim**-0.5, window), dtype)
 
 
-def _persistent_matches_plain(
-    args: tuple[torch.Tensor, ...], scale: float, window: int | None, config: dict[str, int],
-    programs_per_sm: int, skip_single_row_seqs: bool = False,
-) -> torch.Tensor:
-    """The persistent paged TMA grid, on a grid smaller than its work items, writes exactly the
-    bits of the plain one (NaN where neither writes); returns its output."""
-    heads = args[0].shape[1]
-    tiles = args[0].shape[0] // config["BLOCK_M"] + args[3].shape[0]
-    max_programs = programs_per_sm * pa_prefill.num_sms(args[0].device)
-    (programs,) = pa_prefill.launch_grid(heads, tiles, True, max_programs)
-    assert programs == max_programs < heads * tiles, "each program should take several work items"
-    plain, persistent = torch.full_like(args[0], float("nan")), torch.full_like(args[0], float("nan"))
-    pa_prefill.prefill_attention(*args, plain, scale, window, skip_single_row_seqs, config=config)
-    pa_prefill.prefill_attention(*args, persistent, scale, window, skip_single_row_seqs,
-                                 config={**config, "persistent": True, "programs_per_sm": programs_per_sm})
-    torch.testing.assert_close(persistent, plain, rtol=0, atol=0, equal_nan=True)
-    return persistent
-
-
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "dtype", "block_size", "window", "programs_per_sm", "skip_single_row_seqs"),
-    [(4, 4, 16, torch.float32, 32, None, 1, False), (8, 2, 32, torch.bfloat16, 64, None, 2, True),
-     (8, 1, 64, torch.float16, 128, None, 1, False), (8, 2, 16, torch.float32, 32, 21, 3, True)],
-)
-def test_prefill_persistent_matches_plain_tma(
-    heads: int, kv_heads: int, head_dim: int, dtype, block_size: int, window: int | None,
-    programs_per_sm: int, skip_single_row_seqs: bool,
-) -> None:
-    """Persistent programs (4 "SMs" on CPU, so each takes many work items) on the batch of
-    `test_prefill_paged_tma_matches_ref`: bit-identical to the plain grid and close to the
-    reference; with skip_single_row_seqs the decode row is left unwritten."""
-    q_lens, ctxs = [77, 37, 1, 0, 13, 64], [77, 100, 45, 9, 64, 96]
-    args, _, _ = make_batch(q_lens, ctxs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                            block_size=block_size, dtype=dtype)
-    out = _persistent_matches_plain(args, head_dim**-0.5, window, PAGED_TMA_SMALL, programs_per_sm,
-                                    skip_single_row_seqs)
-    ref = pa.paged_attention_ref(*args, head_dim**-0.5, window)
-    decode_row = sum(q_lens[:2])
-    written = torch.ones(len(out), dtype=torch.bool)
-    written[decode_row] = not skip_single_row_seqs
-    _assert_close(out[written], ref[written], dtype)
-    assert out[~written].isnan().all()
-
-
-def test_prefill_launch_grid() -> None:
-    """Gathered (tile, head); paged TMA (head, tile); persistent: at most max_programs, never more
-    programs than work items."""
-    assert pa_prefill.launch_grid(32, 17, False, None) == (17, 32)
-    assert pa_prefill.launch_grid(32, 17, True, None) == (32, 17)
-    assert pa_prefill.launch_grid(32, 17, True, 264) == (264,)
-    assert pa_prefill.launch_grid(4, 3, True, 264) == (12,)
-
-
-def test_prefill_persistent_needs_paged_tma() -> None:
-    args, _, _ = make_batch([20], [20], heads=2, kv_heads=1, head_dim=16, block_size=16,
-                            dtype=torch.float32)
-    config = {**PAGED_TMA_SMALL, "paged_tma": False, "persistent": True}
-    with pytest.raises(ValueError, match="persistent is an option of the paged TMA path"):
-        pa_prefill.prefill_attention(*args, torch.empty_like(args[0]), 0.25, None, config=config)
-
-
 def test_prefill_paged_tma_needs_whole_tiles_per_page() -> None:
     args, _, _ = make_batch([20], [20], heads=2, kv_heads=1, head_dim=16, block_size=8,
                             dtype=torch.float32)
@@ -827,26 +766,6 @@ def test_gpu_prefill_paged_tma(kv_heads: int, head_dim: int, block_size: int, wi
     _assert_close(out, pa.paged_attention_ref(*args, head_dim**-0.5, window), torch.bfloat16)
 
 
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("kv_heads", [32, 8, 4])  # GQA 1, 4, 8
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize(("block_size", "window"), [(64, None), (128, None), (128, 1000)])
-@pytest.mark.parametrize("programs_per_sm", [1, 2])
-def test_gpu_prefill_persistent(kv_heads: int, head_dim: int, block_size: int, window: int | None,
-                                programs_per_sm: int) -> None:
-    """The persistent grid (fewer programs than work items) on the batch of
-    `test_gpu_prefill_paged_tma`: bit-identical to the plain paged TMA grid, close to the
-    reference."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("paged TMA needs compute capability 9+")
-    q_lens, ctxs = [2048, 1, 0, 1500, 300, 77, 1000], [2048, 8000, 10, 8192, 300, 4097, 1063]
-    args, _, _ = make_batch(q_lens, ctxs, heads=32, kv_heads=kv_heads, head_dim=head_dim,
-                            block_size=block_size, dtype=torch.bfloat16, device="cuda")
-    out = _persistent_matches_plain(args, head_dim**-0.5, window, pa_prefill.PAGED_TMA_CONFIG, programs_per_sm)
-    _assert_close(out, pa.paged_attention_ref(*args, head_dim**-0.5, window), torch.bfloat16)
-
-
 def _tuned_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, table: dict) -> None:
     path = tmp_path / "prefill_tuned.json"
     path.write_text(json.dumps(table))
@@ -855,15 +774,11 @@ def _tuned_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, table: dict) ->
 
 
 def test_tuned_prefill_config_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A config tuned for a GPU kind is found by device name, dtype and head size, and only there;
-    its persistent grid options come with it."""
+    """A config tuned for a GPU kind is found by device name, dtype and head size, and only there."""
     tuned = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
-    persistent = {**tuned, "persistent": True, "programs_per_sm": 2}
-    _tuned_file(tmp_path, monkeypatch, {"NVIDIA H200": {"bfloat16/128": {"config": tuned},
-                                                        "float16/64": {"config": persistent}}})
+    _tuned_file(tmp_path, monkeypatch, {"NVIDIA H200": {"bfloat16/128": {"config": tuned}}})
     try:
         assert pa_prefill.tuned_config("NVIDIA H200", torch.bfloat16, 128) == {**tuned, "paged_tma": True}
-        assert pa_prefill.tuned_config("NVIDIA H200", torch.float16, 64) == {**persistent, "paged_tma": True}
         assert pa_prefill.tuned_config("NVIDIA H200", torch.float16, 128) is None
         assert pa_prefill.tuned_config("NVIDIA H200", torch.bfloat16, 64) is None
         assert pa_prefill.tuned_config("NVIDIA H100 80GB HBM3", torch.bfloat16, 128) is None
@@ -881,8 +796,7 @@ def test_shipped_tuned_prefill_configs_are_launchable() -> None:
     for device, entries in json.loads(pa_prefill.TUNED_CONFIGS.read_text()).items():
         for key, entry in entries.items():
             config = entry["config"]
-            launch = set(config) - {"persistent", "programs_per_sm"}
-            assert launch == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}, (device, key)
+            assert set(config) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}, (device, key)
             assert config["BLOCK_M"] in (64, 128) and config["BLOCK_N"] in (64, 128), (device, key)
 
 
