@@ -47,6 +47,28 @@ def test_gpu_large_cache_and_cpu_prefix_hits(reference_outputs):
     assert [o.token_ids for o in first] == [o.token_ids for o in second] == expected
 
 
+def test_gpu_the_block_copies_compile_when_the_transfer_engine_is_made():
+    """A fresh engine's first CPU hit or lower-tier load waited ~0.4 s for Triton to compile
+    the scatter (issue #29): both copies compile when the transfer engine is made, and its first
+    jobs compile nothing. The block shape is this test's own, so no other test compiled it."""
+    from tieredkv.kernels.block_copy import _copy_blocks_kernel
+
+    from tieredkv.transfer.cuda import CudaTransferEngine
+
+    def compiled() -> int:
+        return sum(len(caches[0]) for caches in _copy_blocks_kernel.device_caches.values())
+
+    kv = torch.randn((3, 2, 37, 5, 1, 24), device="cuda")
+    tier = CPUTier(9, (3, 2, 5, 1, 24), torch.float32, pin=True)
+    before = compiled()
+    engine = CudaTransferEngine(kv, tier.data)
+    assert compiled() == before + 2  # the gather and the scatter
+    engine.wait([engine.submit(TransferJob("d2h", (4, 30), (1, 2)))])
+    engine.wait([engine.submit(TransferJob("h2d", (36, 0), (1, 2)))])
+    assert compiled() == before + 2
+    assert torch.equal(kv[:, :, [36, 0]], kv[:, :, [4, 30]])
+
+
 def test_gpu_round_trip_is_bit_identical(monkeypatch):
     from tieredkv.transfer import cuda as transfer_cuda
     from tieredkv.transfer.cuda import CudaTransferEngine
