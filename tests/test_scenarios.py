@@ -317,28 +317,6 @@ def test_a_swapped_out_decode_comes_back_at_once_however_long_its_context(policy
     assert len(s.output_token_ids) == 3 and sim.kv.stats()["gpu_blocks_used"] == 0
 
 
-@pytest.mark.parametrize("policy, planned", [("fcfs", {"load": 2, "compute": 0}), ("ttft", {"load": 1, "compute": 1})])
-def test_loads_are_planned_behind_the_prefill_queue_only_where_a_sequence_waits_for_it(tmp_path, policy, planned):
-    """q's two stored blocks, with 12 tokens of another prompt's prefill left ahead of it (12 ms,
-    a block 4 ms to compute or read). First come, first served, q waits for that prefill, so
-    reading both blocks meanwhile costs it nothing. Ranked (`ttft`), q runs as soon as its own
-    work is the shortest, so its loads are split as on an idle GPU: planned behind the queue,
-    it would wait for the reads (`loading`) where computing a block was sooner."""
-    store_prompts(str(tmp_path))
-    sim = make_kv(16, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
-    sched = make_scheduler(sim, "recompute", BALANCED, max_num_batched_tokens=8, scheduling_policy=policy)
-    long = make_seq("long", range(50, 70), max_tokens=1)
-    sched.add(long)
-    run_step(sched, sim)  # 8 of its 20 tokens: 12 left
-    q = make_seq("q", list(range(9)), max_tokens=1)
-    sched.add(q)
-    sched.loads.plan(q, sched._prefill_backlog())
-    assert sched._prefill_backlog() == 12
-    assert {k: sched.loads.lower_prefix_blocks[k] for k in planned} == planned
-    run_until_done(sched, sim)
-    assert q.is_finished and long.is_finished
-
-
 def test_a_waiting_prefix_being_loaded_is_ranked_by_what_it_computes(tmp_path):
     """A waiting sequence whose lower-tier loads started ahead of its turn (prefetched while no
     sequence slot is free) is ranked, and counted in the GPU queue that later loads are planned

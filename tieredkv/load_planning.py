@@ -32,18 +32,11 @@ class LoadPlanner:
     """Chooses, for each admitted prefix, what to load and what to compute (TierPolicy's cost
     model at the queues of the moment) and learns the lower tier's load rate as requests see it."""
 
-    def __init__(self, kv: KVCacheManager, policy: TierPolicy, learn_rate: bool, behind_queue: bool = True) -> None:
+    def __init__(self, kv: KVCacheManager, policy: TierPolicy, learn_rate: bool) -> None:
         """`learn_rate`: follow the lower tier's observed load rate and latency from the
-        calibrated figures on (False: a cost model pinned in the config stays as pinned).
-        `behind_queue`: a sequence waits for the prefill queued ahead of it (`fcfs`), so loads
-        may take as long as that wait. False where prefills are ranked (`ttft`, `hrrn`): a
-        sequence whose prefix is loading is ranked by what it computes, so it runs as soon as
-        that is shortest, not behind the queue, and its loads are planned against an idle GPU
-        (planned behind the queue, they kept it waiting in `loading` for blocks it could have
-        computed sooner)."""
+        calibrated figures on (False: a cost model pinned in the config stays as pinned)."""
         self.kv = kv
         self.policy = policy
-        self.behind_queue = behind_queue
         cost = policy.cost
         learn = learn_rate and cost is not None and cost.disk_read_bytes_per_s is not None
         self.observed_loads = ObservedLoads(cost.disk_read_bytes_per_s, cost.read_latency_s) if learn else None
@@ -83,8 +76,7 @@ class LoadPlanner:
     def _plan(self, seq: Sequence, gpu_queue_tokens: Callable[[], int]) -> None:
         def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
             queued, plan = self.kv.lower_reads_in_flight(), self.policy.lower_blocks_to_compute
-            ahead = gpu_queue_tokens() if self.behind_queue else 0
-            compute = plan(num_blocks, first_token, queued, ahead, self.observed_loads)
+            compute = plan(num_blocks, first_token, queued, gpu_queue_tokens(), self.observed_loads)
             idle = plan(num_blocks, first_token, observed=self.observed_loads)
             self.lower_prefix_blocks["compute_for_queues"] += max(0, compute - idle)
             return compute

@@ -85,8 +85,7 @@ class Scheduler:
         self.num_preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
         self.num_swap_fallbacks = 0
         # what new sequences load and compute; a cost model pinned in the config stays as pinned
-        self.loads = LoadPlanner(kv, policy, learn_rate=config.cost_model is None,
-                                 behind_queue=config.scheduling_policy == "fcfs")
+        self.loads = LoadPlanner(kv, policy, learn_rate=config.cost_model is None)
         self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
         self.loaded_skipped_tokens = 0  # prefill tokens jumped over: their KV came from the lower tier
         self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed
