@@ -7,6 +7,7 @@ import random
 import pytest
 
 from tieredkv.policy import (
+    LOAD_MARGIN,
     CostModel,
     ObservedLoads,
     TierPolicy,
@@ -100,3 +101,28 @@ def test_cpu_hits_are_copied_in_unless_the_pcie_queue_makes_recompute_faster():
     assert promote_cpu_hits(10, 1000, 0, 4, cost)  # 10 ms of copies against 40 ms of prefill
     assert not promote_cpu_hits(10, 1000, 0, 4, cost, h2d_queue_bytes=40_000)  # 40 ms queued ahead
     assert promote_cpu_hits(10, 1000, 0, 4, None)
+
+
+def _split_by_scan(num_blocks, block_bytes, first_token, block_size, cost, lower_queue_bytes, gpu_queue_tokens):
+    """`split_lower_prefix` by trying every split (the reference for its bisection)."""
+    per_block = block_bytes / cost.disk_read_bytes_per_s + block_bytes / cost.h2d_bytes_per_s
+    load_wait = cost.read_latency_s + lower_queue_bytes / cost.disk_read_bytes_per_s
+
+    def finish_s(c):
+        load = load_wait + (num_blocks - c) * per_block if c < num_blocks else 0.0
+        return max(cost.recompute_s(gpu_queue_tokens) + cost.extend_s(first_token, c * block_size), load)
+
+    best = min(range(num_blocks + 1), key=finish_s)
+    margin = LOAD_MARGIN * cost.extend_s(first_token, num_blocks * block_size)
+    return best if finish_s(best) <= finish_s(num_blocks) - margin else num_blocks
+
+
+def test_the_split_found_by_bisection_is_the_best_of_every_split():
+    rng = random.Random(0)
+    for _ in range(3000):
+        cost = CostModel(rng.choice([1e9, 5e10, 1e15]), rng.choice([1e9, 5e10, 1e15]),
+                         rng.choice([0.0, 1e-6, 2e-5, 1e-3]), rng.choice([0.0, 6e-10, 1e-7]),
+                         rng.choice([1e3, 1e6, 1.5e9, 1e12]), rng.choice([0.0, 1e-3, 0.05]))
+        args = (rng.randint(0, 300), rng.choice([1, 8192, 2 << 20]), rng.randint(0, 60000), rng.choice([4, 16, 128]),
+                cost, rng.choice([0, 10 << 20, 1 << 30]), rng.choice([0, 100, 8192, 50000]))
+        assert split_lower_prefix(*args) == _split_by_scan(*args), args

@@ -115,12 +115,26 @@ def split_lower_prefix(
     load_wait = cost.read_latency_s + lower_queue_bytes / cost.disk_read_bytes_per_s
     gpu_wait = cost.recompute_s(gpu_queue_tokens)
 
-    def finish_s(c: int) -> float:
-        compute = gpu_wait + cost.extend_s(first_token, c * block_size)
-        load = load_wait + (num_blocks - c) * per_block_load if c < num_blocks else 0.0
-        return max(compute, load)
+    def compute_s(c: int) -> float:
+        return gpu_wait + cost.extend_s(first_token, c * block_size)
 
-    best = min(range(num_blocks + 1), key=finish_s)
+    def load_s(c: int) -> float:
+        return load_wait + (num_blocks - c) * per_block_load if c < num_blocks else 0.0
+
+    def finish_s(c: int) -> float:
+        return max(compute_s(c), load_s(c))
+
+    # computing takes longer the more blocks it covers, loading shorter: the split that finishes
+    # first is beside the first c whose compute is no shorter than its load (bisection: a plan
+    # is made on the engine loop, for prefixes of thousands of blocks)
+    lo, hi = 0, num_blocks
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if compute_s(mid) >= load_s(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    best = lo - 1 if lo > 0 and finish_s(lo - 1) <= finish_s(lo) else lo
     margin = LOAD_MARGIN * cost.extend_s(first_token, num_blocks * block_size)
     return best if finish_s(best) <= finish_s(num_blocks) - margin else num_blocks
 
