@@ -92,7 +92,6 @@ def run_step(sched: Scheduler, sim: SimKV, sample: Callable[[Sequence], int] = n
         start = item.seq.num_computed_tokens
         for pos in range(start, start + item.num_new_tokens):
             sim.gpu[:, :, table[pos // BS], pos % BS] = float(item.seq.token_ids[pos])
-    sched.prefetch()  # as the engine does beside the forward pass
     sched.update(out, [sample(seq) for seq in out.sampling])
     return out
 

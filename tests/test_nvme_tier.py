@@ -298,30 +298,3 @@ def test_a_policy_set_on_the_scheduler_is_the_one_loads_are_planned_by(tmp_path,
         assert llm.scheduler.loads.policy is llm.scheduler.policy
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
         assert llm.stats()["nvme_loaded_blocks"] > 0
-
-
-def test_a_waiting_requests_loads_start_while_the_step_runs(tmp_path, monkeypatch):
-    """Starting a waiting request's lower-tier loads ahead of its turn is host work no step
-    needs: the engine does it once the step's forward pass is launched (on a GPU it runs
-    meanwhile), before it waits for the logits, not before the launch."""
-    prompts = make_prompts(vocab_size=512)
-    with tiered_llm(tmp_path) as llm:  # closing writes every cached block the disk lacks
-        llm.generate(prompts, GREEDY, use_tqdm=False)
-    with tiered_llm(tmp_path, max_num_seqs=1) as llm:
-        llm.add_request(prompts[0], GREEDY, "running")
-        llm.step()
-        llm.add_request(prompts[1], GREEDY, "waiting")  # no slot: it waits
-        waiting = llm.scheduler.waiting[0]
-        planned_at = {}
-
-        def spy(name, call):
-            def spied(*args, **kwargs):
-                planned_at[name] = llm.kv.lower.planned(waiting.seq_id)
-                return call(*args, **kwargs)
-            return spied
-
-        monkeypatch.setattr(llm.runner, "execute", spy("launch", llm.runner.execute))
-        monkeypatch.setattr(llm.decoder, "process", spy("sampling", llm.decoder.process))
-        llm.step()
-        assert waiting in llm.scheduler.waiting and llm.kv.tokens_to_load(waiting) > 0
-        assert planned_at == {"launch": False, "sampling": True}

@@ -276,8 +276,6 @@ class LLMEngine:
         with self._timed("loop_schedule_s"):
             batch = self.scheduler.schedule()
         if not batch.scheduled:
-            with self._timed("loop_schedule_s"):
-                self.scheduler.prefetch()
             if self.has_unfinished():  # everything waits for NVMe reads: let their threads run
                 with self._timed("loop_idle_s"):
                     time.sleep(IO_WAIT_S)
@@ -287,11 +285,7 @@ class LLMEngine:
             self.kv.before_forward()
         start = time.perf_counter()
         with self._timed("loop_model_s"):
-            launched = self._launch(batch, tables)
-        with self._timed("loop_schedule_s"):  # beside the step the GPU runs now
-            self.scheduler.prefetch()
-        with self._timed("loop_model_s"):
-            news = self._sample(batch, launched)
+            news = self._forward(batch, tables)
         self._longest_step_s = max(self._longest_step_s, time.perf_counter() - start)
         outputs = [self._output(seq) for seq in news]
         for out in outputs:
@@ -299,23 +293,18 @@ class LLMEngine:
                 self._counters["requests_finished"] += 1
         return outputs
 
-    def _launch(self, batch: SchedulerOutput, tables: list[list[int]]) -> torch.Tensor | list:
-        """Start the batch's forward pass (on a GPU it runs on while the host goes on) and book
-        its tokens as computed; its logits, or a tensor-parallel engine's drawn tokens."""
+    def _forward(self, batch: SchedulerOutput, tables: list[list[int]]) -> list[Seq]:
+        """Run the batch's forward pass and sample; the sequences that got news."""
         self.runner.copy_blocks(self.kv.take_block_copies())  # copy-on-write, before the writes
         if isinstance(self.runner, Workers):  # rank 0 draws where the logits are, as the decoder would
-            launched = self.runner.execute(batch.scheduled, tables, batch.sampling, self.decoder.draws(batch.sampling))
-        else:
-            launched = self.runner.execute(batch.scheduled, tables)
+            drawn = self.runner.execute(batch.scheduled, tables, batch.sampling, self.decoder.draws(batch.sampling))
+            self._count(batch)
+            self.scheduler.advance(batch)
+            return self.decoder.append(batch.sampling, drawn)
+        logits = self.runner.execute(batch.scheduled, tables)
         self._count(batch)  # before `advance` moves the sequences on
         self.scheduler.advance(batch)
-        return launched
-
-    def _sample(self, batch: SchedulerOutput, launched: torch.Tensor | list) -> list[Seq]:
-        """Sample from the launched pass (waiting for it); the sequences that got news."""
-        if isinstance(self.runner, Workers):
-            return self.decoder.append(batch.sampling, launched)
-        return self.decoder.process(batch.sampling, launched)
+        return self.decoder.process(batch.sampling, logits)
 
     @contextlib.contextmanager
     def _timed(self, key: str) -> Iterator[None]:

@@ -111,6 +111,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.loads.learn(self._last_scheduled)
+        if self.waiting:
+            self.loads.prefetch(self.waiting, self._prefill_backlog(), self.ranking.to_compute)
         ranked = self.config.scheduling_policy != "fcfs"
         prefilling: list[Sequence] | None = [] if ranked else None  # decodes first, prefills later
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
@@ -128,13 +130,6 @@ class Scheduler:
         self._last_scheduled = {s.seq.seq_id for s in out.scheduled}
         self.phases.mark(self._last_scheduled, itertools.chain(self.running, self.waiting, self.swapped))
         return out
-
-    def prefetch(self) -> None:
-        """Start the lower-tier loads of the first waiting sequences ahead of their turn
-        (`LoadPlanner.prefetch`, each planned once per stay). Host work that no step needs:
-        the engine does it while the GPU runs a step (or when none runs), not before one."""
-        if self.waiting:
-            self.loads.prefetch(self.waiting, self._prefill_backlog(), self.ranking.to_compute)
 
     def update(self, batch: SchedulerOutput, sampled_tokens: list[int]) -> list[Sequence]:
         """Book a finished forward pass: the scheduled tokens are computed (their full blocks
