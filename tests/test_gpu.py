@@ -49,8 +49,8 @@ def test_gpu_large_cache_and_cpu_prefix_hits(reference_outputs):
 
 def test_gpu_the_block_copies_compile_when_the_transfer_engine_is_made():
     """A fresh engine's first CPU hit or lower-tier load waited ~0.4 s for Triton to compile
-    the scatter (issue #29): both copies compile when the transfer engine is made, and its first
-    jobs compile nothing. The block shape is this test's own, so no other test compiled it."""
+    the scatter: both copies compile when the transfer engine is made, and its first jobs
+    compile nothing. The block shape is this test's own, so no other test compiled it."""
     from tieredkv.kernels.block_copy import _copy_blocks_kernel
 
     from tieredkv.transfer.cuda import CudaTransferEngine

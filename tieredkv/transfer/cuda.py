@@ -61,7 +61,7 @@ class CudaTransferEngine(TransferEngine):
         """Launch the gather and the scatter once on a block id outside the cache, which they
         skip (nothing is read or written), so that Triton compiles them now. Compiled at their
         first use instead, they cost a fresh engine's first CPU hit or lower-tier load ~0.4 s
-        (the scatter) and its first demotion ~0.1 s (the gather), on an H100 (issue #29)."""
+        (the scatter) and its first demotion ~0.1 s (the gather), on an H100."""
         nowhere = torch.full((1,), -1, dtype=torch.int64, device=self.kv_cache.device)
         gather_blocks(self.kv_cache, nowhere, self.d2h.slots[0][:1], self.copy_programs)
         scatter_blocks(self.h2d.slots[0][:1], self.kv_cache, nowhere, self.copy_programs)

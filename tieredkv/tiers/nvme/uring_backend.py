@@ -1,11 +1,11 @@
 """The io_uring backend of the NVMe store, through the liburing Python bindings.
 
 `submit` prepares one readv/writev SQE per request over an `Iovec` of the caller's buffers
-(no copy) and enters the kernel once per batch. Every SQE is marked IOSQE_ASYNC: the kernel hands
-it to its own workers instead of starting the transfer inside `io_uring_submit`, which these
-bindings call holding the GIL (a 2 MiB write done inline held it 100-300 us, stalling the engine
-loop; marked, the call returns in a few us); at most `queue_depth` requests are in the
-ring, the rest wait in a backlog that completions drain. The kernel signals completions on an
+(no copy) and enters the kernel once per batch; at most `queue_depth` requests are in the
+ring, the rest wait in a backlog that completions drain. Every SQE is marked IOSQE_ASYNC, so
+the kernel's workers start the transfer: these bindings call `io_uring_submit` holding the GIL,
+and a 2 MiB request started inside it held the GIL 100-300 us, stalling the engine loop
+(marked, the call returns in a few us). The kernel signals completions on an
 eventfd registered with the ring: `reap` sleeps in select() on it (releasing the GIL whatever
 the bindings do) and drains the completion queue with `CqeIter` and one `io_uring_cq_advance`
 (in these bindings `cqe[i]` does not wrap around the ring, so it is never indexed past 0).
