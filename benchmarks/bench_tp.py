@@ -374,9 +374,9 @@ def main() -> None:
         records.append(report(f"TP=2 prefill, {args.prefill_seqs} x {args.context} tokens", tokens / two[1], "tok/s",
                               2 * tokens / one[1], "twice TP=1"))
         print(f"  TP=2 speed-up over TP=1 (prefill): {one[1] / two[1]:.2f}x")
-        alone = collectives(llm, decode, prefill, args, records, {"decode": two[0], "prefill": two[1]})
+        all_reduce_s = collectives(llm, decode, prefill, args, records, {"decode": two[0], "prefill": two[1]})
         swap_bandwidth(llm, swap_bytes, records)
-    nccl = NCCLFigures(two[0], two[1], alone["alone"], alone["graphed"], floor2)
+    nccl = NCCLFigures(two[0], two[1], all_reduce_s["alone"], all_reduce_s["graphed"], floor2)
     one_shot(args.model, num_blocks, decode, prefill, args, records, nccl)
     write_json(args.json, records)
 
