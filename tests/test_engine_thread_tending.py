@@ -12,7 +12,6 @@ import threading
 import time
 
 from tieredkv.engine_core import NewRequest
-from tieredkv.engine_core import thread as thread_core
 from tieredkv.engine_core.child import EngineLoop
 from tieredkv.engine_core.messages import Shutdown
 from tieredkv.engine_core.thread import ThreadCore
@@ -22,8 +21,9 @@ from tieredkv.sampling import SamplingParams
 class TendingEngine:
     """One step per request; then `tend_tiers` says I/O is in flight `busy_tends` times."""
 
-    def __init__(self, busy_tends: int) -> None:
+    def __init__(self, busy_tends: int, tend_again_s: float = 0.005) -> None:
         self.busy_tends = busy_tends
+        self.tend_again_s = tend_again_s
         self.tends = 0
         self.steps = 0
         self._unfinished = 0
@@ -39,9 +39,9 @@ class TendingEngine:
         self._unfinished = 0
         return []
 
-    def tend_tiers(self) -> bool:
+    def tend_tiers(self) -> float | None:
         self.tends += 1
-        return self.tends <= self.busy_tends
+        return self.tend_again_s if self.tends <= self.busy_tends else None
 
 
 class Sink:
@@ -88,9 +88,8 @@ async def test_drained_stops_the_tending_at_once():
     assert engine.tends == tends  # the thread is gone
 
 
-async def test_a_request_handed_over_while_the_thread_tends_is_taken_at_once(monkeypatch):
-    monkeypatch.setattr(thread_core, "TEND_EVERY_S", 30.0)  # a tending pause far longer than the test
-    engine = TendingEngine(busy_tends=10**9)
+async def test_a_request_handed_over_while_the_thread_tends_is_taken_at_once():
+    engine = TendingEngine(busy_tends=10**9, tend_again_s=30.0)  # a tending pause far longer than the test
     core = ThreadCore(engine, Sink())
     core.add(request(0))
     await wait_for(lambda: engine.tends >= 1)  # the thread is in its tending pause

@@ -156,7 +156,7 @@ def test_tending_with_no_step_books_what_the_disk_finished_and_writes_on(tmp_pat
     assert not sched.has_unfinished() and before["nvme_write_backlog"] > 0 and before["nvme_spilled_blocks"] == 0
     disk.stuck.set()  # the disk is back; no request comes, no step runs
     deadline = time.monotonic() + WAIT_S
-    while sim.kv.tend():
+    while sim.kv.tend() is not None:
         assert time.monotonic() < deadline, "the tiers' I/O never settled"
         time.sleep(0.005)
     after = sim.kv.stats()
@@ -297,13 +297,13 @@ def test_a_burst_of_demotions_stages_the_last_ones_the_heads_of_chains_evicted_t
 def test_between_requests_the_tiers_are_tended_until_their_writes_are_done():
     offload, store = full_tier_behind_a_burst()
     kv = KVCacheManager(64, BLOCK_SHAPE[2], 7, offload)
-    assert kv.tend()  # no step runs, but writes are in flight and a copy waits for the disk
+    assert kv.tend() == 0  # no step runs, but writes are in flight and a copy waits for the disk
     for _ in range(10):
         store.release()
-        if not kv.tend():
+        if kv.tend() is None:
             break
-    assert not kv.tend() and 900 in store.writes  # written with no step, and nothing left in flight
-    assert KVCacheManager(64, BLOCK_SHAPE[2], 7).tend() is False  # no tiers below the GPU: nothing to tend
+    assert kv.tend() is None and 900 in store.writes  # written with no step, and nothing left in flight
+    assert KVCacheManager(64, BLOCK_SHAPE[2], 7).tend() is None  # no tiers below the GPU: nothing to tend
 
 
 def test_only_transfers_that_finish_between_steps_keep_the_tiers_tended():
@@ -474,3 +474,19 @@ def test_a_request_s_own_reads_do_not_evict_its_cpu_hits():
     empty = pool.num_free - len(hits)  # (less the spill's staging block)
     assert lower.plan("r", [ref(h) for h in range(3, 20)], load_from=32, hits=hits) == empty
     assert all(pool.lookup(h, parent_of(h), tokens_of(h)) is b for h, b in zip((1, 2), hits, strict=True))
+
+
+def test_an_idle_engine_tends_a_hung_tier_less_and_less_often(monkeypatch):
+    from tieredkv import LLM
+    from tieredkv.engine import MAX_TEND_EVERY_S, TEND_EVERY_S
+
+    with LLM(model="tiny-llama", block_size=4, num_gpu_blocks=32) as llm:
+        finished = [0]  # what each tend finds finished; the tier's I/O stays in flight throughout
+        monkeypatch.setattr(llm.kv, "tend", lambda: finished[0])
+        waits = [llm.tend_tiers() for _ in range(12)]
+        assert waits[:3] == [2 * TEND_EVERY_S, 4 * TEND_EVERY_S, 8 * TEND_EVERY_S]  # nothing finished
+        assert waits[-1] == MAX_TEND_EVERY_S and max(waits) == MAX_TEND_EVERY_S
+        finished[0] = 3  # the disk is back: the loop tends at its short pace again
+        assert llm.tend_tiers() == TEND_EVERY_S
+        finished[0] = None  # nothing left in flight
+        assert llm.tend_tiers() is None

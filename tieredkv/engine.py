@@ -4,7 +4,7 @@ Operations:
 - `LLMEngine.add_request(prompt, params)`: validate and queue a request (ValueError if it can
   never run).
 - `LLMEngine.step()`: schedule, run one packed forward pass, sample, retire finished requests;
-  `tend_tiers()`: with no request, let the tiers' I/O go on.
+  `tend_tiers()`: with no request, let the tiers' I/O go on (how long to wait before the next call).
 - `LLM.generate(prompts, params)`: run a batch to completion with a progress bar.
 - `LLM.beam_search(prompts, params)`: beam search of each prompt, its candidates best first.
 """
@@ -55,7 +55,10 @@ logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 256
 IO_WAIT_S = 0.0005  # a step with nothing to run sleeps this long (releases the GIL to the I/O threads)
-TEND_EVERY_S = 0.005  # with no request, the engine loop tends the tiers this often while their I/O goes on
+# with no request, the engine loop tends the tiers this often while their I/O goes on; twice as
+# long after each tend that found nothing finished (a disk that hangs), up to MAX_TEND_EVERY_S
+TEND_EVERY_S = 0.005
+MAX_TEND_EVERY_S = 0.5
 # where the engine loop's time goes, cumulative seconds in stats(): scheduling; tier bookkeeping
 # (retiring transfers, block tables, submitting demotions and spills); the model (block copies,
 # forward pass, sampling); waiting with nothing to run (lower-tier reads in flight)
@@ -108,6 +111,7 @@ class LLMEngine:
         self._counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0}
         self._loop_s = dict.fromkeys(LOOP_STATS, 0.0)
         self._longest_step_s = 0.0  # one step's forward pass and sampling: a stall shows here
+        self._tend_every_s = TEND_EVERY_S  # how long the idle loop waits between two tends
         self._closed = False
 
     @property
@@ -259,18 +263,25 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def tend_tiers(self) -> bool:
+    def tend_tiers(self) -> float | None:
         """With no request to step: let the tiers' I/O go on (writes to disk waiting for a step
-        would wait until the next request); whether it still does (call again after
-        `TEND_EVERY_S`)."""
+        would wait until the next request). None once it is done; else the seconds to wait
+        before calling again: `TEND_EVERY_S` while I/O finishes, twice as long after each call
+        that found none finished (up to `MAX_TEND_EVERY_S`)."""
         with self._timed("loop_tiers_s"):
-            return self.kv.tend()
+            finished = self.kv.tend()
+        if finished is None:
+            self._tend_every_s = TEND_EVERY_S
+            return None
+        self._tend_every_s = TEND_EVERY_S if finished else min(2 * self._tend_every_s, MAX_TEND_EVERY_S)
+        return self._tend_every_s
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step and forward pass; outputs of the requests that got a token (a
         beam search: of those that ended)."""
+        self._tend_every_s = TEND_EVERY_S
         with self._timed("loop_tiers_s"):
             self.kv.retire()
         with self._timed("loop_schedule_s"):

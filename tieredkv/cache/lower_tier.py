@@ -328,13 +328,17 @@ class LowerTier:
 
     # ------------------------------------------------------------------ steps
 
-    def retire(self) -> None:
-        """Book the finished reads (and writes), then spill ahead if no read is in flight."""
-        for job, ok in self.spill.poll():
+    def retire(self) -> int:
+        """Book the finished reads (and writes), then spill ahead if no read is in flight; how
+        many reads and writes finished."""
+        written = self.spill.writes_finished
+        reads = self.spill.poll()
+        for job, ok in reads:
             self._finish_read(job, ok)
         if self._reads:
             self._give_up_stalled()
         self.spill.spill_ahead(len(self._reads))
+        return len(reads) + self.spill.writes_finished - written
 
     def stats(self) -> dict[str, int | str]:
         """The `nvme_*` counters (they name whatever sits below the CPU tier)."""

@@ -412,22 +412,22 @@ class KVCacheManager:
         self.offload.drain()  # finished transfers still hold blocks until retired
         return self.pool.drop_unowned() + self.offload.pool.drop_unowned()
 
-    def retire(self) -> None:
+    def retire(self) -> int:
         """Start a step: release what finished transfers held; last step's copies-in are no
-        longer landing (this step's forward pass waits for them)."""
+        longer landing (this step's forward pass waits for them). How many transfers and
+        lower-tier jobs finished."""
         self._landing_jobs.clear()
         self._landing_blocks.clear()
-        if self.offload:
-            self.offload.retire()
+        return self.offload.retire() if self.offload else 0
 
-    def tend(self) -> bool:
+    def tend(self) -> int | None:
         """Between requests (no step runs): book finished transfers and tier I/O, so that copies
-        waiting for the disk are written and cold blocks spilled while it is free; whether tier
-        work is still in flight (ask again a little later)."""
+        waiting for the disk are written and cold blocks spilled while it is free. None once no
+        tier work is in flight; else how many jobs finished (ask again a little later)."""
         if not self.offload:
-            return False
-        self.retire()
-        return self.offload.busy
+            return None
+        finished = self.retire()
+        return finished if self.offload.busy else None
 
     def before_forward(self) -> None:
         """Submit queued demotions and order the next forward pass after pending transfers

@@ -174,12 +174,13 @@ class CPUOffload:
             return None
         return cpu_blocks
 
-    def retire(self) -> None:
-        for job_id in self.transfers.poll():
+    def retire(self) -> int:
+        """Book finished transfers and lower-tier I/O; how many finished."""
+        finished = self.transfers.poll()
+        for job_id in finished:
             self._copies_in.pop(job_id, None)
             self._release_held(job_id)
-        if self.lower is not None:
-            self.lower.retire()
+        return len(finished) + (self.lower.retire() if self.lower is not None else 0)
 
     def _release_held(self, job_id: int) -> None:
         """A transfer finished: release its CPU blocks; staged ones go on to the lower tier."""

@@ -81,6 +81,7 @@ class Spill:
         self._failures = 0  # failed writes in a row
         self._pause_s, self._paused_until = PAUSE_FIRST_S, 0.0
         self.spilled_blocks = 0
+        self.writes_finished = 0  # writes booked, failed ones too
         self.skipped_blocks = 0  # found on disk already: not written again
         self.staged_blocks = 0
         self.staging_full = 0  # demotions dropped before their copy: every staging block busy
@@ -261,6 +262,7 @@ class Spill:
         return reads
 
     def _wrote_job(self, job: int, ok: bool) -> None:
+        self.writes_finished += 1
         self.spilled_blocks += ok
         self._count_outcome(ok)
         self._release(*self._writes.pop(job), ok)

@@ -15,7 +15,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from tieredkv.config import EngineConfig
-from tieredkv.engine import TEND_EVERY_S, LLMEngine
+from tieredkv.engine import LLMEngine
 from tieredkv.engine_core import NewRequest
 from tieredkv.engine_core.deltas import DeltaEncoder
 from tieredkv.engine_core.info import EngineInfo
@@ -75,9 +75,9 @@ class EngineLoop:
     def run(self) -> None:
         while True:
             busy = self.engine.has_unfinished()
-            tending = not busy and self.engine.tend_tiers()  # the tiers' I/O goes on between requests
+            tend_again_s = None if busy else self.engine.tend_tiers()  # the tiers' I/O goes on between requests
             outputs: list[RequestOutput] = []
-            for message in self._arrived(block=not busy, timeout=TEND_EVERY_S if tending else None):
+            for message in self._arrived(block=not busy, timeout=tend_again_s):
                 if isinstance(message, Shutdown):
                     return
                 outputs += self._apply(message)

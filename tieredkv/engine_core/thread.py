@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Any
 
-from tieredkv.engine import TEND_EVERY_S, LLMEngine
+from tieredkv.engine import LLMEngine
 from tieredkv.engine_core import NewRequest, OutputSink
 from tieredkv.outputs import RequestOutput
 
@@ -115,8 +115,8 @@ class ThreadCore:
             if resets:
                 loop.call_soon_threadsafe(_settle, resets, self.engine.reset_prefix_cache())
             if not self.engine.has_unfinished():
-                if self._tending() and self.engine.tend_tiers():
-                    self._wake.wait(TEND_EVERY_S)
+                if self._tending() and (tend_again_s := self.engine.tend_tiers()) is not None:
+                    self._wake.wait(tend_again_s)
                     continue
                 if self._idle():
                     return
