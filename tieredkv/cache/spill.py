@@ -19,10 +19,10 @@ it admits by frequency (its counts, `replacement.py`):
 Writes never wait and never crowd out reads: once `MAX_WRITES_IN_FLIGHT` writes are in flight,
 or `MAX_WRITES_BESIDE_READS` while reads are (spill-ahead only with no read in flight), the disk
 is behind and nothing more is submitted to it: a spill-ahead is dropped, a staged copy waits in
-its staging block (and is dropped, counted, when a newer one takes that block); after repeated failed writes (a full or lost disk) spilling pauses, for longer each
-time, and says so once. A write the store refuses without starting it (its policy keeps the
-victim, every slot is busy, it is down) is no fault: spill-ahead passes over that block for
-`REFUSED_RETRY_S`.
+its staging block (and is dropped, counted, when a newer one takes that block); after repeated
+failed writes (a full or lost disk) spilling pauses, for longer each time, and says so once. A
+write the store refuses without starting it (its policy keeps the victim, every slot is busy,
+it is down) is no fault: spill-ahead passes over that block for `REFUSED_RETRY_S`.
 `poll() -> [(job, ok)]`: the store's finished reads (finished writes are booked here).
 """
 
