@@ -21,7 +21,7 @@ from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.lower_tier import LowerTier
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
-from tieredkv.cache.spill import MAX_WRITES_BESIDE_READS, MAX_WRITES_IN_FLIGHT, Spill
+from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, Spill
 from tieredkv.replacement import AdmitAll
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.cpu import CPUTier
@@ -229,9 +229,10 @@ def test_spills_are_dropped_not_queued_when_the_store_is_behind():
     assert len(store.writes) == MAX_WRITES_IN_FLIGHT and spill.staged_waited == 1  # not queued on the disk
     store.release()
     assert spill.poll() == [] and spill.writes_in_flight == 0  # the writes were booked
-    spill.spill_ahead(reads_in_flight=1)  # beside reads: the waiting copy is written, no spill-ahead
-    assert store.writes[MAX_WRITES_IN_FLIGHT:] == [ref(7).block_hash] and spill.writes_in_flight == 1
-    spill.spill_ahead(reads_in_flight=0)  # the reads are done: spill-ahead up to the bound
+    spill.spill_ahead(reads_in_flight=1)
+    assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # no write beside a read, not even the waiting copy
+    spill.spill_ahead(reads_in_flight=0)  # the reads are done: the waiting copy goes first, then spill-ahead
+    assert store.writes[MAX_WRITES_IN_FLIGHT] == ref(7).block_hash
     assert len(store.writes) == 2 * MAX_WRITES_IN_FLIGHT and spill.writes_in_flight == MAX_WRITES_IN_FLIGHT
     assert spill.dropped == 0
 
@@ -242,19 +243,14 @@ def test_staged_copies_wait_for_the_disk_newest_first_and_the_oldest_make_way():
     spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)), AdmitAll())
     staged = [spill.stage(reads_in_flight=1) for _ in range(8)]
     for i, block in enumerate(staged):
-        spill.write_staged(block, ref(100 + i), reads_in_flight=1)  # reads in flight: a few writes, then wait
-    beside = [100 + i for i in range(MAX_WRITES_BESIDE_READS)]
-    assert store.writes == beside and spill.staged_waited == 8 - MAX_WRITES_BESIDE_READS
-    # every staging block holds a copy, written or waiting: the oldest waiting one makes way
+        spill.write_staged(block, ref(100 + i), reads_in_flight=1)  # reads in flight: all eight wait
+    assert store.writes == [] and spill.staged_waited == 8 and spill.held_blocks == 8
+    # every staging block holds a waiting copy: the oldest gives its block to a new demotion
     newest = spill.stage(reads_in_flight=1)
-    assert newest is staged[MAX_WRITES_BESIDE_READS] and spill.dropped == 1
+    assert newest is staged[0] and spill.dropped == 1
     spill.write_staged(newest, ref(200), reads_in_flight=1)
-    store.release()
-    assert spill.poll() == []  # the writes beside the reads are done: their staging blocks are free
     spill.spill_ahead(reads_in_flight=0)  # no read in flight: newest first, up to the bound
-    assert store.writes == beside + [200] + [100 + i for i in range(7, MAX_WRITES_BESIDE_READS, -1)]
-    for i in range(MAX_WRITES_BESIDE_READS):  # the free staging blocks take new demotions, written at once
-        spill.write_staged(spill.stage(reads_in_flight=0), ref(300 + i), reads_in_flight=0)
+    assert store.writes == [200] + [100 + i for i in range(7, 0, -1)]
     # every staging block is being written: a demotion is dropped before its copy
     assert spill.stage(reads_in_flight=0) is None and (spill.dropped, spill.staging_full) == (2, 1)
     store.release()

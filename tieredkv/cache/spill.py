@@ -11,18 +11,18 @@ it admits by frequency (its counts, `replacement.py`):
   a demotion the full CPU tier turned down but the disk should keep passes through one of a
   few staging blocks of the CPU tier on its way down; a copy that lands while the disk is
   behind waits in its staging block, not in the disk's queue. Waiting copies are written
-  newest first (before any spill-ahead) as the disk has room, and with every staging
+  newest first (before any spill-ahead) once no read is in flight, and with every staging
   block taken the oldest waiting copy makes way for a new one: a chain is evicted tail first,
   so what is written first, and kept longest, is the head every later hit needs;
 - `persist()`: at shutdown, every cached CPU block, so that a restart finds them on disk.
 
-Writes never wait and never crowd out reads: once `MAX_WRITES_IN_FLIGHT` writes are in flight,
-or `MAX_WRITES_BESIDE_READS` while reads are (spill-ahead only with no read in flight), the disk
-is behind and nothing more is submitted to it: a spill-ahead is dropped, a staged copy waits in
-its staging block (and is dropped, counted, when a newer one takes that block); after repeated
-failed writes (a full or lost disk) spilling pauses, for longer each time, and says so once. A
-write the store refuses without starting it (its policy keeps the victim, every slot is busy,
-it is down) is no fault: spill-ahead passes over that block for `REFUSED_RETRY_S`.
+Writes never wait and never crowd out reads: while reads are in flight, or `MAX_WRITES_IN_FLIGHT`
+writes are, the disk is behind and nothing is submitted to it: a spill-ahead is dropped, a
+staged copy waits in its staging block (and is dropped, counted, when a newer one takes that
+block); after repeated failed writes (a full or lost disk) spilling pauses, for longer each
+time, and says so once. A write the store refuses without starting it (its policy keeps the
+victim, every slot is busy, it is down) is no fault: spill-ahead passes over that block for
+`REFUSED_RETRY_S`.
 `poll() -> [(job, ok)]`: the store's finished reads (finished writes are booked here).
 """
 
@@ -41,11 +41,6 @@ from tieredkv.tiers.backend import BlockRef, BlockStore
 logger = logging.getLogger(__name__)
 
 MAX_WRITES_IN_FLIGHT = 16  # keeps the disk busy at the store's queue depth; more would queue
-# while reads are in flight the disk takes only this many writes beside them, staged copies only:
-# reads are in flight at nearly every step of a busy engine, and writing nothing then dropped
-# most copies bound for disk (multi_turn_8b on an H200: 33k of 38k), whose misses came back as
-# the longest prefills; a few writes take a small share of the disk from the reads
-MAX_WRITES_BESIDE_READS = 4
 WORTH_WRITING = 2  # requests a block must have had: the one that computed it, and one more
 STAGING_FRACTION = 16  # 1/16 of the CPU tier stages blocks on their way to disk
 MAX_STAGING_BLOCKS = 256
@@ -99,11 +94,9 @@ class Spill:
         return not self.admission.selective or self.admission.count(block_hash) >= WORTH_WRITING
 
     def behind(self, reads_in_flight: int) -> bool:
-        """True when a write now would queue or crowd out reads: `MAX_WRITES_IN_FLIGHT` writes
-        are in flight, or `MAX_WRITES_BESIDE_READS` while reads are (they come first), or
-        spilling pauses after failed writes."""
-        limit = MAX_WRITES_BESIDE_READS if reads_in_flight else MAX_WRITES_IN_FLIGHT
-        return len(self._writes) >= limit or self.paused
+        """True when a write now would queue: reads are in flight (they come first), the write
+        bound is reached, or spilling pauses after failed writes."""
+        return reads_in_flight > 0 or len(self._writes) >= MAX_WRITES_IN_FLIGHT or self.paused
 
     @property
     def paused(self) -> bool:
@@ -148,9 +141,8 @@ class Spill:
         self._staging.append(block)
 
     def spill_ahead(self, reads_in_flight: int) -> None:
-        """Write the waiting staged copies, then, with no read in flight, the coldest blocks."""
         self._write_waiting(reads_in_flight)
-        if not reads_in_flight and not self.behind(0):
+        if not self.behind(reads_in_flight):
             self._spill(itertools.islice(self.cpu_pool.cold_blocks(), self.window), closing=False)
 
     def persist(self) -> None:
