@@ -205,7 +205,7 @@ class Scheduler:
     def _next_chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens a running sequence computes this step, after jumping over the prefix tokens
         its lower-tier loads brought (0 while their copy to the GPU lands)."""
-        skipped, landing = self.kv.land_loads(seq, keep_free=self._decode_reserve())
+        skipped, landing = self.kv.land_loads(seq)
         if skipped:
             seq.num_computed_tokens += skipped
             self.loaded_skipped_tokens += skipped
@@ -270,9 +270,8 @@ class Scheduler:
         return False
 
     def _decode_reserve(self) -> int:
-        """GPU blocks a sequence's prefill (admitted, swapped back in, a chunk of a running
-        prefill, or its loaded prefix blocks landing) leaves free: one for each running decode,
-        whose next block it is. Without them
+        """GPU blocks a sequence's prefill (admitted, swapped back in, or a chunk of a running
+        prefill) leaves free: one for each running decode, whose next block it is. Without them
         a long prompt admitted with its cached prefix took the blocks the decodes grew into the
         next step, and the newest running sequence, often that prompt, was preempted. None
         without `decode_reserve`."""

@@ -202,12 +202,11 @@ class KVCacheManager:
             return 0
         return n  # landed before admission: `allocate` promotes them as CPU hits
 
-    def land_loads(self, seq: Sequence, keep_free: int = 0) -> Landed:
+    def land_loads(self, seq: Sequence) -> Landed:
         """For a running sequence that reached its lower-tier prefix blocks and whose reads have
         all finished: copy the blocks that arrived intact from the CPU tier into its next GPU
-        blocks (none if the GPU pool is short of them and `keep_free` blocks more: it computes
-        those tokens); the tokens it jumps over. Its load plan is done then. Nothing happens
-        before, or for a sequence without loads."""
+        blocks (none if the GPU pool is short); the tokens it jumps over. Its load plan is done
+        then. Nothing happens before, or for a sequence without loads."""
         load_from = self.lower.load_from(seq.seq_id) if self.lower is not None else None
         if load_from is None or seq.num_computed_tokens < load_from or self.lower.arriving(seq.seq_id):
             return Landed()
@@ -217,14 +216,14 @@ class KVCacheManager:
             found = []
         else:
             found = self.keys.found_run(seq, self.keys.hit_candidates(seq), self.offload.pool, start)
-        skipped = self._copy_loaded(seq, start, found, keep_free) if found else 0
+        skipped = self._copy_loaded(seq, start, found) if found else 0
         self.lower.landed(seq.seq_id)
         return Landed(skipped * bs, skipped > 0)
 
-    def _copy_loaded(self, seq: Sequence, start: int, cpu_blocks: list[Block], keep_free: int) -> int:
+    def _copy_loaded(self, seq: Sequence, start: int, cpu_blocks: list[Block]) -> int:
         table = self.tables.blocks(seq.seq_id)
         need = start + len(cpu_blocks) - len(table)
-        if need + keep_free > self.pool.num_free:
+        if need > self.pool.num_free:
             return 0
         for block in cpu_blocks:
             self.offload.pool.touch(block)
