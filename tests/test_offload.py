@@ -86,7 +86,7 @@ def test_a_promoted_prefix_computes_a_step_later_beside_its_copy(reference_outpu
 def test_cpu_pool_exhaustion_falls_back_to_recompute(reference_outputs):
     prompts = make_prompts(vocab_size=512)
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
-    llm = pressured_llm("tiny-llama", "swap", cpu_bytes=4 * 8 * 1024)  # room for 4 blocks only
+    llm = pressured_llm("tiny-llama", "swap", cpu_bytes=8 * 8 * 1024)  # room for 8 blocks only
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
     stats = llm.stats()

@@ -145,30 +145,6 @@ def test_decodes_get_a_token_every_step_beside_long_prefills(policy):
                 assert s.num_output_tokens == before[s.request_id] + 1, f"{s.request_id} missed step {step}"
 
 
-def decodes_then_a_prompt_that_fills_the_pool(policy: str, decode_reserve: bool) -> list:
-    """Two sequences decoding in a 20-block pool (4-token blocks), then a 56-token prompt that
-    would take every block they leave free; every step's preempted sequences."""
-    sim = make_kv(20)
-    sched = make_scheduler(sim, max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy=policy,
-                           decode_reserve=decode_reserve)
-    for rid in ("a", "b"):
-        sched.add(make_seq(rid, range(8 * len(rid) + ord(rid), 8 * len(rid) + ord(rid) + 8), max_tokens=12))
-    preempted = [run_step(sched, sim).preempted for _ in range(2)]  # both prefilled, decoding
-    sched.add(make_seq("c", range(500, 556), max_tokens=4))
-    while sched.has_unfinished():
-        preempted.append(run_step(sched, sim).preempted)
-        assert len(preempted) < 100
-    return [p for step in preempted for p in step]
-
-
-@pytest.mark.parametrize("policy", ["ttft", "fcfs"])
-def test_a_prompt_is_admitted_only_with_a_block_left_for_each_decode(policy):
-    """Admitting the prompt into every free block preempted a decode (or the prompt) as soon as
-    one needed its next block; a block kept free for each decode (the default) avoids it."""
-    assert decodes_then_a_prompt_that_fills_the_pool(policy, decode_reserve=True) == []
-    assert decodes_then_a_prompt_that_fills_the_pool(policy, decode_reserve=False) != []
-
-
 def aging_scenario(aging: float, steps: int) -> int | None:
     """A 256-token prompt, then two 40-token prompts every step (80 tokens wanted a step, 64
     given): the step at which the long prompt got its first token (None: not within `steps`)."""

@@ -50,14 +50,14 @@ def test_a_restart_finds_blocks_staged_by_a_cpu_tier_of_four_blocks(tmp_path, re
     prompts = make_prompts(vocab_size=512)
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     write_only = {"cost_model": {**LOAD_WINS, "disk_read_bytes_per_s": 1.0}}
-    with tiny_llm(tmp_path, 4, cpu_policy="tinylfu", scheduler=write_only, num_gpu_blocks=24) as llm:
+    with tiny_llm(tmp_path, 4, cpu_policy="tinylfu", scheduler=write_only) as llm:
         for _ in range(4):
             assert tokens(llm, prompts) == expected
         stats = llm.stats()
         assert stats["nvme_staged_blocks"] > 0
         # every demotion copied is kept in the tier or passes through a staging block: counted once
         assert stats["bytes_d2h"] == (stats["cpu_demoted_blocks"] + stats["nvme_staged_blocks"]) * BLOCK_BYTES
-    with tiny_llm(tmp_path, 4, cpu_policy="tinylfu", num_gpu_blocks=24) as llm:
+    with tiny_llm(tmp_path, 4, cpu_policy="tinylfu") as llm:
         assert tokens(llm, prompts) == expected
         stats = llm.stats()
     assert stats["nvme_hits"] > 0 and stats["nvme_loaded_blocks"] > 0 and stats["nvme_failed_loads"] == 0

@@ -49,9 +49,9 @@ def test_a_request_queued_behind_another_then_prefilled():
 
 def test_a_request_preempted_before_its_first_token():
     # 8 GPU blocks of 4 tokens: the decoding request's growth preempts the newer one's prefill
-    # (recompute) twice before it gets its first token (no block is kept free for the decode)
+    # (recompute) twice before it gets its first token
     sim = make_kv(8)
-    sched = make_scheduler(sim, max_num_batched_tokens=8, max_num_seqs=4, decode_reserve=False)
+    sched = make_scheduler(sim, max_num_batched_tokens=8, max_num_seqs=4)
     a, c = make_seq("a", range(100, 108), max_tokens=24), make_seq("c", range(300, 324), max_tokens=2)
     sched.add(a)
     sched.add(c)

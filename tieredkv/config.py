@@ -211,8 +211,7 @@ class SchedulerConfig:
     """Continuous-batching limits, how a step's tokens are shared (`scheduling_policy`, see
     `tieredkv.scheduling`) and the preemption policy. `cost_model` pins the speeds the `auto`
     policy uses; without it they are measured at start-up. `max_prefill_chunk_tokens` (None: no
-    cap) and `prefill_aging` tune the `ttft` policy. `decode_reserve`: a prefill (a new or
-    swapped-in sequence, a chunk) leaves a GPU block free for each running decode."""
+    cap) and `prefill_aging` tune the `ttft` policy."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -221,7 +220,6 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "ttft"
     max_prefill_chunk_tokens: int | None = None
     prefill_aging: float = 0.1
-    decode_reserve: bool = True
 
     def __post_init__(self) -> None:
         _set(self, "max_num_seqs", as_int("max_num_seqs", self.max_num_seqs, 1))
@@ -231,8 +229,6 @@ class SchedulerConfig:
         if self.max_prefill_chunk_tokens is not None:
             _set(self, "max_prefill_chunk_tokens", as_int("max_prefill_chunk_tokens", self.max_prefill_chunk_tokens, 1))
         _set(self, "prefill_aging", as_float("prefill_aging", self.prefill_aging, allow_minimum=True))
-        if not isinstance(self.decode_reserve, bool):
-            raise ValueError(f"decode_reserve: expected true or false, got {self.decode_reserve!r}")
         if self.scheduling_policy == "fcfs" and self.max_prefill_chunk_tokens is not None:
             raise ValueError("max_prefill_chunk_tokens: caps prefill chunks of scheduling_policy 'ttft'; "
                              "set scheduling_policy: ttft or drop the cap")

@@ -232,7 +232,7 @@ class Scheduler:
         tokens scheduled (0: its KV did not come back and it waits to be recomputed), None if
         the GPU pool is short."""
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        got = self.kv.swap_in(seq, n, keep_free=self._decode_reserve())
+        got = self.kv.swap_in(seq, n)
         if got is None:
             return None
         self.swapped.remove(seq)
@@ -269,16 +269,6 @@ class Scheduler:
             slots += seq.width
         return False
 
-    def _decode_reserve(self) -> int:
-        """GPU blocks a sequence's prefill (admitted, swapped back in, or a chunk of a running
-        prefill) leaves free: one for each running decode, whose next block it is. Without them
-        a long prompt admitted with its cached prefix took the blocks the decodes grew into the
-        next step, and the newest running sequence, often that prompt, was preempted. None
-        without `decode_reserve`."""
-        if not self.config.decode_reserve:
-            return 0
-        return sum(1 for seq in self.running if seq.num_tokens - seq.num_computed_tokens <= 1)
-
     def _slots_taken(self) -> int:
         """Sequence slots the running sequences hold: a request not forked yet holds its width."""
         return sum(seq.width for seq in self.running)
@@ -306,7 +296,7 @@ class Scheduler:
         if n == 0:  # nothing to compute before its lower-tier blocks arrive (`load_wait` tells when)
             self._wait_for_loads(seq)
             return 0
-        got = self.kv.allocate(seq, n, prefix, keep_free=self._decode_reserve())
+        got = self.kv.allocate(seq, n, prefix)
         if got is None:
             return None
         self.waiting.remove(seq)
@@ -384,7 +374,7 @@ class Scheduler:
         if n == 0:  # waiting for its lower-tier blocks, or they are landing
             self._wait_for_loads(seq)
             return 0
-        while self.kv.allocate(seq, n, keep_free=self._decode_reserve()) is None:
+        while self.kv.allocate(seq, n) is None:
             while lower and lower[-1].status is not SequenceStatus.RUNNING:
                 lower.pop()
             if not lower:

@@ -243,22 +243,16 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ GPU blocks
 
-    def allocate(
-        self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None, keep_free: int = 0,
-    ) -> Allocation | None:
-        """Blocks for `num_new_tokens` more tokens, leaving at least `keep_free` blocks free
-        (None, nothing taken, if they cannot be had). A new sequence passes its `prefix`: the
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> Allocation | None:
+        """Blocks for `num_new_tokens` more tokens. A new sequence passes its `prefix`: the
         result says how many of its tokens the cache already holds."""
         table = self.tables.blocks(seq.seq_id)
         if table is None:
-            return self._allocate_new(seq, num_new_tokens, prefix or PrefixMatch(), keep_free)
+            return self._allocate_new(seq, num_new_tokens, prefix or PrefixMatch())
         end = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         shared = [i for i in range(seq.num_computed_tokens // self.block_size, min(end, len(table)))
                   if table[i].ref_count > 1]
-        need = max(end - len(table), 0) + len(shared)
-        if need and need + keep_free > self.pool.num_free:
-            return None
-        fresh = self.pool.allocate(need)
+        fresh = self.pool.allocate(max(end - len(table), 0) + len(shared))
         if fresh is None:
             return None
         for i in shared:
@@ -279,14 +273,12 @@ class KVCacheManager:
         if self.swap is not None:
             self.swap.share(parent.seq_id, child.seq_id)
 
-    def _allocate_new(
-        self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch, keep_free: int,
-    ) -> Allocation | None:
+    def _allocate_new(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> Allocation | None:
         reused, promoted = prefix.gpu_blocks, list(prefix.cpu_blocks)
         need = self.blocks_needed(prefix.num_tokens(self.block_size) + num_new_tokens) - len(reused)
         # reused blocks with no owner sit in the free queue: taking them shrinks it too
         idle = sum(1 for b in reused if b.ref_count == 0)
-        if need + idle + keep_free > self.pool.num_free:
+        if need + idle > self.pool.num_free:
             return None
         for block in promoted:  # hold them: demotions below could otherwise evict them
             self.offload.pool.touch(block)
@@ -353,17 +345,16 @@ class KVCacheManager:
         self.tables.release(seq.seq_id)
         return True
 
-    def swap_in(self, seq: Sequence, num_new_tokens: int, keep_free: int = 0) -> Allocation | KVLost | None:
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> Allocation | KVLost | None:
         """GPU blocks for a swapped sequence plus `num_new_tokens`, its KV copied back; None
-        (nothing changed) when the GPU pool is short of them and `keep_free` blocks more;
-        KVLost when the copy cannot start (the
+        (nothing changed) when the GPU pool is short; KVLost when the copy cannot start (the
         sequence holds nothing any more and must be recomputed). A full block found on the GPU
         (still cached, or a sibling's swapped in before) is shared instead of copied back; the
         full blocks copied are made findable at once (they are landing)."""
         num_swapped = self.swap.num_blocks(seq.seq_id)
         num_full = seq.num_computed_tokens // self.block_size
         num_blocks = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        if num_blocks - self._owned_elsewhere(seq, num_full) + keep_free > self.pool.num_free:
+        if num_blocks - self._owned_elsewhere(seq, num_full) > self.pool.num_free:
             return None  # short whatever is found: a sequence waiting to come back costs no keys a step
         refs = list(self.keys.refs(seq, 0, num_full))
         assert num_blocks >= num_swapped, "swap_out keeps only the blocks of computed tokens"
@@ -371,7 +362,7 @@ class KVCacheManager:
         table += [None] * (num_blocks - len(table))
         need = table.count(None)
         idle = sum(1 for block in table if block is not None and block.ref_count == 0)
-        if need + idle + keep_free > self.pool.num_free:
+        if need + idle > self.pool.num_free:
             return None
         for block in table:  # taken before allocating: allocation evicts unowned blocks
             if block is not None:
