@@ -1,6 +1,7 @@
 """The engine's lower tier when things go wrong at the edges: a small CPU tier still stages
 writes for a restart, a lost store file on a full disk lets go of its space and memory and comes
-back when it can, a store in use says who holds it, and idle stats count no block as used.
+back when it can, a store in use says who holds it, idle stats count no block as used, and a
+disk that hangs costs recomputes and lets the engine close.
 
 A full disk is a real one here: a tmpfs of a few MiB mounted for the test (skipped where
 mounting is not allowed); a file that cannot be made uses RLIMIT_FSIZE, as test_nvme_hardening."""
@@ -199,3 +200,32 @@ def test_an_idle_engine_uses_no_cpu_block_and_reports_its_staging_blocks(tmp_pat
     assert stats["cpu_blocks_total"] == 32
     assert stats["cpu_blocks_used"] == 0 and stats["cpu_blocks_staging"] == 2  # 1/16 of the tier
     assert stats["nvme_spills_dropped"] == 0
+
+
+# ------------------------------------------------------------------ a disk that hangs
+
+
+def test_a_disk_that_hangs_costs_recomputes_and_the_engine_still_closes(tmp_path, reference_outputs, monkeypatch):
+    from tests.test_nvme_store import GatedBackend
+    from tieredkv.cache import lower_tier, spill
+    from tieredkv.tiers.nvme import store
+
+    gated = GatedBackend()
+    monkeypatch.setattr(store, "make_backend", lambda *args: gated)
+    monkeypatch.setattr(lower_tier, "STALLED_READ_S", 0.3)
+    monkeypatch.setattr(spill, "CLOSING_WAIT_S", 0.5)
+    monkeypatch.setattr(store, "CLOSE_STALL_S", 0.5)
+    prompts = make_prompts(vocab_size=512)
+    expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+    llm = tiny_llm(tmp_path, 8, num_gpu_blocks=24)
+    try:
+        assert tokens(llm, prompts) == expected
+        assert llm.stats()["nvme_spilled_blocks"] > 0
+        gated.gate.clear()  # from now on the disk answers nothing
+        assert tokens(llm, prompts) == expected  # the reads it hangs on are given up and computed
+        assert llm.stats()["nvme_stalled_loads"] > 0
+        start = time.monotonic()
+        llm.close()  # writes down what it can, and does not wait for the disk for ever
+        assert time.monotonic() - start < 5.0
+    finally:
+        gated.release()  # the I/O left behind finishes: the store's threads end

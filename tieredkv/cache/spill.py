@@ -47,6 +47,7 @@ MAX_STAGING_BLOCKS = 256
 FAILURES_BEFORE_PAUSE = 8  # failed writes in a row (one write window) before spilling pauses
 PAUSE_FIRST_S, PAUSE_MAX_S = 1.0, 60.0  # the pause doubles while writes keep failing
 REFUSED_RETRY_S = 1.0  # a block the store refused is offered again after this long
+CLOSING_WAIT_S = 10.0  # at close, writes not finished this long are given up, and the rest with them
 
 
 def staging_blocks(num_cpu_blocks: int) -> int:
@@ -148,13 +149,18 @@ class Spill:
     def persist(self) -> None:
         """At shutdown, when writes no longer compete with reads: write every cached CPU block the
         disk lacks, the coldest first (an LRU store keeps the hottest), so that a restart finds
-        them there; wait until all writes are done."""
+        them there; wait until all writes are done. Writes the store has not finished after
+        `CLOSING_WAIT_S` (a disk that hangs) end it: the rest is not written (said once)."""
         start, before = time.monotonic(), self.spilled_blocks
-        while self._waiting:  # staged copies first: no CPU block holds them
-            self._settle_one_if_full()
-            self._write(*self._waiting.popleft(), staged=True)
-        self._spill(self.cpu_pool.cold_blocks(), closing=True)
-        self._settle(list(self._writes))
+        try:
+            while self._waiting:  # staged copies first: no CPU block holds them
+                self._settle_one_if_full()
+                self._write(*self._waiting.popleft(), staged=True)
+            self._spill(self.cpu_pool.cold_blocks(), closing=True)
+            self._settle(list(self._writes))
+        except TimeoutError:
+            logger.warning("closing: the tier below the CPU tier finished no write for %.0f s; the CPU tier's "
+                           "blocks are not written down", CLOSING_WAIT_S)
         if self.spilled_blocks > before:
             logger.info("closing: wrote %d cached CPU blocks to the store in %.1f s", self.spilled_blocks - before,
                         time.monotonic() - start)
@@ -193,7 +199,8 @@ class Spill:
             self._settle(list(self._writes)[:1])
 
     def _settle(self, jobs: list[int]) -> None:
-        for job, ok in self.store.wait(jobs).items():
+        """Wait for these writes (only at close), at most `CLOSING_WAIT_S` (TimeoutError)."""
+        for job, ok in self.store.wait(jobs, CLOSING_WAIT_S).items():
             self._wrote_job(job, ok)
 
     def _write(self, block: Block, ref: BlockRef, staged: bool) -> None:

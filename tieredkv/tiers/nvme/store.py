@@ -72,6 +72,9 @@ from tieredkv.tiers.nvme.slot_io import SlotIO, SlotJob
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_DEPTH = 32  # I/Os in flight
+# close() waits for the jobs in flight while one finishes at least this often; a disk that hangs
+# longer is left with its jobs (their buffers, threads and file stay until the process ends)
+CLOSE_STALL_S = 10.0
 
 _COUNTERS = (
     "hits misses writes bytes_read bytes_written evictions write_rejected write_declined restored "
@@ -288,12 +291,19 @@ class NVMeStore:
             return False
 
     def close(self) -> None:
-        """Finish in-flight jobs, stop the I/O threads, sync and close the file (idempotent)."""
+        """Finish in-flight jobs, stop the I/O threads, sync and close the file (idempotent).
+        If no job finishes for `CLOSE_STALL_S` (a disk that hangs), it says so and returns,
+        leaving the jobs still in flight their memory, threads and file: the kernel may still
+        write into their buffers."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-            self._cond.wait_for(lambda: not self._jobs)
+            while left := len(self._jobs):
+                if not self._cond.wait_for(lambda left=left: len(self._jobs) < left, CLOSE_STALL_S):
+                    logger.warning("NVMe store: %d jobs still in flight after %.0f s with none finished (a disk "
+                                   "that hangs?); closed without them", left, CLOSE_STALL_S)
+                    return
         self._io.close()
         self._files.close()
 
