@@ -68,6 +68,35 @@ def test_a_large_load_faster_than_a_small_one_keeps_the_calibrated_rate():
     assert loads.bytes_per_s > 0 and loads.latency_s >= 0
 
 
+def test_after_loads_that_stalled_a_quiet_while_brings_the_calibrated_figures_back():
+    """Loads given up after 10 s (a disk that hung) make the fit say that no load pays, so none
+    is tried again: after `QUIET_S` with no load seen, the calibrated figures hold again."""
+    loads = ObservedLoads(rate=1.5e9, latency_s=0.001)
+    loads.age(0.0)
+    for size in (32 << 20, 128 << 20) * 5:
+        loads.add(size, 0.001 + size / 1.5e9)
+    loads.add(64 << 20, 10.0)
+    loads.add(32 << 20, 10.0)
+    loads.age(1.0)  # the loads of this step were seen
+    assert loads.latency_s > 1.0  # no prefix load pays at this latency
+    loads.age(1.0 + ObservedLoads.QUIET_S - 0.1)
+    assert loads.latency_s > 1.0
+    loads.age(1.0 + ObservedLoads.QUIET_S)
+    assert (loads.bytes_per_s, loads.latency_s) == (1.5e9, 0.001)
+    took = 0.001 + (32 << 20) / 0.5e9
+    loads.add(32 << 20, took)  # learning starts again from the calibrated point
+    assert loads.latency_s + (32 << 20) / loads.bytes_per_s == pytest.approx(took, rel=0.1)
+
+
+def test_loads_seen_now_and_then_keep_what_was_learned():
+    loads = ObservedLoads(rate=10e9)
+    for step in range(100):  # a 1 GB/s tier, a load every 20 s
+        size = (50_000_000, 200_000_000)[step % 2]
+        loads.add(size, size / 1e9)
+        loads.age(step * 20.0)
+    assert loads.bytes_per_s == pytest.approx(1e9, rel=0.1)
+
+
 def test_a_negative_read_latency_is_refused():
     with pytest.raises(ValueError, match="cost_model.read_latency_s"):
         CostModel(1e9, 1e9, 1e-4, read_latency_s=-0.001)

@@ -18,6 +18,7 @@ Operations:
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 
 from tieredkv.cache.manager import KVCacheManager
@@ -51,9 +52,11 @@ class LoadPlanner:
 
     def learn(self, computed_last_step: set[str]) -> None:
         """Teach the observed loads how long those that landed since the last step took (with
-        the reads queued ahead of them), from submission. A sequence that computed in the last
-        step may have had its loads land at any time of it: how long they took is not known,
-        and not taught."""
+        the reads queued ahead of them), from submission (what was learned is dropped after a
+        quiet while: `ObservedLoads.age`). A sequence that computed in the last step may have
+        had its loads land at any time of it: how long they took is not known, and not taught."""
+        if self.observed_loads is not None:
+            self.observed_loads.age(time.monotonic())
         for load in self.kv.landed_loads():
             if self.observed_loads is not None and load.request_id not in computed_last_step:
                 self.observed_loads.add(load.num_blocks * self.policy.block_bytes, load.seconds)

@@ -160,23 +160,44 @@ class ObservedLoads:
     load is seen; from then on the calibrated rate stays in the fit as one point of its line,
     where it reads for `PRIOR_S`, worth `prior_loads` loads (never less than `MIN_PRIOR_LOADS`)
     and no more leverage than a load of the sizes seen: loads all of one size teach the latency
-    without making up a rate, loads of several sizes teach both."""
+    without making up a rate, loads of several sizes teach both. What was learned is dropped
+    once no load has been seen for `QUIET_S` (`age`): a tier whose loads stalled (given up after
+    seconds, which made the fit say that no load pays, so none was tried again) is tried again
+    at the calibrated figures after a quiet while, not never."""
 
     PRIOR_S = 0.1
     MIN_PRIOR_LOADS = 0.05
+    QUIET_S = 30.0
 
     def __init__(self, rate: float, latency_s: float = 0.0, half_life: float = 4.0, prior_loads: float = 1.0) -> None:
         self._prior = (rate * self.PRIOR_S, latency_s + self.PRIOR_S)  # (bytes, seconds) on the calibrated line
         self._keep = 0.5 ** (1 / half_life)
-        self._prior_weight = prior_loads
+        self._prior_loads = prior_loads
+        self._prior_rate, self._prior_latency_s = rate, latency_s
+        self._seen_at: float | None = None  # when `age` last found a load added since its last call
+        self._fresh = False
+        self._forget()
+
+    def _forget(self) -> None:
+        """Back to the calibrated figures, as before any load was seen."""
+        self._prior_weight = self._prior_loads
         self._sums = [0.0] * 5  # weights, x, y, x*x, x*y of the loads seen (x bytes, y seconds)
-        self.bytes_per_s, self.latency_s = rate, latency_s
-        self._prior_rate = rate
+        self.bytes_per_s, self.latency_s = self._prior_rate, self._prior_latency_s
+
+    def age(self, now: float) -> None:
+        """Drop what was learned if no load was added for `QUIET_S` before `now` (a monotonic
+        clock's seconds; called as time passes, e.g. once a step)."""
+        if self._fresh:
+            self._seen_at, self._fresh = now, False
+        elif self._seen_at is not None and now - self._seen_at >= self.QUIET_S:
+            self._seen_at = None
+            self._forget()
 
     def add(self, num_bytes: int, seconds: float) -> None:
         """Take in one completed load: `num_bytes` (with the reads queued ahead of it) landed
         `seconds` after they were submitted."""
         x, y = float(num_bytes), seconds
+        self._fresh = True
         self._sums = [s * self._keep + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y), strict=True)]
         self._prior_weight = max(self.MIN_PRIOR_LOADS, self._prior_weight * self._keep)
         self.bytes_per_s, self.latency_s = self._fit()
