@@ -219,8 +219,10 @@ def test_a_disk_that_hangs_costs_recomputes_and_the_engine_still_closes(tmp_path
     expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
     llm = tiny_llm(tmp_path, 8, num_gpu_blocks=24)
     try:
-        assert tokens(llm, prompts) == expected
-        assert llm.stats()["nvme_spilled_blocks"] > 0
+        for _ in range(3):  # asked for again and again: worth writing down
+            assert tokens(llm, prompts) == expected
+        assert settle_writes(llm)["nvme_spilled_blocks"] > 0
+        llm.reset_prefix_cache()  # the prompts' blocks are on disk only
         gated.gate.clear()  # from now on the disk answers nothing
         assert tokens(llm, prompts) == expected  # the reads it hangs on are given up and computed
         assert llm.stats()["nvme_stalled_loads"] > 0
