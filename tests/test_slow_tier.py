@@ -400,10 +400,13 @@ def test_a_read_that_hangs_is_given_up_and_its_request_computes(monkeypatch):
     assert landed.num_blocks == 3 and landed.seconds > lower_tier.STALLED_READ_S
     lower.landed("r")
     assert pool.num_free == free - 3  # ...so their CPU blocks stay taken until they report
+    hashes = [4, 5, 6]
+    assert lower.held_run(hashes, 0) == 0  # while they are out the tier hangs: no load is planned on it
     store.finish()
     lower.retire()
     assert lower.reads_in_flight == 0 and pool.num_free == free
     assert lower.failed_loads == 0 and lower.loaded_blocks == 3  # late, intact: cached
+    assert lower.held_run(hashes, 0) == 3  # back: loads are planned again
 
 
 def cached_block(pool: BlockPool, h: int):

@@ -18,11 +18,13 @@ Reads come first: while any is in flight, no write is submitted (`Spill.behind`)
 dropped or wait in CPU staging blocks, never queued on the disk.
 A read not finished `STALLED_READ_S` after it was submitted (a disk that hangs) is given up: its
 request stops waiting for it and computes those tokens; its CPU block stays taken until the
-store reports the read.
+store reports the read, and until then the tier is held to have no block (`held_run`), so that a
+hung disk costs later requests nothing (said when it starts and when it ends).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from enum import Enum
@@ -32,6 +34,8 @@ from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.spill import Spill
 from tieredkv.replacement import AdaptiveAdmission, AdmitAll, FrequencyAdmission
 from tieredkv.tiers.backend import BlockRef, BlockStore
+
+logger = logging.getLogger(__name__)
 
 # held_run asks the tier about this many blocks first, then twice as many each time
 FIRST_LOOKUP_BLOCKS = 64
@@ -108,7 +112,11 @@ class LowerTier:
         """The end of the run of `block_hashes` from `start` on that the tier holds. It is asked
         about windows of blocks, the first `FIRST_LOOKUP_BLOCKS` long, each next one twice the
         last (up to `MAX_LOOKUP_BLOCKS`), until one is not held to its end: a long prompt the
-        tier lacks costs one small question (for a remote tier, one round trip)."""
+        tier lacks costs one small question (for a remote tier, one round trip). While a read
+        given up as stalled is still out (the tier hangs), it holds none: no load is planned on
+        it, and no CPU block is taken for a read that may not come back."""
+        if self._given_up:
+            return start
         stop, size = start, FIRST_LOOKUP_BLOCKS
         while stop < len(block_hashes):
             window = block_hashes[stop : stop + size]
@@ -256,6 +264,8 @@ class LowerTier:
         request_id, block, ref, _ = self._reads.pop(job)
         if job in self._given_up:
             self._given_up.discard(job)
+            if not self._given_up:
+                logger.info("the stalled reads from the tier below the CPU tier came back; loads are planned again")
         else:
             self._read_done(request_id)
         if ok:
@@ -286,6 +296,9 @@ class LowerTier:
                 break  # in submission order: the rest are younger
             if job in self._given_up:
                 continue
+            if not self._given_up:
+                logger.warning("a read from the tier below the CPU tier did not finish in %.0f s: its request computes "
+                               "those tokens, and no load is planned until the stalled reads come back", STALLED_READ_S)
             self._given_up.add(job)
             self.stalled_loads += 1
             held = self._loads.get(request_id)
