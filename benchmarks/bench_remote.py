@@ -19,13 +19,15 @@ clients as the store has reader threads) runs in every round too, and the store'
 printed as a ratio to its GET (the issue's target: >= 80%). Bytes counted are block payload bytes.
 `--servers K` instead times the engine's store over K servers started here (blocks spread by
 the tier's rendezvous hashing, `open_remote` with a list) against the same store on one of them,
-the same bytes, in alternating rounds (the issue's target for two servers: >= 1.8x one).
+the same bytes, in alternating rounds (the issue's target for two servers: >= 1.8x one); with
+`--apart`, also K processes at once, each a one-server store on its own server with 1/K of the
+bytes: near Kx one server there, and not in the one process, puts the limit in the process.
 `--read-sweep` instead times the store's reads alone for several block sizes and `recv_into`
 piece sizes (`reader.RECV_CHUNK_BYTES`), the measurement its default comes from.
 
     python benchmarks/bench_remote.py --size 1GiB --block 2MiB --rounds 3 --redis-benchmark
     python benchmarks/bench_remote.py --size 256MiB --read-sweep
-    python benchmarks/bench_remote.py --size 1GiB --servers 2
+    python benchmarks/bench_remote.py --size 1GiB --servers 2 --apart --redis-benchmark
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import redis
 import torch
@@ -95,26 +99,55 @@ def store_round(url: str, args: argparse.Namespace, src: torch.Tensor, dst: torc
 
 
 def timed_round(store: RemoteStore | RemoteShards, src: torch.Tensor, dst: torch.Tensor,
-                first_hash: int) -> tuple[float, float]:
+                first_hash: int, together: Callable[[], object] = lambda: None) -> tuple[float, float]:
     """(write, read) seconds for every block of `src` through `store`, which is then closed;
-    every job succeeds and the blocks come back bit-identical into `dst`."""
+    every job succeeds and the blocks come back bit-identical into `dst`. `together` is called
+    before each of the two phases (a barrier, where several processes time theirs at once)."""
     n = src.shape[0]
     refs = [BlockRef(first_hash + i, first_hash + i - 1, tuple(range(16))) for i in range(n)]
     # each block's view made before the clock starts, as the engine makes its CPU blocks' views
     # once: indexing a tensor per block gives up the GIL and waits behind the reader threads
     src_blocks, dst_blocks = src.unbind(0), dst.unbind(0)
     with store:
+        together()
         t0 = time.perf_counter()
         jobs = [store.submit_write(ref, src_blocks[i]) for i, ref in enumerate(refs)]
         ok_w = None not in jobs and all(store.wait(jobs).values())
         t1 = time.perf_counter()
+        together()
+        t2 = time.perf_counter()
         jobs = [store.submit_read(ref, dst_blocks[i]) for i, ref in enumerate(refs)]
         ok_r = None not in jobs and all(store.wait(jobs).values())
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         errors = store.stats()["remote_errors"]
     assert ok_w and ok_r and not errors, f"a benchmark job failed ({errors} errors)"
     assert torch.equal(src, dst), "blocks read back differ from the ones written"
-    return t1 - t0, t2 - t1
+    return t1 - t0, t3 - t2
+
+
+def apart_round(urls: list[str], num_blocks: int, block_bytes: int) -> tuple[float, float]:
+    """(write, read) seconds for `num_blocks` blocks split over one process per server, each
+    with a one-server store of its own, the processes starting each phase together (the
+    slowest sets the time): what the servers and this machine give when no process serves
+    two of them, beside the one process over all of them."""
+    for url in urls:  # blocks of an earlier round, under the same hashes, would be found and not written
+        redis.Redis.from_url(url).flushall()
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(len(urls)), ctx.Queue()
+    procs = [ctx.Process(target=_apart_worker, args=(url, -(-num_blocks // len(urls)), block_bytes, barrier, results))
+             for url in urls]
+    for proc in procs:
+        proc.start()
+    secs = [results.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join()
+    return max(w for w, _ in secs), max(r for _, r in secs)
+
+
+def _apart_worker(url: str, num_blocks: int, block_bytes: int, barrier, results) -> None:
+    src = torch.randint(0, 256, (num_blocks, block_bytes), dtype=torch.uint8)
+    store = open_remote(url, 0, block_bytes, FINGERPRINT, 16)
+    results.put(timed_round(store, src, torch.zeros_like(src), first_hash=1, together=barrier.wait))
 
 
 def redis_benchmark(url: str, value_bytes: int, n: int, clients: int, pipeline: int = 16) -> dict[str, float]:
@@ -160,6 +193,8 @@ def main() -> None:
     parser.add_argument("--read-sweep", action="store_true", help="reads only, over block and recv piece sizes")
     parser.add_argument("--servers", type=int, help="time K servers against one (starts K redis-servers)")
     parser.add_argument("--redis-benchmark", action="store_true", help="also run the C client's peak")
+    parser.add_argument("--apart", action="store_true",
+                        help="with --servers: also one process per server at once (is the limit this process?)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     if args.servers:
@@ -253,6 +288,12 @@ def scaling(args: argparse.Namespace, urls: list[str]) -> None:
             rates[f"{name}_{what}"] = statistics.median(n * args.block / s[i] / 1e9 for s in secs[name])
         print(f"  {what}: one server {rates[f'one_{what}']:5.2f}, {len(urls)} servers {rates[f'all_{what}']:5.2f} "
               f"({rates[f'all_{what}'] / rates[f'one_{what}']:.2f}x)")
+    if args.apart:
+        apart = [apart_round(urls, n, args.block) for _ in range(args.rounds)]
+        for i, what in enumerate(("write", "read")):
+            rates[f"apart_{what}"] = statistics.median(n * args.block / s[i] / 1e9 for s in apart)
+            print(f"  {what}: {len(urls)} processes, one server each, at once {rates[f'apart_{what}']:5.2f} "
+                  f"({rates[f'apart_{what}'] / rates[f'one_{what}']:.2f}x one server)")
     if args.redis_benchmark:  # the C client: how far the servers and this machine scale at all
         value_bytes = ValueLayout.for_block(args.block, 16, FINGERPRINT).value_bytes
         one = redis_benchmark(urls[0], value_bytes, max(n, 256), args.read_threads)
