@@ -493,3 +493,20 @@ def test_an_idle_engine_tends_a_hung_tier_less_and_less_often(monkeypatch):
         assert llm.tend_tiers() == TEND_EVERY_S
         finished[0] = None  # nothing left in flight
         assert llm.tend_tiers() is None
+
+
+def test_a_long_write_down_at_close_says_how_far_it_got(monkeypatch, caplog):
+    from tieredkv.cache import spill
+
+    class SlowStore(BehindStore):
+        def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]:
+            time.sleep(0.005)  # a slow disk: each write takes a while
+            return dict.fromkeys(job_ids, True)
+
+    monkeypatch.setattr(spill, "CLOSING_PROGRESS_S", 0.05)
+    store = SlowStore()
+    pool = cached_pool(256, 200)
+    with caplog.at_level(logging.INFO, logger="tieredkv"):
+        Spill(store, pool, torch.zeros((256, *BLOCK_SHAPE)), AdmitAll()).persist()
+    said = [r.getMessage() for r in caplog.records if "so far" in r.getMessage()]
+    assert len(said) >= 2 and len(store.writes) == 200  # progress along the way, then every block written

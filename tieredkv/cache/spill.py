@@ -48,6 +48,7 @@ FAILURES_BEFORE_PAUSE = 8  # failed writes in a row (one write window) before sp
 PAUSE_FIRST_S, PAUSE_MAX_S = 1.0, 60.0  # the pause doubles while writes keep failing
 REFUSED_RETRY_S = 1.0  # a block the store refused is offered again after this long
 CLOSING_WAIT_S = 10.0  # at close, writes not finished this long are given up, and the rest with them
+CLOSING_PROGRESS_S = 5.0  # a long write-down at close says how far it got this often
 
 
 def staging_blocks(num_cpu_blocks: int) -> int:
@@ -168,8 +169,9 @@ class Spill:
     def _spill(self, blocks: Iterable[Block], closing: bool) -> None:
         """Write those of `blocks` worth it (all of them when `closing`), keeping at most
         `MAX_WRITES_IN_FLIGHT` writes in flight: beyond it (or once writes fail), stop, or when
-        `closing` wait for the oldest write."""
-        now = time.monotonic()
+        `closing` wait for the oldest write (and say how far it got every `CLOSING_PROGRESS_S`)."""
+        now = said = time.monotonic()
+        written = 0
         for block in list(blocks):
             if self._on_disk.get(block.block_id) == block.block_hash:
                 continue
@@ -187,6 +189,10 @@ class Spill:
             else:
                 self.cpu_pool.touch(block)  # held while written: never evicted, never waited for
                 self._write(block, BlockRef(block.block_hash, block.parent_hash, block.token_ids), staged=False)
+                written += 1
+                if closing and time.monotonic() - said >= CLOSING_PROGRESS_S:
+                    said = time.monotonic()
+                    logger.info("closing: writing the CPU tier's cached blocks to the store, %d so far", written)
 
     def _refused_lately(self, block: Block, now: float) -> bool:
         """Whether the store refused this content of the block less than REFUSED_RETRY_S ago."""
