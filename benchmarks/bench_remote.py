@@ -18,8 +18,9 @@ loopback peak for the same value size (`redis-benchmark -t set,get -d VALUE -P 1
 clients as the store has reader threads) runs in every round too, and the store's reads are
 printed as a ratio to its GET (the issue's target: >= 80%). Bytes counted are block payload bytes.
 `--servers K` instead times the engine's store over K servers started here (blocks spread by
-the tier's rendezvous hashing, `open_remote` with a list) against the same store on one of them,
-the same bytes, in alternating rounds (the issue's target for two servers: >= 1.8x one); with
+the tier's rendezvous hashing, `RemoteShards`, with `--read-threads` reader threads per server)
+against the same store on one of them, the same bytes, in alternating rounds (the issue's target
+for two servers: >= 1.8x one); with
 `--apart`, also K processes at once, each a one-server store on its own server with 1/K of the
 bytes: near Kx one server there, and not in the one process, puts the limit in the process.
 `--read-sweep` instead times the store's reads alone for several block sizes and `recv_into`
@@ -49,7 +50,7 @@ from common import start_redis_server
 from redis.asyncio import Redis
 
 from tieredkv.tiers.backend import BlockRef
-from tieredkv.tiers.remote import open_remote, reader
+from tieredkv.tiers.remote import reader
 from tieredkv.tiers.remote.shards import RemoteShards
 from tieredkv.tiers.remote.store import READ_THREADS, RemoteStore
 from tieredkv.tiers.remote.value_format import ValueLayout
@@ -90,12 +91,18 @@ async def raw_round(url: str, value: bytes, n: int, in_flight: int, pipeline: in
     return t1 - t0, t2 - t1
 
 
+def engine_store(urls: list[str], args: argparse.Namespace) -> RemoteStore | RemoteShards:
+    """The engine's store over `urls` (as `open_remote` makes it), with this run's pipelines in
+    flight, commands per pipeline and reader threads per server."""
+    stores = [RemoteStore(url, args.block, FINGERPRINT, 16, max_in_flight=args.in_flight,
+                          pipeline_ops=args.pipeline, read_threads=args.read_threads) for url in urls]
+    return stores[0] if len(stores) == 1 else RemoteShards(stores)
+
+
 def store_round(url: str, args: argparse.Namespace, src: torch.Tensor, dst: torch.Tensor,
                 first_hash: int) -> tuple[float, float]:
     """(write, read) seconds for every block of `src` through a fresh RemoteStore."""
-    store = RemoteStore(url, src.shape[1], FINGERPRINT, 16, max_in_flight=args.in_flight,
-                        pipeline_ops=args.pipeline, read_threads=args.read_threads)
-    return timed_round(store, src, dst, first_hash)
+    return timed_round(engine_store([url], args), src, dst, first_hash)
 
 
 def timed_round(store: RemoteStore | RemoteShards, src: torch.Tensor, dst: torch.Tensor,
@@ -125,7 +132,7 @@ def timed_round(store: RemoteStore | RemoteShards, src: torch.Tensor, dst: torch
     return t1 - t0, t3 - t2
 
 
-def apart_round(urls: list[str], num_blocks: int, block_bytes: int) -> tuple[float, float]:
+def apart_round(urls: list[str], num_blocks: int, args: argparse.Namespace) -> tuple[float, float]:
     """(write, read) seconds for `num_blocks` blocks split over one process per server, each
     with a one-server store of its own, the processes starting each phase together (the
     slowest sets the time): what the servers and this machine give when no process serves
@@ -134,7 +141,7 @@ def apart_round(urls: list[str], num_blocks: int, block_bytes: int) -> tuple[flo
         redis.Redis.from_url(url).flushall()
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(len(urls)), ctx.Queue()
-    procs = [ctx.Process(target=_apart_worker, args=(url, -(-num_blocks // len(urls)), block_bytes, barrier, results))
+    procs = [ctx.Process(target=_apart_worker, args=(url, -(-num_blocks // len(urls)), args, barrier, results))
              for url in urls]
     for proc in procs:
         proc.start()
@@ -144,10 +151,10 @@ def apart_round(urls: list[str], num_blocks: int, block_bytes: int) -> tuple[flo
     return max(w for w, _ in secs), max(r for _, r in secs)
 
 
-def _apart_worker(url: str, num_blocks: int, block_bytes: int, barrier, results) -> None:
-    src = torch.randint(0, 256, (num_blocks, block_bytes), dtype=torch.uint8)
-    store = open_remote(url, 0, block_bytes, FINGERPRINT, 16)
-    results.put(timed_round(store, src, torch.zeros_like(src), first_hash=1, together=barrier.wait))
+def _apart_worker(url: str, num_blocks: int, args: argparse.Namespace, barrier, results) -> None:
+    src = torch.randint(0, 256, (num_blocks, args.block), dtype=torch.uint8)
+    results.put(timed_round(engine_store([url], args), src, torch.zeros_like(src), first_hash=1,
+                            together=barrier.wait))
 
 
 def redis_benchmark(url: str, value_bytes: int, n: int, clients: int, pipeline: int = 16) -> dict[str, float]:
@@ -276,8 +283,7 @@ def scaling(args: argparse.Namespace, urls: list[str]) -> None:
             for url in urls:
                 redis.Redis.from_url(url).flushall()
             dst.zero_()
-            store = open_remote(urls[0] if name == "one" else tuple(urls), 0, args.block, FINGERPRINT, 16)
-            seconds = timed_round(store, src, dst, first_hash=1)
+            seconds = timed_round(engine_store(urls[:1] if name == "one" else urls, args), src, dst, first_hash=1)
             if r:
                 secs[name].append(seconds)
     print(f"{n * args.block / 2**30:.2f} GiB each way in {args.block >> 10} KiB blocks, {len(urls)} servers "
@@ -289,7 +295,7 @@ def scaling(args: argparse.Namespace, urls: list[str]) -> None:
         print(f"  {what}: one server {rates[f'one_{what}']:5.2f}, {len(urls)} servers {rates[f'all_{what}']:5.2f} "
               f"({rates[f'all_{what}'] / rates[f'one_{what}']:.2f}x)")
     if args.apart:
-        apart = [apart_round(urls, n, args.block) for _ in range(args.rounds)]
+        apart = [apart_round(urls, n, args) for _ in range(args.rounds)]
         for i, what in enumerate(("write", "read")):
             rates[f"apart_{what}"] = statistics.median(n * args.block / s[i] / 1e9 for s in apart)
             print(f"  {what}: {len(urls)} processes, one server each, at once {rates[f'apart_{what}']:5.2f} "
