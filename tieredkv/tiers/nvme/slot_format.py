@@ -292,10 +292,19 @@ def check_ids(block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> tu
     for name, value in (("block_hash", block_hash), ("parent_hash", parent_hash)):
         if not 0 <= value <= MAX_U64:
             raise ValueError(f"{name}={value} is not an unsigned 64-bit hash")
-    tokens = tuple(int(t) for t in token_ids)
-    if any(not 0 <= t < 1 << 32 for t in tokens):
+    tokens = tuple(token_ids)
+    if not set(map(type, tokens)) <= {int}:  # numpy ints and the like: as ints (a bool or float fails below)
+        tokens = tuple(_as_int(t) for t in tokens)
+    if tokens and not (min(tokens) >= 0 and max(tokens) < 1 << 32):  # builtins: a 128-id block in ~2 us
         raise ValueError("token ids must lie in [0, 2**32)")
     return tokens
+
+
+def _as_int(token_id: object) -> int:
+    """An integer token id as an int; ValueError for anything else (a float, a bool, a string)."""
+    if isinstance(token_id, bool) or not hasattr(token_id, "__index__"):
+        raise ValueError(f"token ids must be integers, got {token_id!r}")
+    return token_id.__index__()
 
 
 def is_aligned(tensor: torch.Tensor, alignment: int = ALIGN) -> bool:
