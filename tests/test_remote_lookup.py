@@ -95,7 +95,7 @@ def test_a_distant_prefix_is_matched_in_one_round_trip_and_tokens_are_exact(redi
             assert not llm.remote.contains(1)  # the connection is warm
             seq = Sequence("probe", prompt, GREEDY)
             match, elapsed = timed(llm.kv.match_prefix, seq)
-            assert len(match.lower_refs) == 64 and not match.gpu_blocks and not match.cpu_blocks
+            assert match.num_lower == 64 and not match.gpu_blocks and not match.cpu_blocks
             assert elapsed < 5 * LATENCY_S  # one block at a time took 64 round trips (1.28 s)
             tokens = [o.token_ids for o in llm.generate([prompt], GREEDY, use_tqdm=False)]
             stats = llm.stats()

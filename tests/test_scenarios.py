@@ -170,7 +170,7 @@ def test_a_prefix_on_nvme_is_split_between_computing_and_loading(tmp_path):
     sim = make_kv(8, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
     sched = make_scheduler(sim, "recompute", BALANCED)
     seq = make_seq("q", list(range(9)), max_tokens=2)
-    assert len(sim.kv.match_prefix(seq).lower_refs) == 2
+    assert sim.kv.match_prefix(seq).num_lower == 2
     sched.add(seq)
     steps = run_until_done(sched, sim)
     # equal speeds: compute the first block while the second is read, then jump over it (a
@@ -196,7 +196,7 @@ def test_the_queue_ahead_of_a_load_counts_only_what_the_waiting_prompts_compute(
     run_until_done(sched, sim)
     sched.add(make_seq("w2", [*long_prompt, 7], max_tokens=1))  # 1 token to compute
     q = make_seq("q", list(range(9)), max_tokens=2)
-    assert len(sim.kv.match_prefix(q).lower_refs) == 2
+    assert sim.kv.match_prefix(q).num_lower == 2
     sched.add(q)
     run_until_done(sched, sim)
     # behind 1 ms of queue: compute one block (4 ms) while the other is read (4 ms)

@@ -153,11 +153,13 @@ class KVCacheManager:
             return None
         prefix = self.match_prefix(seq)
         first = prefix.num_tokens(self.block_size)
-        compute = split(len(prefix.lower_refs), first) if prefix.lower_refs else 0
-        self.lower.plan(seq.seq_id, prefix.lower_refs[compute:], first + compute * self.block_size, prefix.cpu_blocks)
-        if not prefix.lower_refs:
+        compute = split(prefix.num_lower, first) if prefix.num_lower else 0
+        start = len(prefix.gpu_blocks) + len(prefix.cpu_blocks)
+        refs = tuple(self.keys.refs(seq, start + compute, start + prefix.num_lower))
+        self.lower.plan(seq.seq_id, refs, first + compute * self.block_size, prefix.cpu_blocks)
+        if not prefix.num_lower:
             return None
-        return LoadPlan(compute, len(prefix.lower_refs) - compute)
+        return LoadPlan(compute, prefix.num_lower - compute)
 
     def tokens_to_load(self, seq: Sequence, have: int | None = None) -> int:
         """Prompt tokens the sequence's lower-tier loads bring past the first `have` (default:
@@ -413,9 +415,10 @@ class KVCacheManager:
         return self.pool.drop_unowned() + self.offload.pool.drop_unowned()
 
     def retire(self) -> int:
-        """Start a step: release what finished transfers held; last step's copies-in are no
-        longer landing (this step's forward pass waits for them). How many transfers and
-        lower-tier jobs finished."""
+        """Before a step's schedule (the engine calls it while the GPU runs the step before):
+        release what finished transfers held; the copies-in of the steps before are no longer
+        landing (the next forward pass waits for them). How many transfers and lower-tier jobs
+        finished."""
         self._landing_jobs.clear()
         self._landing_blocks.clear()
         return self.offload.retire() if self.offload else 0

@@ -28,11 +28,13 @@ from tieredkv.tiers.backend import BlockRef
 @dataclass(frozen=True)
 class PrefixMatch:
     """Cached blocks holding the first tokens of a sequence: GPU blocks, then CPU blocks,
-    then blocks in the lower tier (usable once loaded into the CPU tier)."""
+    then `num_lower` blocks in the lower tier (usable once loaded into the CPU tier; their keys
+    are built only for the loads planned, `BlockKeys.refs`, as a waiting request is matched
+    again at each step it cannot be admitted)."""
 
     gpu_blocks: tuple[Block, ...] = ()
     cpu_blocks: tuple[Block, ...] = ()
-    lower_refs: tuple[BlockRef, ...] = ()
+    num_lower: int = 0
 
     def num_tokens(self, block_size: int) -> int:
         """Tokens usable now (GPU and CPU hits)."""
@@ -97,4 +99,4 @@ def find_prefix(seq: Sequence, keys: BlockKeys, gpu: BlockPool, offload: CPUOffl
         return PrefixMatch(tuple(gpu_blocks), tuple(cpu_blocks))
     # the store verifies parent and tokens when it reads the block
     stop = offload.lower.held_run(hashes, start)
-    return PrefixMatch(tuple(gpu_blocks), tuple(cpu_blocks), tuple(keys.refs(seq, start, stop)))
+    return PrefixMatch(tuple(gpu_blocks), tuple(cpu_blocks), stop - start)
