@@ -40,6 +40,7 @@ from tieredkv.limits import RequestLimits
 from tieredkv.model import locate
 from tieredkv.model.runner import ModelRunner
 from tieredkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tieredkv.parallel.plan import Drawn
 from tieredkv.parallel.workers import Workers
 from tieredkv.parallel_sampling import SampleGroup
 from tieredkv.policy import CostModel, TierPolicy, needs_cost_model
@@ -112,6 +113,7 @@ class LLMEngine:
         self._loop_s = dict.fromkeys(LOOP_STATS, 0.0)
         self._longest_step_s = 0.0  # one step's forward pass and sampling: a stall shows here
         self._tend_every_s = TEND_EVERY_S  # how long the idle loop waits between two tends
+        self._retired = False  # the tiers' bookkeeping ran beside the last forward pass
         self._closed = False
 
     @property
@@ -268,6 +270,7 @@ class LLMEngine:
         would wait until the next request). None once it is done; else the seconds to wait
         before calling again: `TEND_EVERY_S` while I/O finishes, twice as long after each call
         that found none finished (up to `MAX_TEND_EVERY_S`)."""
+        self._retired = False  # the next step books what finishes from here on first
         with self._timed("loop_tiers_s"):
             finished = self.kv.tend()
         if finished is None:
@@ -282,8 +285,10 @@ class LLMEngine:
         """One scheduler step and forward pass; outputs of the requests that got a token (a
         beam search: of those that ended)."""
         self._tend_every_s = TEND_EVERY_S
-        with self._timed("loop_tiers_s"):
-            self.kv.retire()
+        if not self._retired:  # no forward pass since the last step's schedule
+            with self._timed("loop_tiers_s"):
+                self.kv.retire()
+        self._retired = False
         with self._timed("loop_schedule_s"):
             batch = self.scheduler.schedule()
         if not batch.scheduled:
@@ -296,7 +301,14 @@ class LLMEngine:
             self.kv.before_forward()
         start = time.perf_counter()
         with self._timed("loop_model_s"):
-            news = self._forward(batch, tables)
+            result = self._launch(batch, tables)
+        # the next step's tier bookkeeping, while the GPU runs this one (nothing between here and
+        # the next schedule starts a transfer or a tier job)
+        with self._timed("loop_tiers_s"):
+            self.kv.retire()
+        self._retired = True
+        with self._timed("loop_model_s"):
+            news = self._sample(batch, result)
         self._longest_step_s = max(self._longest_step_s, time.perf_counter() - start)
         outputs = [self._output(seq) for seq in news]
         for out in outputs:
@@ -304,18 +316,24 @@ class LLMEngine:
                 self._counters["requests_finished"] += 1
         return outputs
 
-    def _forward(self, batch: SchedulerOutput, tables: list[list[int]]) -> list[Seq]:
-        """Run the batch's forward pass and sample; the sequences that got news."""
+    def _launch(self, batch: SchedulerOutput, tables: list[list[int]]) -> torch.Tensor | Drawn:
+        """Start the batch's forward pass (on one GPU its kernels are queued: the GPU is still
+        running them on return) and move the scheduled sequences on; the logits, or the tokens
+        the tensor-parallel ranks drew."""
         self.runner.copy_blocks(self.kv.take_block_copies())  # copy-on-write, before the writes
         if isinstance(self.runner, Workers):  # rank 0 draws where the logits are, as the decoder would
-            drawn = self.runner.execute(batch.scheduled, tables, batch.sampling, self.decoder.draws(batch.sampling))
-            self._count(batch)
-            self.scheduler.advance(batch)
-            return self.decoder.append(batch.sampling, drawn)
-        logits = self.runner.execute(batch.scheduled, tables)
+            result = self.runner.execute(batch.scheduled, tables, batch.sampling, self.decoder.draws(batch.sampling))
+        else:
+            result = self.runner.execute(batch.scheduled, tables)
         self._count(batch)  # before `advance` moves the sequences on
         self.scheduler.advance(batch)
-        return self.decoder.process(batch.sampling, logits)
+        return result
+
+    def _sample(self, batch: SchedulerOutput, result: torch.Tensor | Drawn) -> list[Seq]:
+        """Sample from the launched step's logits (waiting for the GPU); the sequences that got news."""
+        if isinstance(result, Drawn):
+            return self.decoder.append(batch.sampling, result)
+        return self.decoder.process(batch.sampling, result)
 
     @contextlib.contextmanager
     def _timed(self, key: str) -> Iterator[None]:
