@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -13,6 +14,7 @@ from tieredkv.tiers.nvme.slot_format import (
     SlotHeader,
     aligned_empty,
     byte_view,
+    check_ids,
     fingerprint_digest,
     header_matches,
     pack_header,
@@ -66,6 +68,18 @@ def test_header_rejects_out_of_range_fields():
     with pytest.raises(ValueError, match="parent_hash"):
         pack_header(byte_view(aligned_empty(4096)), SlotHeader(1, -2, (3,), 4096, 5, 6, FP))
     assert parse_header(packed(good), max_tokens=0) is None  # more tokens than a block holds
+
+
+def test_token_ids_are_checked_as_a_header_holds_them():
+    assert check_ids(1, 2, [3, 4]) == (3, 4)
+    assert check_ids(1, 2, (np.int64(3), np.uint32(4))) == (3, 4)  # numpy ints come back as ints
+    assert check_ids(1, 2, ()) == ()
+    for bad, what in (([1.0], "integers"), ([True], "integers"), (["5"], "integers"), ([-1], r"\[0, 2\*\*32\)"),
+                      ([2**32], r"\[0, 2\*\*32\)")):
+        with pytest.raises(ValueError, match=what):
+            check_ids(1, 2, bad)
+    with pytest.raises(ValueError, match="parent_hash"):
+        check_ids(1, -1, [3])
 
 
 def test_geometry_and_superblock():

@@ -131,3 +131,30 @@ def test_a_sequence_preempted_while_its_prefix_lands_swaps_back_exactly(preempti
     llm.reset_prefix_cache()  # waits for the last transfers, which hold their CPU blocks until then
     stats = llm.stats()
     assert stats["gpu_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
+
+
+def test_the_tiers_are_booked_while_the_gpu_runs_the_step():
+    """`KVCacheManager.retire` runs once a step, between the forward pass's launch and the
+    sampling that waits for it (not before the next schedule, with the GPU idle); the first step,
+    and the first after the idle loop tended the tiers, book them before scheduling too."""
+    llm = pressured_llm("tiny-llama", "swap")
+    events: list[str] = []
+
+    def noted(name, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    llm.kv.retire = noted("retire", llm.kv.retire)
+    llm.runner.execute = noted("launch", llm.runner.execute)
+    llm.decoder.process = noted("sample", llm.decoder.process)
+    for i, prompt in enumerate(make_prompts(vocab_size=512)[:2]):
+        llm.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0), f"r{i}")
+    for _ in range(3):
+        llm.step()
+    assert events == ["retire", "launch", "retire", "sample"] + ["launch", "retire", "sample"] * 2
+    events.clear()
+    llm.tend_tiers()  # retires too (the idle loop's tend)
+    llm.step()
+    assert events == ["retire", "retire", "launch", "retire", "sample"]
