@@ -293,9 +293,9 @@ def check_ids(block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> tu
         if not 0 <= value <= MAX_U64:
             raise ValueError(f"{name}={value} is not an unsigned 64-bit hash")
     tokens = tuple(token_ids)
-    if not set(map(type, tokens)) <= {int}:  # numpy ints and the like: as ints (a bool or float fails below)
+    if not set(map(type, tokens)) <= {int}:  # numpy ints become ints; a bool, float or string is refused
         tokens = tuple(_as_int(t) for t in tokens)
-    if tokens and not (min(tokens) >= 0 and max(tokens) < 1 << 32):  # builtins: a 128-id block in ~2 us
+    if tokens and not (min(tokens) >= 0 and max(tokens) < 1 << 32):  # no Python loop: it runs per block read
         raise ValueError("token ids must lie in [0, 2**32)")
     return tokens
 
