@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+RESCALE_LOG2: tl.constexpr = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -132,6 +133,7 @@ def attend_pages(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr = False,
 ):
     """`attend_tiles` over keys [start, end) (multiples of BLOCK_N), each tile one TMA load:
     BLOCK_SIZE % BLOCK_N == 0, so a tile never crosses a page. The descriptors view a cache as
@@ -149,6 +151,20 @@ def attend_pages(
             cols = n0 + tl.arange(0, BLOCK_N)
             s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
         v = v_desc.load([row, head_col])
-        m, denom, p, alpha = _online_softmax(s, m, denom, scale_log2)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if LAZY_RESCALE and not CAUSAL:
+            # re-base the rows only when some row's max grew by more than 2^RESCALE_LOG2: until
+            # then p may exceed 1 (at most 2^RESCALE_LOG2), and acc is not multiplied every tile
+            m_tile = tl.max(s, 1) * scale_log2
+            if tl.max(m_tile - m, 0) > RESCALE_LOG2:
+                m_new = tl.maximum(m, m_tile)
+                alpha = tl.math.exp2(m - m_new)
+                acc = acc * alpha[:, None]
+                denom = denom * alpha
+                m = m_new
+            p = tl.math.exp2(s * scale_log2 - m[:, None])
+            denom = denom + tl.sum(p, 1)
+            acc = acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        else:
+            m, denom, p, alpha = _online_softmax(s, m, denom, scale_log2)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m, denom, acc
