@@ -132,6 +132,7 @@ def attend_pages(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    DOT_ACC: tl.constexpr = False,
 ):
     """`attend_tiles` over keys [start, end) (multiples of BLOCK_N), each tile one TMA load:
     BLOCK_SIZE % BLOCK_N == 0, so a tile never crosses a page. The descriptors view a cache as
@@ -150,5 +151,8 @@ def attend_pages(
             s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
         v = v_desc.load([row, head_col])
         m, denom, p, alpha = _online_softmax(s, m, denom, scale_log2)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if DOT_ACC:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m, denom, acc

@@ -48,7 +48,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SKIP_SINGLE_ROW_SEQS: tl.constexpr,
-    PAGED_TMA: tl.constexpr,
+    PAGED_TMA: tl.constexpr, DOT_ACC: tl.constexpr = False,
 ):
     if PAGED_TMA:  # grid (head, tile), last tiles first
         head = tl.program_id(0)
@@ -99,11 +99,11 @@ def _prefill_kernel(
             head_col = kv_head * HEAD_DIM
             m, denom, acc = attend_pages(
                 q, m, denom, acc, k_desc, v_desc, table, head_col, pos, 0, full_end,
-                scale_log2, BLOCK_SIZE, BLOCK_N, False, PRECISION,
+                scale_log2, BLOCK_SIZE, BLOCK_N, False, PRECISION, DOT_ACC,
             )
             m, denom, acc = attend_pages(
                 q, m, denom, acc, k_desc, v_desc, table, head_col, pos, full_end, band_end,
-                scale_log2, BLOCK_SIZE, BLOCK_N, True, PRECISION,
+                scale_log2, BLOCK_SIZE, BLOCK_N, True, PRECISION, DOT_ACC,
             )
         else:
             band_end = full_end
