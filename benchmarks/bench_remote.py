@@ -91,10 +91,10 @@ async def raw_round(url: str, value: bytes, n: int, in_flight: int, pipeline: in
     return t1 - t0, t2 - t1
 
 
-def engine_store(urls: list[str], args: argparse.Namespace) -> RemoteStore | RemoteShards:
-    """The engine's store over `urls` (as `open_remote` makes it), with this run's pipelines in
-    flight, commands per pipeline and reader threads per server."""
-    stores = [RemoteStore(url, args.block, FINGERPRINT, 16, max_in_flight=args.in_flight,
+def engine_store(urls: list[str], block_bytes: int, args: argparse.Namespace) -> RemoteStore | RemoteShards:
+    """The engine's store of `block_bytes` blocks over `urls` (as `open_remote` makes it), with
+    this run's pipelines in flight, commands per pipeline and reader threads per server."""
+    stores = [RemoteStore(url, block_bytes, FINGERPRINT, 16, max_in_flight=args.in_flight,
                           pipeline_ops=args.pipeline, read_threads=args.read_threads) for url in urls]
     return stores[0] if len(stores) == 1 else RemoteShards(stores)
 
@@ -102,7 +102,7 @@ def engine_store(urls: list[str], args: argparse.Namespace) -> RemoteStore | Rem
 def store_round(url: str, args: argparse.Namespace, src: torch.Tensor, dst: torch.Tensor,
                 first_hash: int) -> tuple[float, float]:
     """(write, read) seconds for every block of `src` through a fresh RemoteStore."""
-    return timed_round(engine_store([url], args), src, dst, first_hash)
+    return timed_round(engine_store([url], src.shape[1], args), src, dst, first_hash)
 
 
 def timed_round(store: RemoteStore | RemoteShards, src: torch.Tensor, dst: torch.Tensor,
@@ -153,7 +153,7 @@ def apart_round(urls: list[str], num_blocks: int, args: argparse.Namespace) -> t
 
 def _apart_worker(url: str, num_blocks: int, args: argparse.Namespace, barrier, results) -> None:
     src = torch.randint(0, 256, (num_blocks, args.block), dtype=torch.uint8)
-    results.put(timed_round(engine_store([url], args), src, torch.zeros_like(src), first_hash=1,
+    results.put(timed_round(engine_store([url], args.block, args), src, torch.zeros_like(src), first_hash=1,
                             together=barrier.wait))
 
 
@@ -283,7 +283,8 @@ def scaling(args: argparse.Namespace, urls: list[str]) -> None:
             for url in urls:
                 redis.Redis.from_url(url).flushall()
             dst.zero_()
-            seconds = timed_round(engine_store(urls[:1] if name == "one" else urls, args), src, dst, first_hash=1)
+            store = engine_store(urls[:1] if name == "one" else urls, args.block, args)
+            seconds = timed_round(store, src, dst, first_hash=1)
             if r:
                 secs[name].append(seconds)
     print(f"{n * args.block / 2**30:.2f} GiB each way in {args.block >> 10} KiB blocks, {len(urls)} servers "
