@@ -109,7 +109,8 @@ def profile_variant(experiment, run, window: Window) -> dict[str, Any]:
     one = dataclasses.replace(experiment, runs=[run], compare=False, sweep=None)
     window.begin()
     started = time.monotonic()
-    outcome = asyncio.run(harness._run_all(one, harness.Options(False, None, None, False)))
+    options = harness.Options(False, None, None, False, engine_process=False)  # the profiler sees this process
+    outcome = asyncio.run(harness._run_all(one, options))
     window.end()
     summary = outcome.summaries[0]
     return {

@@ -48,4 +48,7 @@ if __name__ == "__main__":
     out = sys.argv[1]
     LLMEngine._forward = _logged_forward
     atexit.register(lambda: json.dump(STEPS, open(out, "w")))
-    sys.exit(main(sys.argv[sys.argv.index("--") + 1:]))
+    args = sys.argv[sys.argv.index("--") + 1:]
+    if args[:1] == ["run"] and "--in-process" not in args:
+        args.insert(1, "--in-process")  # the engine this process patched, not one in a process of its own
+    sys.exit(main(args))

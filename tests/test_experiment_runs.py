@@ -204,10 +204,10 @@ def test_a_variant_that_fails_costs_only_itself(tmp_path, monkeypatch, capsys):
     from tieredkv.experiment import harness
 
     class FailingWithACpuTier(harness.AsyncLLM):
-        def __init__(self, config):
+        def __init__(self, config, engine_process):
             if config.cache.cpu_cache_bytes:
                 raise RuntimeError("capture failed")
-            super().__init__(config=config)
+            super().__init__(config=config, engine_process=engine_process)
 
     monkeypatch.setattr(harness, "AsyncLLM", FailingWithACpuTier)
     config = write_config(tmp_path, variants=VARIANTS)

@@ -15,6 +15,8 @@ Operations:
 - `generate(prompt, params)`: the finished output of one request.
 - `abort(request_id)`: end a request; its stream gets a last output with `finish_reason="abort"`.
 - `reset_prefix_cache()`: drop the GPU and CPU prefix caches between two steps.
+- `trace_cpu_tier()`, then `cpu_tier_replay()`: the CPU tier's trace replayed under every policy
+  (before `close`).
 - `drained()`: wait until the engine has no work left (every request finished or aborted).
 - `close()`: abort what is open (each stream ends the same way), stop the loop, release the tiers.
 - `stats()`: the engine's counters (from any thread); `healthy`: False once an engine process died.
@@ -130,6 +132,11 @@ class AsyncLLM:
         self._core.engine = engine
 
     @property
+    def engine_process(self) -> bool:
+        """Whether the engine runs in a process of its own."""
+        return isinstance(self._core, ProcessCore)
+
+    @property
     def healthy(self) -> bool:
         """Whether the engine takes requests: False once its process has died."""
         return self._core.healthy
@@ -210,11 +217,21 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> int:
         """Drop the GPU and CPU prefix caches (not the NVMe store) between two steps; how many
         blocks were dropped."""
-        return await self._core.reset_prefix_cache()
+        return await self._core.call("reset_prefix_cache")
+
+    async def trace_cpu_tier(self) -> bool:
+        """Record from now on what the CPU tier is offered and asked for; False without one."""
+        return await self._core.call("trace_cpu_tier")
+
+    async def cpu_tier_replay(self) -> dict[str, Any] | None:
+        """The CPU tier's trace since `trace_cpu_tier`, replayed at its size under every replay
+        policy (`cache.trace.replay_all`); None if nothing was traced. Ask before `close`."""
+        return await self._core.call("cpu_tier_replay")
 
     def stats(self) -> dict[str, Any]:
         """The engine's `stats()`; callable from any thread (with an engine process it waits
-        for the answer, given between two steps: call it off the event loop)."""
+        for the answer, given between two steps: call it off the event loop), and after
+        `close` (the closed engine's)."""
         return self._core.stats()
 
     async def close(self) -> None:

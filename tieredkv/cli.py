@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt-ids", action="store_true",
                      help="keep every request's prompt token ids in result.json (output ids are always kept)")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    run.add_argument("--in-process", action="store_true",
+                     help="run each engine in a thread of this process, beside the clients (default: in a process "
+                     "of its own, as `tieredkv serve` runs it; in-process, the clients' event loop and the engine "
+                     "take turns on one GIL, which delays each token's delivery by milliseconds)")
     run.add_argument("--prometheus-port", type=int, metavar="PORT",
                      help="serve the engine's stats and the clients' latencies at :PORT/metrics while the run "
                      "lasts (needs prometheus-client)")
@@ -126,6 +130,7 @@ def _run(args: argparse.Namespace) -> int:
             find_config(args.config), args.out, args.compare, use_tqdm=not args.no_progress,
             on_summary=lambda s: print(format_summary(s), flush=True), exporter=exporter, sweep=args.sweep,
             keep_prompt_ids=args.prompt_ids, only=args.variants.split(",") if args.variants else None,
+            engine_process=not args.in_process,
         )
     finally:
         if exporter is not None:

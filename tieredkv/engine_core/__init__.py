@@ -5,8 +5,8 @@ thread of this process), `process` (the loop in an engine process of its own: th
 `child` (that process's main loop), `messages` (what the two processes send each other),
 `deltas` (each step's outputs as per-request deltas, and the outputs rebuilt from them).
 
-Both loops take the same calls from the event loop (`add`, `abort`, `reset_prefix_cache`,
-`stats`, `drained`, `close`) and hand every step's outputs to an `OutputSink` in one call on the
+Both loops take the same calls from the event loop (`add`, `abort`, `call` (an engine method
+between two steps), `stats`, `drained`, `close`) and hand every step's outputs to an `OutputSink` in one call on the
 event loop.
 """
 

@@ -8,6 +8,7 @@ the process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import signal
@@ -22,6 +23,7 @@ from tieredkv.engine_core.info import EngineInfo
 from tieredkv.engine_core.messages import (
     Abort,
     Call,
+    Closed,
     Ready,
     Rejected,
     Reply,
@@ -40,7 +42,7 @@ Inbound = NewRequest | Abort | Call | Shutdown
 
 def run_engine(config: EngineConfig, conn: Connection) -> None:
     """Build the engine, say `Ready` (or `StartFailed`), serve until `Shutdown` or the server
-    closes the connection; then release the tiers."""
+    closes the connection; then release the tiers and say `Closed`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops this process
     try:
         engine = LLMEngine(config)
@@ -54,6 +56,8 @@ def run_engine(config: EngineConfig, conn: Connection) -> None:
         EngineLoop(engine, conn, inbox).run()
     finally:
         engine.close()
+    with contextlib.suppress(OSError):  # the server may be gone
+        conn.send(Closed(engine.stats()))
 
 
 def _receive(conn: Connection, inbox: queue.SimpleQueue[Inbound]) -> None:
@@ -128,7 +132,7 @@ class EngineLoop:
 
     def _answer(self, call: Call) -> None:
         try:
-            value = self.engine.stats() if call.name == "stats" else self.engine.reset_prefix_cache()
+            value = getattr(self.engine, call.name)()
         except Exception as err:
             self.conn.send(Reply(call.call_id, None, portable(err)))
             return

@@ -1,8 +1,10 @@
 """What the server and its engine process say to each other over their connection (pickled).
 
-To the engine: `NewRequest`, `Abort`, `Call` (stats, prefix-cache reset), `Shutdown`.
+To the engine: `NewRequest`, `Abort`, `Call` (an `LLMEngine` method named by `CallName`, run
+between two steps), `Shutdown`.
 From it: `Ready` (or `StartFailed`) once, then `StepOutputs` (one per step: every request's
-delta), `Rejected` (a request the engine refused), `Reply` (to a `Call`), `StepFailed`.
+delta), `Rejected` (a request the engine refused), `Reply` (to a `Call`), `StepFailed`, and
+`Closed` last, once the engine has released its tiers after a `Shutdown`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Literal, NamedTuple
 from tieredkv.engine_core.deltas import OutputDelta
 from tieredkv.engine_core.info import EngineInfo
 
-CallName = Literal["stats", "reset_prefix_cache"]
+CallName = Literal["stats", "reset_prefix_cache", "trace_cpu_tier", "cpu_tier_replay"]
 
 
 class Abort(NamedTuple):
@@ -50,6 +52,12 @@ class Reply(NamedTuple):
     call_id: int
     value: Any
     error: BaseException | None = None
+
+
+class Closed(NamedTuple):
+    """The engine released its tiers; its `stats()` then (what closing wrote down included)."""
+
+    stats: dict[str, Any]
 
 
 class StepFailed(NamedTuple):

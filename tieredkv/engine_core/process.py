@@ -32,6 +32,7 @@ from tieredkv.engine_core.messages import (
     Abort,
     Call,
     CallName,
+    Closed,
     Ready,
     Rejected,
     Reply,
@@ -76,6 +77,7 @@ class ProcessCore:
         self._idle = threading.Event()  # set while no request is open
         self._idle.set()
         self.error: RuntimeError | None = None  # set once the engine process has died
+        self._closed_stats: dict[str, Any] | None = None  # the engine's stats once it closed (`Closed`)
         self._loop: asyncio.AbstractEventLoop | None = None  # where outputs go: the last sender's
         self._reader = threading.Thread(target=self._read, name="tieredkv-engine-reader", daemon=True)
         self._reader.start()
@@ -111,11 +113,15 @@ class ProcessCore:
         with contextlib.suppress(RuntimeError):  # a dead engine holds nothing
             self._send(Abort(request_id))
 
-    async def reset_prefix_cache(self) -> int:
-        return await asyncio.wrap_future(self._call("reset_prefix_cache"))
+    async def call(self, name: CallName) -> Any:
+        """Run the engine's method `name` between two steps; its result."""
+        return await asyncio.wrap_future(self._call(name))
 
     def stats(self) -> dict[str, Any]:
-        """The engine's stats (blocks until it answers, between two steps; any thread)."""
+        """The engine's stats (blocks until it answers, between two steps; any thread); once
+        the engine has closed, its last ones."""
+        if self._closed_stats is not None:
+            return self._closed_stats
         return self._call("stats").result(timeout=STATS_TIMEOUT_S)
 
     async def drained(self) -> None:
@@ -185,6 +191,8 @@ class ProcessCore:
                     self._settle(message)
                 elif isinstance(message, StepOutputs):
                     self._post(self._sink.deliver, self._rebuild(message))
+                elif isinstance(message, Closed):
+                    self._closed_stats = message.stats
                 elif isinstance(message, Rejected):
                     self._close_request(message.request_id)
                     self._post(self._sink.fail, message.request_id, message.error)

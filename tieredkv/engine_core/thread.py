@@ -3,8 +3,9 @@
 The loop steps while there is work, so it never waits for the event loop between two steps;
 with no request left it tends the tiers while their I/O goes on (writes to disk), until a
 request comes or `drained` is awaited.
-Only that thread changes the engine: requests added or aborted, and prefix-cache resets, are
-handed to it under a lock and applied between steps. Each step's outputs go to the event loop
+Only that thread changes the engine: requests added or aborted, and calls of its methods
+(`call`: a prefix-cache reset, the CPU tier's trace), are handed to it under a lock and applied
+between steps. Each step's outputs go to the event loop
 in one batch (`call_soon_threadsafe`).
 """
 
@@ -13,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from tieredkv.engine import LLMEngine
 from tieredkv.engine_core import NewRequest, OutputSink
+from tieredkv.engine_core.messages import CallName
 from tieredkv.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -34,7 +37,7 @@ class ThreadCore:
         self._lock = threading.Lock()
         self._pending: list[NewRequest] = []
         self._aborts: list[str] = []
-        self._resets: list[asyncio.Future[int]] = []
+        self._calls: list[tuple[CallName, asyncio.Future[Any]]] = []
         self._thread: threading.Thread | None = None  # alive while the engine has work
         self._stop_tending = False  # set while someone waits for the thread to stop (`drained`)
         self._wake = threading.Event()  # ends the thread's tending pause: a hand-over, or `drained`
@@ -48,9 +51,10 @@ class ThreadCore:
         """End a request before the next step; its last output goes to the sink."""
         self._hand_over(self._aborts, request_id)
 
-    async def reset_prefix_cache(self) -> int:
-        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._hand_over(self._resets, done)
+    async def call(self, name: CallName) -> Any:
+        """Run the engine's method `name` between two steps; its result."""
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._hand_over(self._calls, (name, done))
         return await done
 
     def stats(self) -> dict[str, Any]:
@@ -78,7 +82,7 @@ class ThreadCore:
     # ------------------------------------------------------------------ the engine thread
 
     def _hand_over(self, queue: list, item: object) -> None:
-        """Give the engine thread a request, an abort or a reset; start the thread if it is
+        """Give the engine thread a request, an abort or a call; start the thread if it is
         not running (it stops when the engine runs out of work)."""
         with self._lock:
             queue.append(item)
@@ -102,18 +106,18 @@ class ThreadCore:
                 return
             logger.exception("engine loop failed")
             with self._lock:
-                self._thread, resets = None, _take(self._resets)
-            loop.call_soon_threadsafe(self._fail_all, err, resets)
+                self._thread, calls = None, _take(self._calls)
+            loop.call_soon_threadsafe(self._fail_all, err, [done for _, done in calls])
 
     def _step_while_busy(self, loop: asyncio.AbstractEventLoop) -> None:
         """Apply what was handed over, step, post the outputs; return when nothing is left."""
         while True:
             self._wake.clear()  # before taking what was handed over: a later hand-over sets it
-            aborted, resets = self._apply_handed_over(loop)
+            aborted, calls = self._apply_handed_over(loop)
             if aborted:
                 loop.call_soon_threadsafe(self._sink.deliver, aborted)
-            if resets:
-                loop.call_soon_threadsafe(_settle, resets, self.engine.reset_prefix_cache())
+            for name, done in calls:
+                loop.call_soon_threadsafe(_settle, done, *_outcome(getattr(self.engine, name)))
             if not self.engine.has_unfinished():
                 if self._tending() and (tend_again_s := self.engine.tend_tiers()) is not None:
                     self._wake.wait(tend_again_s)
@@ -126,11 +130,11 @@ class ThreadCore:
 
     def _apply_handed_over(
         self, loop: asyncio.AbstractEventLoop
-    ) -> tuple[list[RequestOutput], list[asyncio.Future[int]]]:
+    ) -> tuple[list[RequestOutput], list[tuple[CallName, asyncio.Future[Any]]]]:
         """Enqueue new requests (one the engine refuses fails its stream) and end aborted ones
-        (their last outputs returned) between two steps; the resets asked for meanwhile."""
+        (their last outputs returned) between two steps; the calls asked for meanwhile."""
         with self._lock:
-            pending, aborts, resets = _take(self._pending), _take(self._aborts), _take(self._resets)
+            pending, aborts, calls = _take(self._pending), _take(self._aborts), _take(self._calls)
         for request in pending:
             try:
                 self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
@@ -138,7 +142,7 @@ class ThreadCore:
             except ValueError as err:
                 loop.call_soon_threadsafe(self._sink.fail, request.request_id, err)
         ended = [self.engine.abort(request_id) for request_id in aborts]
-        return [out for out in ended if out is not None], resets
+        return [out for out in ended if out is not None], calls
 
     def _tending(self) -> bool:
         """Whether to go on tending the tiers with no request (not while `drained` waits)."""
@@ -149,14 +153,14 @@ class ThreadCore:
         """Stop the thread if nothing was handed over since the last look (under the lock, so
         a request handed over after this starts a new thread)."""
         with self._lock:
-            if self._pending or self._aborts or self._resets:
+            if self._pending or self._aborts or self._calls:
                 return False
             self._thread = None
             return True
 
-    def _fail_all(self, err: Exception, resets: list[asyncio.Future[int]]) -> None:
+    def _fail_all(self, err: Exception, calls: list[asyncio.Future[Any]]) -> None:
         self._sink.fail(None, err)
-        for done in resets:
+        for done in calls:
             if not done.done():
                 done.set_exception(err)
 
@@ -167,7 +171,18 @@ def _take(items: list) -> list:
     return taken
 
 
-def _settle(resets: list[asyncio.Future[int]], dropped: int) -> None:
-    for done in resets:
-        if not done.done():  # its caller may have been cancelled meanwhile
-            done.set_result(dropped)
+def _outcome(method: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    """What calling `method` returned, or the exception it raised."""
+    try:
+        return method(), None
+    except Exception as err:
+        return None, err
+
+
+def _settle(done: asyncio.Future[Any], value: Any, err: BaseException | None) -> None:
+    if done.done():  # its caller may have been cancelled meanwhile
+        return
+    if err is not None:
+        done.set_exception(err)
+    else:
+        done.set_result(value)

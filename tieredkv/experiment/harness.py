@@ -33,7 +33,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tieredkv.async_engine import AsyncLLM
-from tieredkv.cache.trace import BlockTrace, replay_all
 from tieredkv.config import EngineConfig
 from tieredkv.experiment.metrics import (
     RequestRecord,
@@ -81,10 +80,15 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Options:
+    """`engine_process`: each engine runs in a process of its own, as `tieredkv serve` runs it,
+    so that the clients' event loop and the engine loop do not take turns on one GIL (False:
+    in a thread of this process, where a wrapper of `LLMEngine` can see it)."""
+
     use_tqdm: bool = True
     on_summary: Callable[[Summary], None] | None = None
     exporter: PrometheusExporter | None = None
     keep_prompt_ids: bool = False
+    engine_process: bool = True
 
 
 class _Client:
@@ -161,14 +165,15 @@ def run_experiment(
     path: str, out_dir: str = "results", compare: bool = False, use_tqdm: bool = True,
     on_summary: Callable[[Summary], None] | None = None, exporter: PrometheusExporter | None = None,
     sweep: str | None = None, keep_prompt_ids: bool = False, only: list[str] | None = None,
+    engine_process: bool = True,
 ) -> Outcome:
     """Check the experiment and its results folder, then run it (module docstring). `sweep`:
     `KEY=V1,V2,...` over the file's `sweep:`; `only`: these variants, in this order;
     `on_summary` sees each run's summary as it ends; `exporter` publishes the engine's stats and
-    the clients' latencies while it runs."""
+    the clients' latencies while it runs; `engine_process`: as `Options` says."""
     experiment = load_experiment(path, out_dir, compare, sweep, only=only)
     preflight(experiment)
-    options = Options(use_tqdm, on_summary, exporter, keep_prompt_ids)
+    options = Options(use_tqdm, on_summary, exporter, keep_prompt_ids, engine_process)
     return asyncio.run(_run_all(experiment, options))
 
 
@@ -225,7 +230,7 @@ async def _run_or_log(run: Run, experiment: Experiment, options: Options, interr
 async def _run(run: Run, experiment: Experiment, options: Options,
                interrupt: _Interrupt) -> tuple[Summary, dict[str, Any]]:
     config = EngineConfig.from_dict(run.engine_doc)
-    slot = EngineSlot(AsyncLLM(config=config))
+    slot = EngineSlot(AsyncLLM(config=config, engine_process=options.engine_process))
     try:
         return await _serve(slot, config, run, experiment, options, interrupt)
     except BaseException:
@@ -237,13 +242,11 @@ async def _run(run: Run, experiment: Experiment, options: Options,
 async def _serve(slot: EngineSlot, config: EngineConfig, run: Run, experiment: Experiment, options: Options,
                  interrupt: _Interrupt) -> tuple[Summary, dict[str, Any]]:
     """Run the workload on the engine in `slot` and close it; the run's summary and result."""
-    engine = describe_engine(slot.llm.engine)
-    offload = slot.llm.engine.kv.offload  # its block trace is replayed offline after the run
-    trace = None if offload is None else BlockTrace()
-    if offload is not None:
-        offload.trace = trace
+    llm = slot.llm
+    engine = describe_engine(llm.info)
+    traced = await llm.trace_cpu_tier()  # the CPU tier's trace is replayed offline after the run
     logger.info("%s", startup_summary(run.name, engine))
-    vocab = slot.llm.engine.runner.hf_config.vocab_size
+    vocab = llm.info.limits.vocab_size
     timeline: list[dict[str, Any]] = []
     stop = asyncio.Event()
     exporter = options.exporter
@@ -267,9 +270,11 @@ async def _serve(slot: EngineSlot, config: EngineConfig, run: Run, experiment: E
         elapsed = time.monotonic() - start
         stop.set()
         await sampler
-    stats = slot.stats()
+    stats = await asyncio.to_thread(slot.stats)
     if publish is not None:
         publish(stats)
+    # the engine that started the run (a restart replaced it: its trace went with it)
+    replayed = await llm.cpu_tier_replay() if traced and slot.llm is llm else None
     await slot.close()
     _remove_scratch_store(run)
     restart_doc = None if run.restart is None else restart_figures(run.restart, slot.record, client.records, start)
@@ -281,8 +286,8 @@ async def _serve(slot: EngineSlot, config: EngineConfig, run: Run, experiment: E
                              timeline, point=dict([run.point]) if run.point else None,
                              slo=experiment.slo.report(client.records, summary) if experiment.slo else None,
                              keep_prompt_ids=options.keep_prompt_ids)
-    if trace is not None:
-        result["cpu_tier_replay"] = replay_all(trace, offload.tier.num_blocks)
+    if replayed is not None:
+        result["cpu_tier_replay"] = replayed
         logger.info("%s: CPU tier hit rate replayed on its block trace: %s", run.name, ", ".join(
             f"{policy} {rate:.1%}" for policy, rate in result["cpu_tier_replay"]["hit_rate"].items()))
     return summary, result
@@ -350,7 +355,7 @@ async def _timeline(slot: EngineSlot, start: float, samples: list[dict[str, Any]
                     publish: Callable[[dict[str, Any]], None] | None,
                     progress: Callable[[dict[str, Any]], None]) -> None:
     while not stop.is_set():
-        stats = slot.stats()
+        stats = await asyncio.to_thread(slot.stats)  # an engine process answers between two steps
         if publish is not None:
             publish(stats)
         progress(stats)

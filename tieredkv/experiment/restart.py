@@ -130,23 +130,24 @@ class EngineSlot:
         await self._idle.wait()
         old, self.llm = self.llm, None
         assert old is not None, "one restart at a time"
+        old_process = old.engine_process  # the new engine runs where the old one did
         await old.close()  # writes what is worth keeping to the store first
         self._last_stats = old.stats()
         del old
         _free_memory()  # the new engine sizes its tiers from the memory left
         closed = time.monotonic()
         removed = _empty_store(config.cache.nvme_path) if restart.store == "empty" else None
-        self.llm = await _open_engine(config)
+        self.llm = await _open_engine(config, old_process)
         ready = time.monotonic()
         self.record = RestartRecord(began, closed, ready, drained, self._waited, removed, self._last_stats)
         self._open.set()
         return self.record
 
 
-async def _open_engine(config: EngineConfig) -> AsyncLLM:
+async def _open_engine(config: EngineConfig, engine_process: bool) -> AsyncLLM:
     """A new engine, built in a worker thread; one whose build outlives a cancellation is
     closed, not leaked (it would hold the store's lock)."""
-    build = asyncio.ensure_future(asyncio.to_thread(AsyncLLM, config=config))
+    build = asyncio.ensure_future(asyncio.to_thread(AsyncLLM, config=config, engine_process=engine_process))
     try:
         return await asyncio.shield(build)
     except asyncio.CancelledError:

@@ -3,7 +3,7 @@
 Operations:
 - `environment()`: versions (tieredkv, torch, triton, transformers, Python), the git commit of
   a checkout, the date.
-- `describe_engine(engine)`: the effective engine: its config, each tier's size in blocks,
+- `describe_engine(info)`: the effective engine (`EngineInfo`): its config, each tier's size in blocks,
   tokens and bytes, the I/O backend that ran, the cost model (calibrated or pinned), the device.
 - `result_document(...)`: result.json of one run; `comparison_document(...)`: comparison.json.
 - `validate(doc)`: check a document against the schema (needs `jsonschema`).
@@ -22,8 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from tieredkv.engine_core.info import EngineInfo, cpu_name
 from tieredkv.experiment.metrics import RequestRecord, Summary, comparison_rows, serving_metrics
 
 SCHEMA_VERSION = 1
@@ -38,7 +37,7 @@ def environment() -> dict[str, Any]:
         "versions": {**{name: _version(name) for name in PACKAGES}, "python": platform.python_version()},
         "git_commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host_cpu": _cpu_name(),
+        "host_cpu": cpu_name(),
     }
 
 
@@ -64,31 +63,18 @@ def _git_commit(root: Path = CHECKOUT) -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({_cpu_name()})"
-
-
-def describe_engine(engine: Any) -> dict[str, Any]:
-    """The engine as it ran (an `LLMEngine`): config, tiers, I/O backend, cost model, device."""
-    config, stats = engine.config, engine.stats()
-    block_size, block_bytes = config.cache.block_size, engine.block_bytes
+def describe_engine(info: EngineInfo) -> dict[str, Any]:
+    """The engine as it ran (what it says of itself at start-up): config, tiers, I/O backend,
+    cost model, device."""
+    config, stats = info.config, info.startup_stats
+    block_size, block_bytes = config.cache.block_size, info.block_bytes
     tiers = {"gpu": _tier(stats["gpu_blocks_total"], block_size, block_bytes)}
     if "cpu_blocks_total" in stats:
         tiers["cpu"] = _tier(stats["cpu_blocks_total"], block_size, block_bytes)
     if "nvme_slots_total" in stats:
         tiers["nvme"] = {**_tier(stats["nvme_slots_total"], block_size, block_bytes),
                          "path": config.cache.nvme_path, "file_bytes": config.cache.nvme_bytes}
-    cost = engine.scheduler.policy.cost
+    cost = info.cost_model
     source = None if cost is None else "pinned" if config.scheduler.cost_model is not None else "calibrated"
     return {
         "config": config.to_dict(),
@@ -97,8 +83,8 @@ def describe_engine(engine: Any) -> dict[str, Any]:
         "io_backend": stats.get("nvme_io_backend"),
         "cost_model": None if cost is None else {**asdict(cost), "source": source},
         "preemption": config.scheduler.preemption,
-        "device": device_name(engine.runner.device),
-        "max_model_len": engine.runner.max_model_len,
+        "device": info.device,
+        "max_model_len": info.limits.max_model_len,
     }
 
 
