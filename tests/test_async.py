@@ -19,6 +19,7 @@ def assert_nothing_held(allm: AsyncLLM) -> None:
     assert stats.get("cpu_blocks_used", 0) == 0
     assert stats["requests_running"] == stats["requests_waiting"] == 0
     assert not allm.engine.scheduler.swapped and not allm.engine.seqs
+    assert not allm.engine.kv.keys._runs  # the prefix runs remembered for sequences went with them
 
 
 async def test_stream_matches_transformers(reference_outputs):

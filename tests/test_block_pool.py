@@ -155,3 +155,44 @@ def test_reset_prefix_cache_drops_only_unowned_blocks():
     assert kv.match_prefix(make_seq("c", list(range(9)))).gpu_blocks == ()
     assert len(kv.match_prefix(make_seq("d", [50 + i for i in range(9)])).gpu_blocks) == 2
     check_invariants(kv, {"b": b})
+
+
+# a waiting sequence is matched at every step it cannot be admitted: `BlockKeys.found_run`
+# checks the run it found last block by block, and looks up only what follows it
+match_ops = st.lists(st.tuples(st.sampled_from(["cache", "evict", "uncache", "collide"]), st.integers(0, 11)),
+                     max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(match_ops)
+def test_a_run_found_again_is_the_run_a_fresh_lookup_finds(script):
+    from tieredkv.cache.prefix import BlockKeys
+
+    fresh = lambda: BlockKeys(BS, root_hash=7)  # noqa: E731
+    matched = {start: fresh() for start in (0, 2)}  # each matches from one block on, again and again
+    seq = make_seq("w", list(range(100, 100 + 12 * BS + 1)))  # 12 full blocks a hit may cover
+    hashes = fresh().hit_candidates(seq)
+    pool = BlockPool(6)
+    parents = [7, *hashes]
+    for op, i in script:
+        tokens = seq.token_ids[i * BS : (i + 1) * BS]
+        held = pool.cached_block(hashes[i])
+        if op == "cache" and held is None:
+            taken = pool.allocate(1)
+            if taken is not None:
+                pool.cache(taken[0], hashes[i], parents[i], tokens)
+                pool.release(taken)
+        elif op == "evict":
+            pool.allocate(1)  # takes the least recently used unowned block
+        elif op == "uncache" and held is not None:
+            pool.uncache(held)
+        elif op == "collide" and held is not None:  # the same hash, cached again for other tokens
+            pool.uncache(held)
+            taken = pool.allocate(1)
+            if taken is not None:
+                pool.cache(taken[0], hashes[i], parents[i], [t + 1 for t in tokens])
+                pool.release(taken)
+        for start, keys in matched.items():
+            assert keys.found_run(seq, hashes, pool, start) == fresh().found_run(seq, hashes, pool, start)
+    matched[0].forget(seq)
+    assert not matched[0]._runs

@@ -400,6 +400,7 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks in every tier and forget its load plan."""
+        self.keys.forget(seq)
         self.tables.release(seq.seq_id)
         if self.swap is not None:
             self.swap.release(seq.seq_id)

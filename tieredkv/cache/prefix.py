@@ -4,7 +4,7 @@ Operations:
 - `BlockKeys(block_size, root_hash)`: a sequence's content keys: `hashes(seq)`,
   `refs(seq, start, stop)` (`BlockRef`s), the hashes a prefix hit may cover,
   `hit_candidates(seq)`, and `found_run(seq, hashes, pool, start)`: the blocks a pool holds for them
-  from `start` on, up to the first miss.
+  from `start` on, up to the first miss; `forget(seq)` once it is freed.
 - `find_prefix(seq, keys, gpu, offload, lower=True) -> PrefixMatch`: the longest run of cached
   full blocks, on the GPU, then in the CPU tier, then (unless `lower` is False) in the lower tier
   (disk, remote).
@@ -41,6 +41,29 @@ class PrefixMatch:
         return (len(self.gpu_blocks) + len(self.cpu_blocks)) * block_size
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Blocks a pool held for a sequence's full blocks from block `start` on, and the token
+    tuples they held then (found equal to the sequence's). A block still cached under the same
+    hash, with the same parent and that very tuple (a tuple never changes), still holds that
+    content: `BlockPool.lookup` would find it again."""
+
+    start: int
+    blocks: list[Block]
+    tokens: list[tuple[int, ...] | None]
+
+    def still_held(self, hashes: list[int], parent: int) -> list[Block]:
+        """The leading blocks of the run the pool still holds, with the same content (`parent`:
+        the hash before the first)."""
+        held = []
+        for i, (block, tokens) in enumerate(zip(self.blocks, self.tokens, strict=True), self.start):
+            if block.block_hash != hashes[i] or block.parent_hash != parent or block.token_ids is not tokens:
+                break
+            held.append(block)
+            parent = hashes[i]
+        return held
+
+
 class BlockKeys:
     """The content keys of sequences' full blocks: chained hashes from `root_hash` (the
     model's fingerprint), each with its parent hash and tokens."""
@@ -48,6 +71,7 @@ class BlockKeys:
     def __init__(self, block_size: int, root_hash: int) -> None:
         self.block_size = block_size
         self.root_hash = root_hash
+        self._runs: dict[str, dict[int, _Run]] = {}  # sequence -> id of a pool -> the run found there last
 
     def hashes(self, seq: Sequence) -> list[int]:
         """The hashes of the sequence's full blocks (hashed once, kept by the sequence)."""
@@ -60,20 +84,30 @@ class BlockKeys:
     def found_run(self, seq: Sequence, hashes: list[int], pool: BlockPool, start: int = 0) -> list[Block]:
         """The blocks `pool` holds with exactly the content of the sequence's full blocks from
         `start` on, up to the first it lacks, of those `hashes` name (`hit_candidates(seq)`:
-        those a prefix hit may cover). Builds no key: a waiting request is matched again at
-        each step it cannot be admitted."""
-        bs, tokens = self.block_size, seq.token_ids
+        those a prefix hit may cover). A waiting request is matched again at each step it cannot
+        be admitted: the run found last time (`_Run`) is checked block by block without
+        comparing tokens again, and only what follows it is looked up."""
         if start >= len(hashes):
             return []
-        parent = hashes[start - 1] if start else self.root_hash
-        found = []
-        for i in range(start, len(hashes)):
+        runs = self._runs.setdefault(seq.seq_id, {})
+        last = runs.get(id(pool))
+        first_parent = hashes[start - 1] if start else self.root_hash
+        found = last.still_held(hashes, first_parent) if last is not None and last.start == start else []
+        bs, tokens = self.block_size, seq.token_ids
+        first = start + len(found)
+        parent = hashes[first - 1] if first else self.root_hash
+        for i in range(first, len(hashes)):
             block = pool.lookup(hashes[i], parent, tokens[i * bs : (i + 1) * bs])
             if block is None:
                 break
             found.append(block)
             parent = hashes[i]
+        runs[id(pool)] = _Run(start, found, [b.token_ids for b in found])
         return found
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence is freed: drop the runs found for it."""
+        self._runs.pop(seq.seq_id, None)
 
     def refs(self, seq: Sequence, start: int, stop: int) -> Iterator[BlockRef]:
         """Content keys of the sequence's full blocks `start` to `stop - 1`."""
