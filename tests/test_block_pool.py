@@ -196,3 +196,17 @@ def test_a_run_found_again_is_the_run_a_fresh_lookup_finds(script):
             assert keys.found_run(seq, hashes, pool, start) == fresh().found_run(seq, hashes, pool, start)
     matched[0].forget(seq)
     assert not matched[0]._runs
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=300), st.sampled_from([1, 4, 16]), st.integers(0, 80))
+def test_hashes_extended_from_any_point_chain_block_by_block(tokens, block_size, known):
+    """`extend_block_hashes` makes the whole prompt bytes at once: the same keys as one block
+    at a time, from whatever was hashed before (the keys of stores written earlier stay valid)."""
+    from tieredkv.cache.hashing import extend_block_hashes, hash_block
+
+    chained, parent = [], 7
+    for i in range(len(tokens) // block_size):
+        parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size])
+        chained.append(parent)
+    assert extend_block_hashes(chained[:known], tokens, block_size, 7) == chained
