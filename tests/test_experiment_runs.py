@@ -140,10 +140,11 @@ def test_the_commit_is_named_inside_a_git_checkout_and_none_outside(tmp_path):
     assert _git_commit(tmp_path) == f"{head}+dirty"
 
 
-def test_result_json_describes_what_produced_it(tmp_path):
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "in-process"])
+def test_result_json_describes_what_produced_it(tmp_path, engine_process):
     cache = {**ENGINE["cache"], "nvme_path": "${results}/nvme", "nvme_bytes": "4MiB", "io_backend": "sync"}
     config = write_config(tmp_path, **{"cache": cache, "scheduler": {**ENGINE["scheduler"], "cost_model": COST}})
-    run_experiment(config, str(tmp_path / "out"), use_tqdm=False, keep_prompt_ids=True)
+    run_experiment(config, str(tmp_path / "out"), use_tqdm=False, keep_prompt_ids=True, engine_process=engine_process)
     folder = tmp_path / "out" / "exp"
     result = json.loads((folder / "result.json").read_text())
     validate(result)

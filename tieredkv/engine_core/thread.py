@@ -5,8 +5,7 @@ with no request left it tends the tiers while their I/O goes on (writes to disk)
 request comes or `drained` is awaited.
 Only that thread changes the engine: requests added or aborted, and calls of its methods
 (`call`: a prefix-cache reset, the CPU tier's trace), are handed to it under a lock and applied
-between steps. Each step's outputs go to the event loop
-in one batch (`call_soon_threadsafe`).
+between steps. Each step's outputs go to the event loop in one batch (`call_soon_threadsafe`).
 """
 
 from __future__ import annotations
