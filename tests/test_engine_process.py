@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -123,6 +124,30 @@ async def test_a_refusal_in_the_engine_process_reaches_its_request_and_close_sto
     assert request_id == "r#0" and type(err) is ValueError and str(err).startswith("prompt: 3 tokens + max_tokens")
     await asyncio.wait_for(core.close(), timeout=60)
     assert not proc.is_alive() and proc.exitcode == 0 and proc not in engine_processes()
+
+
+async def test_sending_never_waits_for_the_engine_process_to_read(child):
+    """A long prompt fills the pipe faster than the engine process reads it between two steps:
+    the event loop hands requests to a sender thread and goes on delivering tokens. With the
+    engine process stopped, requests far past the pipe's buffer are handed over at once, and all
+    of them are served once it runs again."""
+    proc = child._core._proc
+    prompt = [300 + i % 80 for i in range(250)]  # ~0.8 KB pickled: 800 requests ~600 KB
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    os.kill(proc.pid, signal.SIGSTOP)
+    watchdog = threading.Timer(5.0, os.kill, (proc.pid, signal.SIGCONT))  # a send that waits fails, not hangs
+    watchdog.start()
+    try:
+        start = time.monotonic()
+        streams = [child.generate_stream(prompt, params) for _ in range(800)]
+        firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+        await asyncio.sleep(0.2)  # each stream's generator ran up to its wait for a token
+        assert time.monotonic() - start < 2.0 and not any(f.done() for f in firsts)
+    finally:
+        watchdog.cancel()
+        os.kill(proc.pid, signal.SIGCONT)
+    outs = [await first for first in firsts]
+    assert all(out.finished and len(out.token_ids) == 1 for out in outs)
 
 
 def test_a_dead_engine_process_ends_the_streams_and_the_server_answers_503(chat_model_dir, in_thread):

@@ -4,8 +4,10 @@ A server's event loop sending tokens holds the GIL; an engine loop in the same p
 for it on every step. In a process of its own ("spawn"; not daemonic, so it may start its
 tensor-parallel ranks) the engine steps without waiting for the server.
 
-This side sends requests, aborts and calls over a pipe; a reader thread receives (its `recv`
-releases the GIL), rebuilds each step's outputs from their deltas and hands them to the event
+This side sends requests, aborts and calls over a pipe, through a sender thread: a long prompt
+fills the pipe faster than the engine process takes it between two steps, and the event loop,
+which delivers every stream's tokens, must not wait for that. A reader thread receives (its
+`recv` releases the GIL), rebuilds each step's outputs from their deltas and hands them to the event
 loop in one call, to the sink. Which requests are open is the reader's to keep (under a lock):
 it holds whatever loop sent them, even one closed since. If the engine process dies, every open
 stream fails with a RuntimeError, and so does every later call: `healthy` turns False.
@@ -20,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import queue
 import threading
 from typing import Any
 
@@ -44,6 +47,7 @@ from tieredkv.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
+_STOP = object()  # ends the sender thread
 STATS_TIMEOUT_S = 30.0  # a stats call waits at most this long for the engine (it answers between steps)
 STOP_TIMEOUT_S = 30.0  # `close` waits this long for the engine process to exit, then kills it
 
@@ -79,6 +83,9 @@ class ProcessCore:
         self.error: RuntimeError | None = None  # set once the engine process has died
         self._closed_stats: dict[str, Any] | None = None  # the engine's stats once it closed (`Closed`)
         self._loop: asyncio.AbstractEventLoop | None = None  # where outputs go: the last sender's
+        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()  # to the engine, in order; `_STOP` ends it
+        self._sender = threading.Thread(target=self._send_all, name="tieredkv-engine-sender", daemon=True)
+        self._sender.start()
         self._reader = threading.Thread(target=self._read, name="tieredkv-engine-reader", daemon=True)
         self._reader.start()
 
@@ -145,8 +152,10 @@ class ProcessCore:
     def _at_exit(self) -> None:
         """The interpreter exits without `close`: tell the engine to shut down (closing our end
         alone would not: the reader thread's `recv` keeps the socket open)."""
-        with contextlib.suppress(RuntimeError):  # it may have died already (`_send` turns OSError into this)
+        with contextlib.suppress(RuntimeError):  # it may have died already
             self._send(Shutdown())
+        self._outbox.put(_STOP)
+        self._sender.join(STOP_TIMEOUT_S)
         self._await_exit()
         self._conn.close()
 
@@ -166,11 +175,18 @@ class ProcessCore:
             self._send_locked(message)
 
     def _send_locked(self, message: object) -> None:
-        if self.error is None:
-            with contextlib.suppress(OSError):  # it died; the reader is about to say so
+        """Queue `message` for the sender thread (under `_lock`, so that it goes in the order
+        the callers' state changed); RuntimeError if the engine process is gone."""
+        if self.error is not None:
+            raise self.error
+        self._outbox.put(message)
+
+    def _send_all(self) -> None:
+        """The sender thread: the queued messages into the pipe, until `_STOP`. One the engine
+        process does not take (it died) is dropped: the reader says so to every stream."""
+        while (message := self._outbox.get()) is not _STOP:
+            with contextlib.suppress(OSError):
                 self._conn.send(message)
-                return
-        raise self.error or RuntimeError("the engine process exited; restart the server")
 
     def _call(self, name: CallName) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
