@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.nvme import io_backends, slot_file, slot_format
 from tieredkv.tiers.nvme.block_io import BlockIO, IOCompletion, IORequest
 from tieredkv.tiers.nvme.file_keeper import LOOK_EVERY_S
@@ -372,6 +372,87 @@ def test_threads_submitting_at_once(open_store):
     assert errors == [] and same_bytes(dst, pool) and store.stats()["slots_used"] == 64
 
 
+# ------------------------------------------------------------------ batched reads
+
+
+class CountingBackend(BlockIO):
+    """Passes requests on to another backend and notes each submit call's requests (their ops)."""
+
+    def __init__(self, inner: BlockIO) -> None:
+        self.inner, self.name, self.calls = inner, inner.name, []
+
+    def submit(self, requests: Sequence[IORequest]) -> None:
+        self.calls.append([req.op for req in requests])
+        self.inner.submit(requests)
+
+    def reap(self, timeout: float | None) -> list[IOCompletion]:
+        return self.inner.reap(timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def refs_into(dst: torch.Tensor, hashes: Sequence[int]) -> list[tuple[BlockRef, torch.Tensor]]:
+    return [(BlockRef(h, parent_of(h), tokens_of(h)), dst[i]) for i, h in enumerate(hashes)]
+
+
+def test_submit_reads_is_submit_read_block_by_block_up_to_the_first_miss(open_store, backend_name, tmp_path):
+    """The store's batch starts the reads `submit_read` block by block (`BlockStore`'s default
+    `submit_reads`) starts, and stops at the same miss: the same job ids, bytes, counters and
+    LRU order; the blocks after the miss are neither read nor made recent."""
+    stored, asked = [1, 2, 3, 5, 6], [1, 2, 3, 4, 5, 6]
+    src = cpu_pool(5)
+    fill(src, stored)
+    outcomes = []
+    for name, submit_reads in (("batched", NVMeStore.submit_reads), ("one by one", BlockStore.submit_reads)):
+        store = open_store(path=tmp_path / name, backend=backend_name)
+        write_all(store, src, stored)
+        dst = cpu_pool(6)
+        block_bytes_of(dst).fill_(0xAB)
+        jobs = submit_reads(store, refs_into(dst, asked))
+        done = store.wait(jobs)
+        stats = store.stats()
+        outcomes.append((jobs, done, stats["hits"], stats["misses"], store.index.stored_hashes(), dst))
+    batched, one_by_one = outcomes
+    assert batched[:5] == one_by_one[:5]
+    jobs, done, hits, misses, lru_order, dst = batched
+    assert len(jobs) == 3 and done == dict.fromkeys(jobs, True)
+    assert (hits, misses, lru_order) == (3, 1, [5, 6, 1, 2, 3])
+    assert same_bytes(dst[:3], src[:3]) and same_bytes(dst, one_by_one[5])
+    assert bool((block_bytes_of(dst[3:]) == 0xAB).all())  # nothing read past the miss
+
+
+def test_a_batch_of_reads_is_one_backend_submit(open_store, backend_name):
+    """A batch of reads (up to `queue_depth`) reaches the backend in one call: for io_uring,
+    one io_uring_submit, not one a block."""
+    counting = CountingBackend(io_backends.make_backend(backend_name, 8))
+    store = open_store(backend=counting, queue_depth=8)
+    hashes = [11, 12, 13, 14, 15, 16]
+    src, dst = cpu_pool(6), cpu_pool(6)
+    fill(src, hashes)
+    write_all(store, src, hashes)
+    counting.calls.clear()
+    jobs = store.submit_reads(refs_into(dst, hashes))
+    assert counting.calls == [["read"] * 6]
+    assert store.wait(jobs) == dict.fromkeys(jobs, True) and same_bytes(dst, src)
+
+
+def test_a_batch_longer_than_the_queue_depth_all_completes(open_store, backend_name):
+    """Reads beyond `queue_depth` queue for the issuing thread, which takes them one by one as
+    the first ones finish; every read completes, each block intact."""
+    counting = CountingBackend(io_backends.make_backend(backend_name, 4))
+    store = open_store(backend=counting, queue_depth=4, capacity_bytes=slots_capacity(16))
+    hashes = list(range(21, 33))
+    src, dst = cpu_pool(12), cpu_pool(12)
+    fill(src, hashes)
+    write_all(store, src, hashes)
+    counting.calls.clear()
+    jobs = store.submit_reads(refs_into(dst, hashes))
+    assert len(jobs) == 12 and store.wait(jobs) == dict.fromkeys(jobs, True)
+    assert same_bytes(dst, src) and store.stats()["hits"] == 12
+    assert counting.calls == [["read"] * 4] + [["read"]] * 8
+
+
 # ------------------------------------------------------------------ faults
 
 
@@ -432,6 +513,27 @@ def test_read_faults_at_the_backend_seam(open_store, backend_name, fault, err, c
     assert not store.contains(7) and store.contains(8)  # the slot is discarded, the other kept
     assert read_one(store, 7, dst[0]) is None
     assert read_one(store, 8, dst[0]) and same_bytes(dst[0], src[1])
+    assert_still_works(store)
+
+
+def test_faults_in_a_read_batch(open_store, backend_name):
+    """A request that fails fails its own read only; a submit call that raises started none of
+    its requests, so every read of the batch fails (each counted, its slot discarded)."""
+    faulty = FaultyBackend(io_backends.make_backend(backend_name, 4))
+    store = open_store(backend=faulty)
+    hashes = [7, 8, 9]
+    src, dst = cpu_pool(3), cpu_pool(3)
+    fill(src, hashes)
+    write_all(store, src, hashes)
+    faulty.inject("read", "error", errno.EIO)
+    jobs = store.submit_reads(refs_into(dst, hashes))
+    assert list(store.wait(jobs).values()) == [False, True, True] and same_bytes(dst[1:], src[1:])
+    assert store.stats()["io_errors"] == 1 and not store.contains(7) and store.contains(8)
+    faulty.inject("read", "raise", errno.EIO)
+    jobs = store.submit_reads(refs_into(dst[1:], hashes[1:]))
+    assert list(store.wait(jobs).values()) == [False, False]
+    stats = store.stats()
+    assert stats["io_errors"] == 3 and stats["hits"] == 2 and stats["slots_used"] == 0
     assert_still_works(store)
 
 
@@ -522,7 +624,7 @@ _WRITER = textwrap.dedent(
     """
     import sys, torch
     from tests.test_nvme_store import BLOCK_BYTES, BLOCK_SIZE, FP, content_of, parent_of, tokens_of
-    from tieredkv.tiers.backend import BlockRef
+    from tieredkv.tiers.backend import BlockRef, BlockStore
     from tieredkv.tiers.nvme.store import NVMeStore
     from tieredkv.tiers.nvme.slot_format import aligned_empty
 

@@ -16,14 +16,24 @@ import torch
 
 from tests.kv_factory import BLOCK_SHAPE, make_kv, make_scheduler, make_seq, run_until_done
 from tests.test_nvme_store import BLOCK_BYTES as STORE_BLOCK_BYTES
-from tests.test_nvme_store import BLOCK_SIZE, FP, cpu_pool, fill, parent_of, same_bytes, slots_capacity, tokens_of
+from tests.test_nvme_store import (
+    BLOCK_SIZE,
+    FP,
+    CountingBackend,
+    cpu_pool,
+    fill,
+    parent_of,
+    same_bytes,
+    slots_capacity,
+    tokens_of,
+)
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.lower_tier import LowerTier
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, Spill
 from tieredkv.replacement import AdmitAll
-from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.tiers.nvme.block_io import IORequest
 from tieredkv.tiers.nvme.io_backends import SyncBackend
@@ -117,6 +127,31 @@ def test_a_read_goes_ahead_of_the_writes_queued_before_it(tmp_path):
     assert disk.order == [("write", first), ("write", writes[0]), ("read", read)] + [("write", j) for j in writes[1:]]
 
 
+def test_a_load_plan_reaches_the_disk_in_one_submit(tmp_path):
+    """The lower tier hands a plan's reads to the store at once, and the store to the disk in
+    one backend call (one io_uring_submit), not one a block."""
+    hashes = [1, 2, 3, 4, 5, 6]
+    src = cpu_pool(6)
+    fill(src, hashes)
+    disk = CountingBackend(SyncBackend(2))
+    with NVMeStore(tmp_path, slots_capacity(8), STORE_BLOCK_BYTES, FP, BLOCK_SIZE, backend=disk) as store:
+        jobs = [store.submit_write(ref(h), src[i]) for i, h in enumerate(hashes)]
+        assert store.wait(jobs) == dict.fromkeys(jobs, True)
+        disk.calls.clear()
+        pool, cpu_blocks = BlockPool(16), cpu_pool(16)
+        lower = LowerTier(store, pool, cpu_blocks, AdmitAll())
+        assert lower.plan("r", [ref(h) for h in hashes], load_from=0) == 6
+        assert disk.calls == [["read"] * 6]
+        deadline = time.monotonic() + WAIT_S
+        while lower.reads_in_flight:
+            assert time.monotonic() < deadline, "the reads never finished"
+            lower.retire()
+            time.sleep(0.001)
+        assert lower.loaded_blocks == 6 and lower.failed_loads == 0
+        for i, h in enumerate(hashes):
+            assert same_bytes(cpu_blocks[pool.lookup(h, parent_of(h), tokens_of(h)).block_id], src[i])
+
+
 # ------------------------------------------------------------------ the engine loop
 
 
@@ -167,7 +202,7 @@ def test_tending_with_no_step_books_what_the_disk_finished_and_writes_on(tmp_pat
 # ------------------------------------------------------------------ dropped, not queued
 
 
-class BehindStore:
+class BehindStore(BlockStore):
     """A store whose writes finish only when `release()` is called; it holds nothing else."""
 
     def __init__(self) -> None:
@@ -430,6 +465,35 @@ def test_a_block_the_cpu_tier_holds_is_held_for_the_request_not_read():
     lower.retire()
     lower.landed("r")
     assert second.ref_count == 0 and pool.lookup(2, parent_of(2), tokens_of(2)) is second
+
+
+class EvictedReads(HungReads):
+    """`HungReads` whose blocks in `evicted` left the store since the lookup: their reads miss."""
+
+    def __init__(self, evicted: set[int]) -> None:
+        super().__init__()
+        self.evicted = evicted
+
+    def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
+        return None if ref.block_hash in self.evicted else super().submit_read(ref, dst)
+
+
+def test_a_block_evicted_from_the_store_since_the_lookup_ends_the_plan_there():
+    """The plan's reads go to the store in one batch, which stops at the first miss (a block
+    evicted since `held_run`): the plan brings the blocks before it; the CPU blocks taken for it
+    and for every block after it, read or held from the CPU tier, are let go."""
+    store, pool = EvictedReads({3}), BlockPool(16)
+    lower = LowerTier(store, pool, torch.zeros((16, *BLOCK_SHAPE)), AdmitAll())
+    fifth = cached_block(pool, 5)
+    free = pool.num_free
+    assert lower.plan("r", [ref(h) for h in (1, 2, 3, 4, 5)], load_from=0) == 2
+    assert store.reads == [1, 2] and lower.reads_in_flight == 2 and lower.num_planned("r") == 2
+    assert pool.num_free == free - 2 and fifth.ref_count == 0
+    assert pool.lookup(5, parent_of(5), tokens_of(5)) is fifth
+    store.finish()
+    lower.retire()
+    lower.landed("r")
+    assert pool.num_free == free and lower.loaded_blocks == 2 and not lower.busy
 
 
 def test_a_waiting_request_holds_its_cpu_hits_until_admitted_or_freed():

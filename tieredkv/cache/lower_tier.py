@@ -6,10 +6,11 @@ Operations:
 - `held_run(hashes, start) -> stop`: how far from block `start` on the tier holds a prompt's blocks;
   `requested(hashes, num_hits_above)`: an admitted request's blocks, for the store's policy.
 - loads, one plan per request: `plan(request_id, refs, load_from, hits)` reads `refs` into CPU blocks
-  held for the request; `load_from(request_id)` (the first token being read), `num_planned`, `arriving`,
-  `wait_state` (`LoadWait`), `admitted` (its CPU hits are its own now; the loaded blocks stay
-  held until it reaches them), `landed` (the sequence jumps over the loaded blocks), `forget`
-  (the sequence was freed); `landed_loads()`: how long the loads that landed took, from submission;
+  held for the request (its reads go to the store in one `submit_reads`); `load_from(request_id)`
+  (the first token being read), `num_planned`, `arriving`, `wait_state` (`LoadWait`), `admitted`
+  (its CPU hits are its own now; the loaded blocks stay held until it reaches them), `landed` (the
+  sequence jumps over the loaded blocks), `forget` (the sequence was freed); `landed_loads()`: how
+  long the loads that landed took, from submission;
 - spills (`cache/spill.py`, `Spill`), for the CPU tier: `worth_writing(hash)`, `stage()`,
   `write_staged(block, ref)`, `unstage(block)`; `retire()` books finished reads and writes and
   spills ahead; `close()` first writes the CPU tier's cached blocks down (`persist`).
@@ -162,31 +163,42 @@ class LowerTier:
         return brought
 
     def _start(self, request_id: str, refs: Sequence[BlockRef]) -> int:
-        """Hold or read `refs` for the request, in order, up to the first that can be neither;
-        how many."""
-        held = self._loads.setdefault(request_id, [])
-        brought = reads = 0
+        """Hold or read `refs` for the request, in order, up to the first that can be neither
+        (no CPU block free, or evicted from the store since the lookup); how many. The reads
+        go to the store in one `submit_reads`, which stops at the first miss: the CPU blocks
+        taken from that one on are let go again."""
+        taken = self._take(refs)
+        reads = [(ref, block) for block, ref in taken if ref is not None]
+        jobs = self.store.submit_reads([(ref, self.cpu_blocks[b.block_id]) for ref, b in reads]) if reads else []
+        if len(jobs) < len(reads):  # reads[len(jobs)] missed: it and every block after it are let go
+            missed = reads[len(jobs)][1]
+            stop = next(i for i, (block, _) in enumerate(taken) if block is missed)
+            self.cpu_pool.release(block for block, _ in taken[stop:])
+            del taken[stop:], reads[len(jobs):]
+        submitted = time.monotonic()
+        for job, (ref, block) in zip(jobs, reads, strict=True):
+            self._reads[job] = _Read(request_id, block, ref, submitted)
+        self._loads.setdefault(request_id, []).extend(block for block, _ in taken)
+        if jobs:
+            self._reads_left[request_id] = self._reads_left.get(request_id, 0) + len(jobs)
+        return len(taken)
+
+    def _take(self, refs: Sequence[BlockRef]) -> list[tuple[Block, BlockRef | None]]:
+        """A CPU block for each of `refs`, in order, up to the first with none free: the one
+        the CPU tier holds already (touched; no ref: nothing to read), else a new one with the
+        ref to read into it."""
+        taken: list[tuple[Block, BlockRef | None]] = []
         for ref in refs:
             cached = self.cpu_pool.lookup(ref.block_hash, ref.parent_hash, ref.token_ids)
             if cached is not None:
                 self.cpu_pool.touch(cached)
-                held.append(cached)
-                brought += 1
+                taken.append((cached, None))
                 continue
-            taken = self.cpu_pool.allocate(1)
-            if taken is None:
+            new = self.cpu_pool.allocate(1)
+            if new is None:
                 break
-            job = self.store.submit_read(ref, self.cpu_blocks[taken[0].block_id])
-            if job is None:  # evicted from the store since the lookup
-                self.cpu_pool.release(taken)
-                break
-            held.append(taken[0])
-            self._reads[job] = _Read(request_id, taken[0], ref, time.monotonic())
-            brought += 1
-            reads += 1
-        if reads:
-            self._reads_left[request_id] = self._reads_left.get(request_id, 0) + reads
-        return brought
+            taken.append((new[0], ref))
+        return taken
 
     def load_from(self, request_id: str) -> int | None:
         """The first token of the request's prefix blocks being loaded (None: none)."""

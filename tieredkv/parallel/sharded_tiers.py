@@ -136,7 +136,7 @@ _SUMMED = (
 ).split()
 
 
-class RankStores:
+class RankStores(BlockStore):
     """A `BlockStore` over one store per rank; `src`/`dst` are a block's slices (`RankBlocks[i]`).
     Counts blocks read back (`hits`) and written (`writes`) on every rank, and `misses`."""
 

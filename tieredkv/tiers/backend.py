@@ -5,6 +5,7 @@
     store.contains_run([h0, h1, ...]) -> n # the first n are stored: one question for a prefix
     job = store.submit_write(ref, src)     # None: nothing started (stored already, or no room)
     job = store.submit_read(ref, dst)      # None: not stored (a miss)
+    jobs = store.submit_reads([(ref, dst), ...])  # in order, up to the first miss: one job each
     store.poll() -> [(job, ok), ...]       # jobs finished since the last poll
     store.wait([job, ...]) -> {job: ok}    # blocks the caller
     store.record([h0, h1, ...], n)         # a request asked for these blocks (the first n found above)
@@ -12,7 +13,8 @@
 
 `src` and `dst` are one CPU block each and stay untouched until their job is reported. A read
 that comes back `ok=False` left garbage in `dst`: the caller recomputes. The NVMe store is one
-implementation; a remote store is another.
+implementation; a remote store is another. A store subclasses `BlockStore`, which gives it
+`submit_reads` as `submit_read` block by block; the NVMe store hands a batch to the disk at once.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class BlockRef(NamedTuple):
 
 
 class BlockStore(Protocol):
-    """A tier of KV blocks with two-phase reads and writes (see the module docstring)."""
+    """A tier of KV blocks with two-phase reads and writes (see the module docstring). Stores
+    subclass it, for the default `submit_reads`."""
 
     def contains(self, block_hash: int) -> bool: ...
 
@@ -49,6 +52,18 @@ class BlockStore(Protocol):
     def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None: ...
 
     def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None: ...
+
+    def submit_reads(self, reads: Sequence[tuple[BlockRef, torch.Tensor]]) -> list[int]:
+        """Start the reads in order, as `submit_read` each, and stop at the first miss: the job
+        ids of the leading reads that started, one each (fewer than `reads`: the next one is
+        not stored, and none after it was started)."""
+        jobs = []
+        for ref, dst in reads:
+            job = self.submit_read(ref, dst)
+            if job is None:
+                break
+            jobs.append(job)
+        return jobs
 
     def poll(self) -> list[tuple[int, bool]]: ...
 

@@ -5,9 +5,9 @@ positional reads and writes, many in flight::
     backend.reap(timeout) -> [IOCompletion(tag, result), ...]  # result: bytes moved, or -errno
     backend.close()                                            # after all completions were reaped
 
-`submit` may raise OSError (nothing of that request is in flight then); every request that was
-submitted completes exactly once through `reap`, and the caller leaves its buffers alone until
-then. Several threads may submit; one thread reaps.
+`submit` may raise OSError (none of the requests of that call is in flight then); every
+request that was submitted completes exactly once through `reap`, and the caller leaves its
+buffers alone until then. Several threads may submit; one thread reaps.
 """
 
 from __future__ import annotations

@@ -122,9 +122,10 @@ Fault = Literal["raise", "error", "short"]
 class FaultyBackend(BlockIO):
     """Wraps a backend and spoils chosen requests, for tests of the failure paths.
 
-    `inject("write", "raise", errno.ENOSPC)` makes the next write's submit raise;
-    `"error"` completes it with -errno without doing it; `"short"` does all but its last
-    `short_by` bytes and reports that count. (The store submits one request per call.)
+    `inject("write", "raise", errno.ENOSPC)` makes the submit of the next write raise (none
+    of the requests submitted with it starts, as `BlockIO.submit` says); `"error"` completes it
+    with -errno without doing it; `"short"` does all but its last `short_by` bytes and reports
+    that count. (The store submits a load's reads in one call, other requests one a call.)
     """
 
     def __init__(self, inner: BlockIO, short_by: int = 4096) -> None:
@@ -149,13 +150,14 @@ class FaultyBackend(BlockIO):
         return None
 
     def submit(self, requests: Sequence[IORequest]) -> None:
+        faults = [self._take(req.op) for req in requests]
+        raised = [err for fault, err in filter(None, faults) if fault == "raise"]
+        if raised:  # before any request starts
+            raise OSError(raised[0], f"injected: {os.strerror(raised[0])}")
         passed = []
-        for req in requests:
-            fault = self._take(req.op)
+        for req, fault in zip(requests, faults, strict=True):
             if fault is None:
                 passed.append(req)
-            elif fault[0] == "raise":
-                raise OSError(fault[1], f"injected: {os.strerror(fault[1])}")
             elif fault[0] == "error":
                 with self._lock:
                     self._errors.append(IOCompletion(req.tag, -fault[1]))

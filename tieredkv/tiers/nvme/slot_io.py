@@ -2,17 +2,19 @@
 
 `start(job)` only hands the job over, so the caller (the engine loop) never waits for the disk
 nor spends time on a block's bytes: a read of an open file, while fewer than `queue_depth` jobs
-are in flight, goes straight to the backend (which never waits for I/O); every other job queues
-for an issuing thread, which takes reads before writes and keeps at most `queue_depth` jobs in
-flight: a write waiting here never delays a read submitted after it. It prepares each job (a
-write's payload xxh3 and header; a copy into an aligned bounce buffer where the caller's memory
-does not suit O_DIRECT) and submits it as one vectored request, header then payload. A
-completion thread reaps the backend, verifies reads (every header field, the header checksum,
-the payload xxh3) and calls `on_done(job, fault)`: fault is None, or the name of the stats
-counter of what went wrong: a disk fault, or `internal_errors` for a bug met while handling a
-job (logged at ERROR; the test suite fails on it).
+are in flight, goes straight to the backend (which never waits for I/O); `start_all(jobs)` hands
+several over, and those reads go to the backend in one call (one io_uring_submit for a load
+plan's blocks, not one a block); every other job queues for an issuing thread, which takes reads
+before writes and keeps at most `queue_depth` jobs in flight: a write waiting here never delays
+a read submitted after it. It prepares each job (a write's payload xxh3 and header; a copy into
+an aligned bounce buffer where the caller's memory does not suit O_DIRECT) and submits it as one
+vectored request, header then payload. A completion thread reaps the backend, verifies reads
+(every header field, the header checksum, the payload xxh3) and calls `on_done(job, fault)`:
+fault is None, or the name of the stats counter of what went wrong: a disk fault, or
+`internal_errors` for a bug met while handling a job (logged at ERROR; the test suite fails on
+it).
 
-Operations: `SlotJob`, `SlotIO.start`, `SlotIO.in_flight`, `SlotIO.close`.
+Operations: `SlotJob`, `SlotIO.start`, `SlotIO.start_all`, `SlotIO.in_flight`, `SlotIO.close`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import errno
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,15 +109,23 @@ class SlotIO:
 
     def start(self, job: SlotJob) -> None:
         """Hand `job` over (a write carries its `write_header`); returns at once."""
+        self.start_all([job])
+
+    def start_all(self, jobs: Sequence[SlotJob]) -> None:
+        """Hand the jobs over, in order, as `start` each; the reads that go straight to the
+        backend go in one `submit` (one io_uring_submit for the lot). Returns at once."""
+        now = []
         with self._cond:
-            now = job.op == "read" and job.fd >= 0 and len(self._issued) < self.queue_depth
-            if now:
-                self._issued[job.id] = job
-            else:
-                self._queued[job.op].append(job)
+            for job in jobs:
+                if job.op == "read" and job.fd >= 0 and len(self._issued) < self.queue_depth:
+                    self._issued[job.id] = job
+                    now.append(job)
+                else:
+                    self._queued[job.op].append(job)
+            if len(now) < len(jobs):
                 self._cond.notify_all()
         if now:  # buffers and a submit: no file I/O, nothing to wait for
-            self._issue(job)
+            self._issue(now)
 
     def close(self) -> None:
         """Stop the threads once every started job is done; close the backend."""
@@ -130,18 +140,23 @@ class SlotIO:
 
     def _issue_loop(self) -> None:
         while (job := self._next_job()) is not None:
-            self._issue(job)
+            self._issue([job])
 
-    def _issue(self, job: SlotJob) -> None:
-        try:
-            fault = self._prepare(job)
-        except Exception:  # a bug, not a disk fault: the job fails, the thread lives on
-            logger.exception("NVMe store: internal error while preparing job %d", job.id)
-            fault = "internal_errors"
-        if fault is not None:
-            self._done(job, fault)
-        else:
-            self._submit(job)
+    def _issue(self, jobs: list[SlotJob]) -> None:
+        """Prepare the jobs taken for issue and submit those that are ready, in one call."""
+        ready = []
+        for job in jobs:
+            try:
+                fault = self._prepare(job)
+            except Exception:  # a bug, not a disk fault: the job fails, the thread lives on
+                logger.exception("NVMe store: internal error while preparing job %d", job.id)
+                fault = "internal_errors"
+            if fault is not None:
+                self._done(job, fault)
+            else:
+                ready.append(job)
+        if ready:
+            self._submit(ready)
 
     def _next_job(self) -> SlotJob | None:
         """The next job to issue, reads first, once fewer than `queue_depth` are in flight;
@@ -175,15 +190,21 @@ class SlotIO:
                 job.bounce[n:].zero_()
         return None
 
-    def _submit(self, job: SlotJob) -> None:
-        body = job.payload if job.bounce is None else job.bounce
-        buffers = (byte_view(job.header), byte_view(body))
-        job.nbytes = sum(b.nbytes for b in buffers)
-        offset = self.geometry.slot_offset(job.slot)
+    def _submit(self, jobs: list[SlotJob]) -> None:
+        """One vectored request per job, header then payload, all in one backend call; if it
+        raises, none of them started, and each fails with the fault."""
+        requests = []
+        for job in jobs:
+            body = job.payload if job.bounce is None else job.bounce
+            buffers = (byte_view(job.header), byte_view(body))
+            job.nbytes = sum(b.nbytes for b in buffers)
+            requests.append(IORequest(job.id, job.op, job.fd, self.geometry.slot_offset(job.slot), buffers))
         try:
-            self.backend.submit([IORequest(job.id, job.op, job.fd, offset, buffers)])
+            self.backend.submit(requests)
         except OSError as exc:
-            self._done(job, "enospc" if exc.errno == errno.ENOSPC else "io_errors")
+            fault = "enospc" if exc.errno == errno.ENOSPC else "io_errors"
+            for job in jobs:
+                self._done(job, fault)
 
     # ---------------------------------------------------------------- completing
 

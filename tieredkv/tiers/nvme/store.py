@@ -6,6 +6,7 @@ Two-phase API, one CPU block per job (a block is `block_bytes` contiguous bytes,
     ref = BlockRef(block_hash, parent_hash, token_ids)
     job = store.submit_write(ref, src)     # None: nothing started
     job = store.submit_read(ref, dst)      # None: not stored (a miss)
+    jobs = store.submit_reads([(ref, dst), ...])  # up to the first miss; the disk gets them at once
     store.poll() -> [(job, ok), ...]       # jobs finished since the last poll, each reported once
     store.wait([job, ...]) -> {job: ok}    # blocks; `await store.wait_async(jobs)` under asyncio
     store.contains(block_hash); store.contains_run(hashes) -> leading ones stored; store.stats()
@@ -61,7 +62,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from tieredkv.replacement import ReplacementPolicy
-from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.nvme.block_io import BlockIO, IOOp
 from tieredkv.tiers.nvme.file_keeper import FileKeeper
 from tieredkv.tiers.nvme.io_backends import IOBackend, make_backend
@@ -83,7 +84,7 @@ _COUNTERS = (
 ).split()
 
 
-class NVMeStore:
+class NVMeStore(BlockStore):
     """Fixed-size slots of one file holding CPU blocks, verified on every read (module docstring)."""
 
     def __init__(
@@ -186,20 +187,29 @@ class NVMeStore:
 
     def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
         """Start loading the block into `dst`; a job id, or None if it is not stored (a miss)."""
-        block_hash, parent_hash = ref.block_hash, ref.parent_hash
-        payload, tokens = self._check_args(ref, dst, "dst")
+        jobs = self.submit_reads([(ref, dst)])
+        return jobs[0] if jobs else None
+
+    def submit_reads(self, reads: Sequence[tuple[BlockRef, torch.Tensor]]) -> list[int]:
+        """Start loading each block into its `dst`, in order, up to the first miss (counted):
+        the job ids of the reads started. Those that can go at once (fewer than `queue_depth`
+        in flight) reach the backend in one call; the rest queue for the issuing thread."""
+        checked = [(ref, *self._check_args(ref, dst, "dst")) for ref, dst in reads]  # before any starts
         self._check_file()
+        jobs = []
         with self._cond:
-            slot = None if self._closed else self.index.pin(block_hash, parent_hash)
-            if slot is None:
-                self._counts["misses"] += 1
-                return None
-            job = self._new_job("read", block_hash, parent_hash, tokens, slot, payload)
-            if not self._reads_in_flight:
+            for ref, payload, tokens in checked:
+                slot = None if self._closed else self.index.pin(ref.block_hash, ref.parent_hash)
+                if slot is None:
+                    self._counts["misses"] += 1
+                    break
+                jobs.append(self._new_job("read", ref.block_hash, ref.parent_hash, tokens, slot, payload))
+            if jobs and not self._reads_in_flight:
                 self._read_busy_since = time.monotonic()
-            self._reads_in_flight += 1
-        self._io.start(job)
-        return job.id
+            self._reads_in_flight += len(jobs)
+        if jobs:
+            self._io.start_all(jobs)
+        return [job.id for job in jobs]
 
     def record(self, block_hashes: Sequence[int], num_hits_above: int = 0) -> None:
         """A request for a prompt's full blocks, in order, of which the first `num_hits_above`

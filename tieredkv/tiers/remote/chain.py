@@ -37,7 +37,7 @@ NVME_STORE_STATS = ("nvme_slots_total nvme_slots_used nvme_io_backend nvme_hits 
                     "nvme_bytes_written nvme_bytes_read").split()
 
 
-class StoreSet:
+class StoreSet(BlockStore):
     """The jobs of several stores as one store's: a job is parts in some of them, done when all
     are, ok if any part is."""
 

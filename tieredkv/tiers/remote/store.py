@@ -41,7 +41,7 @@ from typing import Literal
 
 import torch
 
-from tieredkv.tiers.backend import BlockRef
+from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.nvme.slot_format import byte_view, check_block_bytes
 from tieredkv.tiers.remote.connection import (
     ANY_ERROR,
@@ -75,7 +75,7 @@ class _Op:
     block: memoryview  # the caller's CPU block's bytes (`byte_view`: it keeps the block alive)
 
 
-class RemoteStore:
+class RemoteStore(BlockStore):
     """A `BlockStore` on a Redis server (module docstring)."""
 
     def __init__(self, url: str, block_bytes: int, fingerprint: int, block_size: int, budget_bytes: int = 0,
