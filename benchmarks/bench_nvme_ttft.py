@@ -69,23 +69,27 @@ def spill_prompt_blocks(llm: LLM, prompt: list[int]) -> int:
 
 
 class ReadClock:
-    """Times a store's reads: from the first `submit_read` to the `poll` or `wait` that reports
-    the last of them finished (to within the engine's polling period). It wraps those three
-    methods on the store object; `close()` puts them back."""
+    """Times a store's reads: from the first `submit_read` or `submit_reads` to the `poll` or
+    `wait` that reports the last of them finished (to within the engine's polling period). It
+    wraps those methods on the store object; `close()` puts them back."""
 
     def __init__(self, store: NVMeStore) -> None:
         self.store = store
         self.first: float | None = None
         self.last: float | None = None
         self._reading: set[int] = set()
-        submit_read, poll, wait = store.submit_read, store.poll, store.wait
+        submit_read, submit_reads, poll, wait = store.submit_read, store.submit_reads, store.poll, store.wait
 
         def timed_submit_read(*args, **kwargs):
             job = submit_read(*args, **kwargs)
             if job is not None:
-                self.first = time.perf_counter() if self.first is None else self.first
-                self._reading.add(job)
+                self._started([job])
             return job
+
+        def timed_submit_reads(reads):
+            jobs = submit_reads(reads)
+            self._started(jobs)
+            return jobs
 
         def timed_poll():
             done = poll()
@@ -97,7 +101,13 @@ class ReadClock:
             self._finished(done)
             return done
 
-        store.submit_read, store.poll, store.wait = timed_submit_read, timed_poll, timed_wait
+        store.submit_read, store.submit_reads = timed_submit_read, timed_submit_reads
+        store.poll, store.wait = timed_poll, timed_wait
+
+    def _started(self, jobs: list[int]) -> None:
+        if jobs:
+            self.first = time.perf_counter() if self.first is None else self.first
+            self._reading.update(jobs)
 
     def _finished(self, jobs: Iterable[int]) -> None:
         ended = self._reading.intersection(jobs)
@@ -113,7 +123,7 @@ class ReadClock:
         return self.last - self.first
 
     def close(self) -> None:
-        for name in ("submit_read", "poll", "wait"):
+        for name in ("submit_read", "submit_reads", "poll", "wait"):
             vars(self.store).pop(name, None)
 
 
