@@ -30,7 +30,8 @@ def test_load_only_reads_are_timed_against_the_disk_peak(tmp_path, monkeypatch):
         args = argparse.Namespace(dir=str(tmp_path), peak_bytes=8 << 20)
         load_only = dataclasses.replace(COST, prefill_s_per_token=1e3)
         reads = bench.load_only_read_rate(llm, prefix + [7] * 4, load_only, args)
-        assert not {"submit_read", "submit_reads", "poll", "wait"} & set(vars(store))  # the clock is off the store again
+        wrapped = {"submit_read", "submit_reads", "poll", "wait"}
+        assert not wrapped & set(vars(store))  # the clock is off the store again
     assert reads["moved"]["nvme_loaded_blocks"] == 10  # the prefix's full blocks
     assert reads["bytes_read"] == 10 * llm.block_bytes and reads["block_bytes"] == llm.block_bytes  # KV bytes
     assert reads["queue_depth"] == 32 and reads["peak_read_gbs"] > 0
