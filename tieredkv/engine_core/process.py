@@ -7,8 +7,8 @@ tensor-parallel ranks) the engine steps without waiting for the server.
 This side sends requests, aborts and calls over a pipe, through a sender thread: a long prompt
 fills the pipe faster than the engine process takes it between two steps, and the event loop,
 which delivers every stream's tokens, must not wait for that. A reader thread receives (its
-`recv` releases the GIL), rebuilds each step's outputs from their deltas and hands them to the event
-loop in one call, to the sink. Which requests are open is the reader's to keep (under a lock):
+`recv` releases the GIL), rebuilds each step's outputs from their deltas and hands them to the
+event loop in one call, to the sink. Which requests are open is the reader's to keep (under a lock):
 it holds whatever loop sent them, even one closed since. If the engine process dies, every open
 stream fails with a RuntimeError, and so does every later call: `healthy` turns False.
 """
