@@ -13,6 +13,7 @@ import yaml
 
 from tests.kv_factory import make_kv, make_scheduler, make_seq, run_step
 from tieredkv.experiment.harness import run_experiment
+from tieredkv.experiment.metrics import RequestRecord, ttft_split_figures
 from tieredkv.experiment.results import validate
 from tieredkv.sequence import Sequence
 
@@ -91,8 +92,9 @@ def test_a_run_writes_each_split_and_the_engine_loop_in_a_valid_result(tmp_path)
     validate(result)
     for request in result["requests"]:
         split = request["ttft_split"]
-        assert set(split) == {"queued", "loading", "prefill", "preempted", "client"} and split["prefill"] > 0
-        assert sum(split.values()) == pytest.approx(request["ttft"], abs=1e-9) and split["client"] >= 0
+        assert set(split) == {"queued", "loading", "prefill", "preempted", "delivery", "client"}
+        assert split["prefill"] > 0 and split["delivery"] > 0 and split["client"] >= 0
+        assert sum(split.values()) == pytest.approx(request["ttft"], abs=1e-9)
     figures = result["summary"]["ttft_split_s"]
     assert 0 < figures["accounted"] <= 1 and figures["prefill"]["mean"] > 0
     stats = result["summary"]["stats"]
@@ -100,3 +102,14 @@ def test_a_run_writes_each_split_and_the_engine_loop_in_a_valid_result(tmp_path)
     assert stats["loop_model_s"] > stats["loop_schedule_s"]
     # the longest step, where a stall (a kernel compiled at its first use) shows
     assert 0 < stats["longest_step_s"] <= stats["loop_model_s"]
+
+
+def test_the_phases_add_the_delivery_measured_from_the_engines_first_token():
+    record = RequestRecord("r", arrival=10.0, token_times=[10.5, 10.6], engine_first_token=10.46,
+                           ttft_split={"queued": 0.1, "loading": 0.0, "prefill": 0.35, "preempted": 0.0})
+    phases = record.ttft_phases
+    assert phases["delivery"] == pytest.approx(0.04) and phases["client"] == pytest.approx(0.01)
+    assert sum(phases.values()) == pytest.approx(record.ttft)
+    figures = ttft_split_figures([record])
+    assert figures["accounted"] == pytest.approx(0.98) and figures["delivery"]["mean"] == pytest.approx(0.04)
+    assert RequestRecord("r", 10.0, token_times=[10.5], ttft_split=record.ttft_split).ttft_phases is None

@@ -114,6 +114,7 @@ class _Client:
                 record.cached_tokens = out.metrics.num_cached_tokens if out.metrics else 0
                 if out.metrics is not None and out.metrics.ttft_split is not None:
                     record.ttft_split = out.metrics.ttft_split
+                    record.engine_first_token = out.metrics.first_token_time
                 if self.options.keep_prompt_ids and record.prompt_token_ids is None:
                     record.prompt_token_ids = list(out.prompt_token_ids)
             record.finished = True

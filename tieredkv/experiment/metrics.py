@@ -38,7 +38,8 @@ SLOW_ITL_FRACTION = 0.1  # slow ITL: the mean of this share of a request's gaps,
 class RequestRecord:
     """What one client saw (monotonic seconds). `finished`: its stream ended (not cut short by
     an interrupted run); `cached_tokens`: prompt tokens found cached at its first admission;
-    `ttft_split`: the engine's seconds of its TTFT by phase (`tieredkv.sequence.TtftSplit`)."""
+    `ttft_split`: the engine's seconds of its TTFT by phase (`tieredkv.sequence.TtftSplit`);
+    `engine_first_token`: when the engine had its first token (the same clock: one machine)."""
 
     tag: str
     arrival: float
@@ -51,6 +52,7 @@ class RequestRecord:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
     ttft_split: dict[str, float] | None = None
+    engine_first_token: float | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -58,11 +60,15 @@ class RequestRecord:
 
     @property
     def ttft_phases(self) -> dict[str, float] | None:
-        """The TTFT by phase: the engine's (`ttft_split`) and `client`, the rest of what the
-        client saw (the way to the engine and back); they sum to `ttft`."""
-        if self.ttft_split is None or self.ttft is None:
+        """The TTFT by phase: the engine's (`ttft_split`, from the front end's arrival stamp to
+        the engine's first token), `delivery` (from then until the client had the token: the
+        outputs' way back, measured) and `client`, the rest (before the front end stamped the
+        arrival); they sum to `ttft`."""
+        if self.ttft_split is None or self.ttft is None or self.engine_first_token is None:
             return None
-        return {**self.ttft_split, "client": self.ttft - sum(self.ttft_split.values())}
+        delivery = self.token_times[0] - self.engine_first_token
+        return {**self.ttft_split, "delivery": delivery,
+                "client": self.ttft - sum(self.ttft_split.values()) - delivery}
 
     @property
     def itls(self) -> list[float]:
@@ -170,7 +176,8 @@ def summarize(name: str, records: list[RequestRecord], elapsed_s: float, stats: 
 def ttft_split_figures(records: list[RequestRecord]) -> dict[str, Any]:
     """Over the requests with a TTFT split: each phase's mean and p50 / p90 / p99 (seconds,
     `RequestRecord.ttft_phases`), and `accounted`: the least share of a request's TTFT that the
-    engine's phases sum to (the rest is `client`). Empty without splits."""
+    measured phases (the engine's and `delivery`) sum to (the rest is `client`). Empty without
+    splits."""
     split = [(r, r.ttft_phases) for r in records if r.ttft_phases is not None and r.ttft]
     if not split:
         return {}
