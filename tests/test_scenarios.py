@@ -128,13 +128,11 @@ def test_a_full_cpu_tier_admits_only_blocks_asked_for_more_often_than_its_victim
     assert hits["lru"] == 0 and hits["tinylfu"] >= 12
 
 
-def test_spill_writes_each_worthwhile_block_once_and_never_evicts_one_being_written(tmp_path):
+def test_spill_writes_each_block_once_and_never_evicts_one_being_written(tmp_path):
     sim = make_kv(4, num_cpu_blocks=8, nvme_path=str(tmp_path))
     sched = make_scheduler(sim, "recompute")
     users = [[u * 100 + j for j in range(9)] for u in range(6)]  # 2 full blocks each
-    run_prompts(sched, sim, users)
     store = sim.kv.offload.lower.store
-    assert store.stats()["writes"] == 0  # each asked for once: not worth a write yet
     written = []
     submit_write = store.submit_write
 
@@ -145,6 +143,10 @@ def test_spill_writes_each_worthwhile_block_once_and_never_evicts_one_being_writ
         return submit_write(ref, src)
 
     store.submit_write = spy
+    run_prompts(sched, sim, users)
+    # each asked for once, and the TinyLFU CPU tier admits by frequency: written all the same
+    # (what to keep is the store's policy), once the disk has room
+    assert written
     run_prompts(sched, sim, users * 3)
     assert store.sync()
     sim.kv.retire()

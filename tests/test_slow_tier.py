@@ -254,7 +254,7 @@ def cached_pool(num_blocks: int, num_cached: int) -> BlockPool:
 def test_spills_are_dropped_not_queued_when_the_store_is_behind():
     store = BehindStore()
     pool = cached_pool(128, 64)  # 8 staging blocks, a write window of 32
-    spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)), AdmitAll())
+    spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)))
     spill.spill_ahead(reads_in_flight=0)
     assert store.writes == list(range(1000, 1000 + MAX_WRITES_IN_FLIGHT))  # the coldest, up to the bound
     spill.spill_ahead(reads_in_flight=0)
@@ -275,7 +275,7 @@ def test_spills_are_dropped_not_queued_when_the_store_is_behind():
 def test_staged_copies_wait_for_the_disk_newest_first_and_the_oldest_make_way():
     store = BehindStore()
     pool = cached_pool(128, 0)  # 8 staging blocks, nothing cached to spill ahead
-    spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)), AdmitAll())
+    spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)))
     staged = [spill.stage(reads_in_flight=1) for _ in range(8)]
     for i, block in enumerate(staged):
         spill.write_staged(block, ref(100 + i), reads_in_flight=1)  # reads in flight: all eight wait
@@ -377,7 +377,7 @@ def test_a_write_the_store_refuses_is_no_fault_and_not_offered_again_at_once(mon
     clock = [100.0]
     monkeypatch.setattr(spill_module.time, "monotonic", lambda: clock[0])
     store = RefusingStore()
-    spill = Spill(store, cached_pool(128, 64), torch.zeros((128, *BLOCK_SHAPE)), AdmitAll())
+    spill = Spill(store, cached_pool(128, 64), torch.zeros((128, *BLOCK_SHAPE)))
     with caplog.at_level(logging.WARNING, logger="tieredkv"):
         for _ in range(20):
             spill.spill_ahead(reads_in_flight=0)
@@ -571,6 +571,6 @@ def test_a_long_write_down_at_close_says_how_far_it_got(monkeypatch, caplog):
     store = SlowStore()
     pool = cached_pool(256, 200)
     with caplog.at_level(logging.INFO, logger="tieredkv"):
-        Spill(store, pool, torch.zeros((256, *BLOCK_SHAPE)), AdmitAll()).persist()
+        Spill(store, pool, torch.zeros((256, *BLOCK_SHAPE))).persist()
     said = [r.getMessage() for r in caplog.records if "so far" in r.getMessage()]
     assert len(said) >= 2 and len(store.writes) == 200  # progress along the way, then every block written

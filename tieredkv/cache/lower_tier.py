@@ -11,7 +11,7 @@ Operations:
   (its CPU hits are its own now; the loaded blocks stay held until it reaches them), `landed` (the
   sequence jumps over the loaded blocks), `forget` (the sequence was freed); `landed_loads()`: how
   long the loads that landed took, from submission;
-- spills (`cache/spill.py`, `Spill`), for the CPU tier: `worth_writing(hash)`, `stage()`,
+- spills (`cache/spill.py`, `Spill`), for the CPU tier: `stage()`,
   `write_staged(block, ref)`, `unstage(block)`; `retire()` books finished reads and writes and
   spills ahead; `close()` first writes the CPU tier's cached blocks down (`persist`).
 
@@ -84,7 +84,7 @@ class LowerTier:
         self.cpu_pool = cpu_pool
         self.cpu_blocks = cpu_blocks
         self.admission = admission
-        self.spill = Spill(store, cpu_pool, self.cpu_blocks, admission)
+        self.spill = Spill(store, cpu_pool, self.cpu_blocks)
         # request -> (first token of its prefix blocks being read, how many blocks) (None:
         # nothing to read); a request is here once its loads were planned, until it jumps over
         # them or is freed
@@ -326,9 +326,6 @@ class LowerTier:
             self._landed.append(LandedLoad(request_id, num_blocks, time.monotonic() - since))
 
     # ------------------------------------------------------------------ spills
-
-    def worth_writing(self, block_hash: int) -> bool:
-        return self.spill.worth_writing(block_hash)
 
     def stage(self) -> Block | None:
         """A staging CPU block for a demotion on its way down (None: dropped, counted)."""

@@ -89,9 +89,9 @@ class CPUOffload:
 
     def _stage(self, gpu_block: Block) -> None:
         """A block the CPU tier turned down goes to the lower tier through a staging block, if
-        worth it and not there already. (A block the lower tier holds is still offered to the CPU
-        tier: reading it back over PCIe is ~25x faster than from disk.)"""
-        if self.lower is None or not self.lower.worth_writing(gpu_block.block_hash):
+        not there already. (A block the lower tier holds is still offered to the CPU tier:
+        reading it back over PCIe is ~25x faster than from disk.)"""
+        if self.lower is None:
             return
         if self.lower.contains(gpu_block.block_hash):
             self.on_disk_blocks += 1

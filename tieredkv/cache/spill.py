@@ -1,16 +1,16 @@
 """The lower tier's writes (`cache/lower_tier.py` owns them, and the reads beside them).
 
-What is written: full prefix blocks worth reading back, each once: every one while the CPU
-tier's policy admits by recency, those asked for again since they were first computed while
-it admits by frequency (its counts, `replacement.py`):
+What is written: the full prefix blocks the CPU tier lets go, each once; which of them to keep
+is the store's own policy (asking the CPU tier's admission as well wrote fewer and found fewer:
+BENCHMARKS.md, "The spill gate"):
 - `spill_ahead(reads_in_flight)`: write the coldest cached CPU blocks in the background, so
   that when the CPU tier evicts them they are safe on disk; a block being written is held
   (never evicted, so nothing ever waits for a write) and goes back to the front of the CPU
   tier's free queue, where it was taken, once it is on disk (evicting it then loses nothing);
 - `stage(reads_in_flight) -> cpu block | None` / `write_staged(block, ref, reads_in_flight)`:
-  a demotion the full CPU tier turned down but the disk should keep passes through one of a
-  few staging blocks of the CPU tier on its way down; a copy that lands while the disk is
-  behind waits in its staging block, not in the disk's queue. Waiting copies are written
+  a demotion the full CPU tier turned down passes through one of a few staging blocks of the
+  CPU tier on its way down; a copy that lands while the disk is behind waits in its staging
+  block, not in the disk's queue. Waiting copies are written
   newest first (before any spill-ahead) once no read is in flight, and with every staging
   block taken the oldest waiting copy makes way for a new one: a chain is evicted tail first,
   so what is written first, and kept longest, is the head every later hit needs;
@@ -35,13 +35,11 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from tieredkv.cache.block_pool import Block, BlockPool
-from tieredkv.replacement import AdaptiveAdmission, AdmitAll, FrequencyAdmission
 from tieredkv.tiers.backend import BlockRef, BlockStore
 
 logger = logging.getLogger(__name__)
 
 MAX_WRITES_IN_FLIGHT = 16  # keeps the disk busy at the store's queue depth; more would queue
-WORTH_WRITING = 2  # requests a block must have had: the one that computed it, and one more
 STAGING_FRACTION = 16  # 1/16 of the CPU tier stages blocks on their way to disk
 MAX_STAGING_BLOCKS = 256
 FAILURES_BEFORE_PAUSE = 8  # failed writes in a row (one write window) before spilling pauses
@@ -58,16 +56,12 @@ def staging_blocks(num_cpu_blocks: int) -> int:
 
 
 class Spill:
-    """Spills worthwhile CPU blocks to `store` (the tier below the CPU tier)."""
+    """Spills the CPU tier's blocks to `store` (the tier below the CPU tier)."""
 
-    def __init__(
-        self, store: BlockStore, cpu_pool: BlockPool, cpu_blocks: Sequence,
-        admission: AdmitAll | FrequencyAdmission | AdaptiveAdmission,
-    ) -> None:
+    def __init__(self, store: BlockStore, cpu_pool: BlockPool, cpu_blocks: Sequence) -> None:
         self.store = store
         self.cpu_pool = cpu_pool
         self.cpu_blocks = cpu_blocks  # each CPU block's data, by block id
-        self.admission = admission
         self.window = max(8, len(cpu_pool.blocks) // 4)  # the coldest cached blocks, kept on disk
         self.num_staging = staging_blocks(len(cpu_pool.blocks))
         self._staging = cpu_pool.allocate(self.num_staging) or []
@@ -89,11 +83,6 @@ class Spill:
         self.staging_full = 0  # demotions dropped before their copy: every staging block busy
         self.staged_waited = 0  # staged copies that waited in their staging block for the disk
         self.dropped = 0  # demotions bound for disk dropped: before their copy, or waiting copies replaced
-
-    def worth_writing(self, block_hash: int) -> bool:
-        """Every block while the policy admits by recency; while it admits by frequency, those
-        asked for again."""
-        return not self.admission.selective or self.admission.count(block_hash) >= WORTH_WRITING
 
     def behind(self, reads_in_flight: int) -> bool:
         """True when a write now would queue: reads are in flight (they come first), the write
@@ -167,7 +156,7 @@ class Spill:
                         time.monotonic() - start)
 
     def _spill(self, blocks: Iterable[Block], closing: bool) -> None:
-        """Write those of `blocks` worth it (all of them when `closing`), keeping at most
+        """Write `blocks` (those the store lacks), keeping at most
         `MAX_WRITES_IN_FLIGHT` writes in flight: beyond it (or once writes fail), stop, or when
         `closing` wait for the oldest write (and say how far it got every `CLOSING_PROGRESS_S`)."""
         now = said = time.monotonic()
@@ -176,9 +165,6 @@ class Spill:
             if self._on_disk.get(block.block_id) == block.block_hash:
                 continue
             if not closing and self._refused_lately(block, now):
-                continue
-            # asked before the store (a lookup may cost a round trip)
-            if not closing and not self.worth_writing(block.block_hash):
                 continue
             if not closing and self.behind(0):
                 return
