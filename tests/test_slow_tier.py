@@ -214,6 +214,12 @@ class BehindStore(BlockStore):
     def contains(self, block_hash: int) -> bool:
         return block_hash in self._stored
 
+    def contains_run(self, block_hashes: Sequence[int]) -> int:
+        return next((i for i, h in enumerate(block_hashes) if h not in self._stored), len(block_hashes))
+
+    def record(self, block_hashes: Sequence[int], num_hits_above: int) -> None:
+        pass
+
     def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
         self.writes.append(ref.block_hash)
         return len(self.writes)
@@ -239,6 +245,15 @@ class BehindStore(BlockStore):
 
     def close(self) -> None:
         pass
+
+
+def test_a_store_missing_a_method_cannot_be_made():
+    class ReadsOnly(BlockStore):
+        def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
+            return None
+
+    with pytest.raises(TypeError, match="abstract method"):
+        ReadsOnly()
 
 
 def cached_pool(num_blocks: int, num_cached: int) -> BlockPool:

@@ -19,8 +19,9 @@ implementation; a remote store is another. A store subclasses `BlockStore`, whic
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
@@ -33,24 +34,29 @@ class BlockRef(NamedTuple):
     token_ids: tuple[int, ...]
 
 
-class BlockStore(Protocol):
+class BlockStore(ABC):
     """A tier of KV blocks with two-phase reads and writes (see the module docstring). Stores
-    subclass it, for the default `submit_reads`."""
+    subclass it, for the default `submit_reads`; a store that misses a method cannot be made."""
 
+    @abstractmethod
     def contains(self, block_hash: int) -> bool: ...
 
+    @abstractmethod
     def contains_run(self, block_hashes: Sequence[int]) -> int:
         """How many of the leading `block_hashes` the store holds (the run up to its first
         miss), asked at once: a remote store pays one round trip for them all."""
         ...
 
+    @abstractmethod
     def record(self, block_hashes: Sequence[int], num_hits_above: int) -> None:
         """A request's prompt blocks, in order, the first `num_hits_above` found in the tiers
         above: a store with a replacement policy counts it; one without ignores it."""
         ...
 
+    @abstractmethod
     def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None: ...
 
+    @abstractmethod
     def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None: ...
 
     def submit_reads(self, reads: Sequence[tuple[BlockRef, torch.Tensor]]) -> list[int]:
@@ -65,10 +71,14 @@ class BlockStore(Protocol):
             jobs.append(job)
         return jobs
 
+    @abstractmethod
     def poll(self) -> list[tuple[int, bool]]: ...
 
+    @abstractmethod
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]: ...
 
+    @abstractmethod
     def stats(self) -> dict[str, int | str | bool]: ...
 
+    @abstractmethod
     def close(self) -> None: ...
