@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
+import pytest
 import torch
 
 from tests.kv_factory import BLOCK_SHAPE, make_kv, make_scheduler, make_seq, run_until_done
