@@ -10,10 +10,10 @@ BENCHMARKS.md, "The spill gate"):
 - `stage(reads_in_flight) -> cpu block | None` / `write_staged(block, ref, reads_in_flight)`:
   a demotion the full CPU tier turned down passes through one of a few staging blocks of the
   CPU tier on its way down; a copy that lands while the disk is behind waits in its staging
-  block, not in the disk's queue. Waiting copies are written
-  newest first (before any spill-ahead) once no read is in flight, and with every staging
-  block taken the oldest waiting copy makes way for a new one: a chain is evicted tail first,
-  so what is written first, and kept longest, is the head every later hit needs;
+  block, not in the disk's queue. Waiting copies are written newest first (before any
+  spill-ahead) once no read is in flight, and with every staging block taken the oldest
+  waiting copy makes way for a new one: a chain is evicted tail first, so what is written
+  first, and kept longest, is the head every later hit needs;
 - `persist()`: at shutdown, every cached CPU block, so that a restart finds them on disk.
 
 Writes never wait and never crowd out reads: while reads are in flight, or `MAX_WRITES_IN_FLIGHT`
@@ -156,9 +156,9 @@ class Spill:
                         time.monotonic() - start)
 
     def _spill(self, blocks: Iterable[Block], closing: bool) -> None:
-        """Write `blocks` (those the store lacks), keeping at most
-        `MAX_WRITES_IN_FLIGHT` writes in flight: beyond it (or once writes fail), stop, or when
-        `closing` wait for the oldest write (and say how far it got every `CLOSING_PROGRESS_S`)."""
+        """Write those of `blocks` the store lacks, keeping at most `MAX_WRITES_IN_FLIGHT` writes
+        in flight: beyond it (or once writes fail), stop, or when `closing` wait for the oldest
+        write (and say how far it got every `CLOSING_PROGRESS_S`)."""
         now = said = time.monotonic()
         written = 0
         for block in list(blocks):
