@@ -627,7 +627,7 @@ _WRITER = textwrap.dedent(
     """
     import sys, torch
     from tests.test_nvme_store import BLOCK_BYTES, BLOCK_SIZE, FP, content_of, parent_of, tokens_of
-    from tieredkv.tiers.backend import BlockRef, BlockStore
+    from tieredkv.tiers.backend import BlockRef
     from tieredkv.tiers.nvme.store import NVMeStore
     from tieredkv.tiers.nvme.slot_format import aligned_empty
 

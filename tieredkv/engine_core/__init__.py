@@ -6,8 +6,8 @@ thread of this process), `process` (the loop in an engine process of its own: th
 `deltas` (each step's outputs as per-request deltas, and the outputs rebuilt from them).
 
 Both loops take the same calls from the event loop (`add`, `abort`, `call` (an engine method
-between two steps), `stats`, `drained`, `close`) and hand every step's outputs to an `OutputSink` in one call on the
-event loop.
+between two steps), `stats`, `drained`, `close`) and hand every step's outputs to an
+`OutputSink` in one call on the event loop.
 """
 
 from __future__ import annotations
