@@ -14,9 +14,11 @@ from tieredkv.policy import (
     choose_preemption,
     promote_cpu_hits,
     split_lower_prefix,
+    wait_for_late_reads,
 )
 
 COSTS = CostModel(d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9, prefill_s_per_token=1e-4, prefill_s_per_token_sq=1e-8)
+MIB = 1 << 20
 
 
 @pytest.mark.parametrize(
@@ -126,3 +128,22 @@ def test_the_split_found_by_bisection_is_the_best_of_every_split():
         args = (rng.randint(0, 300), rng.choice([1, 8192, 2 << 20]), rng.randint(0, 60000), rng.choice([4, 16, 128]),
                 cost, rng.choice([0, 10 << 20, 1 << 30]), rng.choice([0, 100, 8192, 50000]))
         assert split_lower_prefix(*args) == _split_by_scan(*args), args
+
+
+def test_a_sequence_waits_for_late_reads_unless_computing_their_blocks_is_clearly_faster():
+    """1 MiB blocks read at 1 GB/s and copied in at 1 GB/s (1.05 ms each way), 16 tokens
+    computed in 3.2 ms (+ attention)."""
+    disk = CostModel(1e9, 1e9, prefill_s_per_token=2e-4, prefill_s_per_token_sq=1e-8, disk_read_bytes_per_s=1e9)
+
+    def wait(num_blocks, queued_blocks, gpu_queue_tokens=0, cost=disk):
+        return wait_for_late_reads(num_blocks, MIB, 0, 16, cost, queued_blocks * MIB, gpu_queue_tokens)
+
+    assert wait(4, 4)  # its own reads only: they land before the GPU would have computed them
+    assert not wait(4, 40)  # 36 reads queued ahead of them (someone else's plan): computing wins
+    assert wait(4, 40, gpu_queue_tokens=4096)  # unless the GPU is as far behind
+    assert wait(4, 400, cost=COSTS)  # no read rate known: it waits
+    prefill_s = disk.extend_s(0, 4 * 16)
+    at = 4 * MIB / 1e9  # the copy in
+    tie = int((prefill_s - at) * 1e9 / MIB)  # queued blocks whose reads take as long as computing
+    assert wait(4, tie) and wait(4, int(tie * (1 + LOAD_MARGIN)) - 1)  # computing must save the margin
+    assert not wait(4, int(tie * (1 + LOAD_MARGIN)) + 2)

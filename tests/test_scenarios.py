@@ -4,6 +4,7 @@ scheduled sequence reads back exactly its own tokens' KV (tests/kv_factory.py)."
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -260,6 +261,57 @@ def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more
     observed = sched.loads.observed_loads  # loads of one size: slower as a latency (or a rate), seen either way
     calibrated_s = 8 * BLOCK_BYTES / calibrated.disk_read_bytes_per_s
     assert observed.latency_s + 8 * BLOCK_BYTES / observed.bytes_per_s > 10 * calibrated_s
+
+
+class HeldReads(SyncBackend):
+    """The sync backend with every read held while `release` is clear (a disk far behind)."""
+
+    def __init__(self) -> None:
+        super().__init__(threads=1)
+        self.release = threading.Event()
+        self.release.set()  # (opening the store reads its index)
+
+    def _run(self, req) -> None:
+        if req.op == "read":
+            self.release.wait()
+        super()._run(req)
+
+
+@pytest.mark.parametrize("cost, given_up", [
+    (BALANCED, 1),  # its first block computed, the second planned to load: it reaches it running
+    (CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 2e-3), 2),  # both: waiting
+])
+def test_a_prompt_ranked_ahead_of_its_plan_computes_rather_than_wait_behind_others_reads(tmp_path, cost, given_up):
+    """Under `ttft` a short prompt whose blocks were planned to load behind a long prompt's
+    reads and prefill (so loading looked faster) ranks first: waiting would cost the whole read
+    queue, computing its blocks 4 ms each. It computes and finishes while the disk holds every
+    read; the long prompt, whose own reads are as fast as computing them, waits for them."""
+    long_doc, short_doc = [1000 + j for j in range(81)], [2000 + j for j in range(9)]  # 20 and 2 full blocks
+    fillers = [[3000 + 100 * i + j for j in range(81)] for i in range(2)]  # they evict both docs from the GPU
+    first = make_kv(22, num_cpu_blocks=64, nvme_path=str(tmp_path), cpu_policy="lru")
+    run_prompts(make_scheduler(first, "recompute"), first, [long_doc, short_doc, *fillers])
+    first.kv.close()  # the CPU tier written down
+    disk = HeldReads()
+    sim = make_kv(64, num_cpu_blocks=64, nvme_path=str(tmp_path), backend=disk)
+    disk.release.clear()
+    try:
+        sched = make_scheduler(sim, "recompute", cost, scheduling_policy="ttft")
+        long_seq = make_seq("long", [*long_doc, 1], max_tokens=2)
+        short_seq = make_seq("short", [*short_doc, 2], max_tokens=2)
+        assert sim.kv.match_prefix(long_seq).num_lower == 20 and sim.kv.match_prefix(short_seq).num_lower == 2
+        sched.add(long_seq)
+        sched.add(short_seq)
+        for _ in range(50):
+            run_step(sched, sim)
+            if short_seq.is_finished:
+                break
+        assert short_seq.is_finished and not long_seq.is_finished  # every read still held
+        assert sched.loads.lower_prefix_blocks["load"] > given_up  # the long prompt loads too
+        assert sim.kv.stats()["nvme_late_loads"] == given_up  # the short prompt's: the long one waits for its own
+    finally:
+        disk.release.set()
+    run_until_done(sched, sim)  # check_kv in every step: both exact
+    assert long_seq.output_token_ids and sched.loaded_skipped_tokens > 0
 
 
 def test_cpu_hits_are_recomputed_when_copying_them_in_is_slower():

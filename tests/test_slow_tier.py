@@ -29,7 +29,7 @@ from tests.test_nvme_store import (
     tokens_of,
 )
 from tieredkv.cache.block_pool import Block, BlockPool
-from tieredkv.cache.lower_tier import LowerTier
+from tieredkv.cache.lower_tier import LoadWait, LowerTier
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, Spill
@@ -458,6 +458,28 @@ def test_a_read_that_hangs_is_given_up_and_its_request_computes(monkeypatch):
     assert lower.reads_in_flight == 0 and pool.num_free == free
     assert lower.failed_loads == 0 and lower.loaded_blocks == 3  # late, intact: cached
     assert lower.held_run(hashes, 0) == 3  # back: loads are planned again
+
+
+def test_a_request_that_gives_up_its_late_reads_computes_and_they_still_land_in_the_cpu_tier():
+    store, pool = HungReads(), BlockPool(12)
+    lower = LowerTier(store, pool, torch.zeros((12, *BLOCK_SHAPE)), AdmitAll())
+    free = pool.num_free
+    assert lower.plan("ahead", [ref(h) for h in (1, 2, 3, 4)], load_from=0) == 4
+    assert lower.plan("r", [ref(5), ref(6)], load_from=32) == 2
+    assert lower.late("r") is None  # not found waiting yet
+    lower.await_loads("r")
+    assert lower.late("r") == (32, 0, 2, 6)  # from token 32: none in, 2 in flight, 6 reads up to its last
+    lower.give_up("r")
+    assert not lower.arriving("r") and lower.wait_state("r") is LoadWait.LANDED and lower.late_loads == 2
+    assert lower.arriving("ahead") and lower.held_run([7], 0) == 1  # no hang: the tier still holds blocks
+    lower.landed("r")
+    store.finish()
+    lower.retire()
+    # only loads waited for teach the read rate: r's reads landed after it stopped waiting
+    assert [(load.request_id, load.num_blocks) for load in lower.landed_loads()] == [("ahead", 4)]
+    assert lower.reads_in_flight == 0 and lower.loaded_blocks == 6
+    assert pool.num_free == free - 4  # r's two blocks are cached and free; ahead still holds its four
+    assert pool.lookup(5, parent_of(5), tuple(tokens_of(5))) is not None
 
 
 def cached_block(pool: BlockPool, h: int):

@@ -139,6 +139,26 @@ def split_lower_prefix(
     return best if finish_s(best) <= finish_s(num_blocks) - margin else num_blocks
 
 
+def wait_for_late_reads(
+    num_blocks: int, block_bytes: int, first_token: int, block_size: int, cost: CostModel | None,
+    queued_bytes: int, gpu_queue_tokens: int = 0,
+) -> bool:
+    """Whether a sequence that reached its prefix blocks being read from the lower tier (the
+    `num_blocks` still in flight, from token `first_token` on; `queued_bytes` of reads in
+    flight up to its last one) waits for them rather than computes them behind
+    `gpu_queue_tokens` of prefill. Its loads were planned against the queues of their moment;
+    a sequence ranked ahead of where it was planned, or a tier slower than planned, finds them
+    late. Waiting costs the queue's reads (part of which may be done) and the copy in,
+    computing the blocks' prefill; computing must save `LOAD_MARGIN` of that prefill, as
+    loading must when it is planned, so that the two never flip on noise (the reads go on
+    either way, and what they bring lands in the CPU tier). Without a read rate, wait."""
+    if cost is None or cost.disk_read_bytes_per_s is None:
+        return True
+    wait_s = queued_bytes / cost.disk_read_bytes_per_s + num_blocks * block_bytes / cost.h2d_bytes_per_s
+    prefill_s = cost.extend_s(first_token, num_blocks * block_size)
+    return cost.recompute_s(gpu_queue_tokens) + (1 + LOAD_MARGIN) * prefill_s >= wait_s
+
+
 def promote_cpu_hits(
     num_blocks: int, block_bytes: int, first_token: int, block_size: int, cost: CostModel | None,
     h2d_queue_bytes: int = 0,
@@ -240,10 +260,23 @@ class TierPolicy:
     ) -> int:
         """`split_lower_prefix` with the queues, at the `observed` read rate and latency of the
         lower tier where given, else the calibrated ones."""
-        cost = self.cost
-        if cost is not None and observed is not None:
-            cost = replace(cost, disk_read_bytes_per_s=observed.bytes_per_s, read_latency_s=observed.latency_s)
         return split_lower_prefix(
-            num_blocks, self.block_bytes, first_token, self.block_size, cost,
+            num_blocks, self.block_bytes, first_token, self.block_size, self._cost(observed),
             lower_queue_blocks * self.block_bytes, gpu_queue_tokens,
         )
+
+    def wait_for_reads(
+        self, num_blocks: int, first_token: int, queued_blocks: int, gpu_queue_tokens: int = 0,
+        observed: ObservedLoads | None = None,
+    ) -> bool:
+        """`wait_for_late_reads`, at the `observed` read rate where given."""
+        return wait_for_late_reads(
+            num_blocks, self.block_bytes, first_token, self.block_size, self._cost(observed),
+            queued_blocks * self.block_bytes, gpu_queue_tokens,
+        )
+
+    def _cost(self, observed: ObservedLoads | None) -> CostModel | None:
+        """The cost model with the lower tier's `observed` read rate and latency, where given."""
+        if self.cost is None or observed is None:
+            return self.cost
+        return replace(self.cost, disk_read_bytes_per_s=observed.bytes_per_s, read_latency_s=observed.latency_s)

@@ -204,14 +204,20 @@ class Scheduler:
 
     def _next_chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens a running sequence computes this step, after jumping over the prefix tokens
-        its lower-tier loads brought (0 while their copy to the GPU lands)."""
+        its lower-tier loads brought (0 while their copy to the GPU lands, or while they are
+        read, unless computing them is faster: `LoadPlanner.give_up_late`)."""
         skipped, landing = self.kv.land_loads(seq)
         if skipped:
             seq.num_computed_tokens += skipped
             self.loaded_skipped_tokens += skipped
             if not seq.recomputing:
                 seq.num_cached_tokens += skipped
-        return 0 if landing else self.kv.computable(seq, budget)
+        if landing:
+            return 0
+        n = self.kv.computable(seq, budget)
+        if n == 0 and self.loads.give_up_late(seq, gpu_queue_tokens=0):  # its turn came before its reads landed
+            return self._next_chunk(seq, budget)  # it jumps over those that did, and computes on
+        return n
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """`fcfs`: swap sequences back in, oldest first (held ones wait); the budget left, and
@@ -260,7 +266,7 @@ class Scheduler:
                 return False
             if slots + seq.width > self.config.max_num_seqs:
                 return True
-            if self._load_wait(seq) is LoadWait.ARRIVING:
+            if self._load_wait(seq, backlog) is LoadWait.ARRIVING:
                 continue
             n = self._admit(out, seq, budget, backlog)
             if n is None:
@@ -273,10 +279,13 @@ class Scheduler:
         """Sequence slots the running sequences hold: a request not forked yet holds its width."""
         return sum(seq.width for seq in self.running)
 
-    def _load_wait(self, seq: Sequence) -> LoadWait:
+    def _load_wait(self, seq: Sequence, backlog: int) -> LoadWait:
         """Whether a waiting sequence found with nothing to compute before its loads land still
-        waits for them (it is not matched again until they have); a step waited is counted."""
+        waits for them (it is not matched again until they have, or until computing their
+        blocks behind the `backlog` of prefill is faster); a step waited is counted."""
         wait = self.kv.load_wait(seq)
+        if wait is LoadWait.ARRIVING and self.loads.give_up_late(seq, backlog):
+            wait = self.kv.load_wait(seq)  # landed: matched again
         if wait is LoadWait.ARRIVING:
             self._wait_for_loads(seq)
         return wait
@@ -317,12 +326,12 @@ class Scheduler:
         back counts as computed. Whether a sequence could not run for want of blocks or
         sequence slots (none ranked after it is admitted then)."""
         admit = not out.preempted
-        waiting = self._prefill_candidates() if admit else []
+        backlog = self._prefill_backlog() if admit else 0
+        waiting = self._prefill_candidates(backlog) if admit else []
         seqs = prefilling + waiting
         if not seqs or budget <= 0:
             return False
         shares = self.ranking.share(seqs, budget, ride_cost=self.policy.cost if out.scheduled else None)
-        backlog = self._prefill_backlog() if admit else 0
         slots = self._slots_taken()  # an upper bound once a preemption frees some
         blocked = False
         for i, tokens in shares:
@@ -345,7 +354,7 @@ class Scheduler:
             shares.took(got or 0)
         return blocked
 
-    def _prefill_candidates(self) -> list[Sequence]:
+    def _prefill_candidates(self, backlog: int) -> list[Sequence]:
         """`ttft`, `hrrn`: the swapped-out sequences that may come back (not held), then the
         waiting ones that may be admitted (not held, not waiting for their loads). One waiting
         sequence is matched again this step, the longest unmatched, unless its loads just
@@ -354,7 +363,7 @@ class Scheduler:
         for seq in self.waiting:
             if seq.held:
                 continue
-            wait = self._load_wait(seq)
+            wait = self._load_wait(seq, backlog)
             if wait is LoadWait.ARRIVING:
                 continue
             waiting.append(seq)

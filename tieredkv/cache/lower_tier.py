@@ -10,17 +10,21 @@ Operations:
   (the first token being read), `num_planned`, `arriving`, `wait_state` (`LoadWait`), `admitted`
   (its CPU hits are its own now; the loaded blocks stay held until it reaches them), `landed` (the
   sequence jumps over the loaded blocks), `forget` (the sequence was freed); `landed_loads()`: how
-  long the loads that landed took, from submission;
+  long the loads that landed took, from submission; `late(request_id)` (a waiting request's
+  reads still in flight, and the queue up to its last one), `give_up(request_id)` (it stops
+  waiting for them and computes those tokens);
 - spills (`cache/spill.py`, `Spill`), for the CPU tier: `stage()`,
   `write_staged(block, ref)`, `unstage(block)`; `retire()` books finished reads and writes and
   spills ahead; `close()` first writes the CPU tier's cached blocks down (`persist`).
 
 Reads come first: while any is in flight, no write is submitted (`Spill.behind`): spills are
 dropped or wait in CPU staging blocks, never queued on the disk.
-A read not finished `STALLED_READ_S` after it was submitted (a disk that hangs) is given up: its
-request stops waiting for it and computes those tokens; its CPU block stays taken until the
-store reports the read, and until then the tier is held to have no block (`held_run`), so that a
-hung disk costs later requests nothing (said when it starts and when it ends).
+A read given up (its request computes those tokens instead) stays the store's until it reports:
+its CPU block stays taken until then, and is cached if the read was intact. A request gives up
+its reads when computing them is faster than waiting (`give_up`, the planner's choice), and a
+read not finished `STALLED_READ_S` after it was submitted (a disk that hangs) is given up for
+it; until a stalled read reports, the tier is held to have no block (`held_run`), so that a hung
+disk costs later requests nothing (said when it starts and when it ends).
 """
 
 from __future__ import annotations
@@ -63,6 +67,17 @@ class LoadWait(Enum):
     LANDED = "landed"  # they landed since it was last asked about (told once)
 
 
+class LateReads(NamedTuple):
+    """A request waiting for its reads: of the blocks its plan loads from token `load_from`
+    on, the first `num_landed` are in, the next `num_blocks` in flight; `queued` reads are in
+    flight up to its last one (its own included)."""
+
+    load_from: int
+    num_landed: int
+    num_blocks: int
+    queued: int
+
+
 class LandedLoad(NamedTuple):
     """A request's loads landed: `num_blocks` read (with those queued ahead of them), `seconds`
     from their submission to the step that found them landed."""
@@ -94,7 +109,8 @@ class LowerTier:
         self._reads: dict[int, _Read] = {}  # read job -> what it fills, in submission order
         self._reads_left: dict[str, int] = {}  # request -> its reads in flight
         self._orphans: set[int] = set()  # reads whose request let go of them before they finished
-        self._given_up: set[int] = set()  # stalled reads their request no longer waits for
+        self._given_up: set[int] = set()  # reads their request no longer waits for
+        self._stalled: set[int] = set()  # reads given up as stalled: while any is out, the tier holds none
         # requests found with nothing to compute before their loads land: not matched again
         # (O(prompt) each step, which starved the I/O threads of the GIL) until they have
         self._waiting: set[str] = set()
@@ -103,6 +119,7 @@ class LowerTier:
         self.loaded_blocks = 0
         self.failed_loads = 0
         self.stalled_loads = 0
+        self.late_loads = 0  # reads given up because computing their blocks was faster
 
     # ------------------------------------------------------------------ lookups
 
@@ -116,7 +133,7 @@ class LowerTier:
         tier lacks costs one small question (for a remote tier, one round trip). While a read
         given up as stalled is still out (the tier hangs), it holds none: no load is planned on
         it, and no CPU block is taken for a read that may not come back."""
-        if self._given_up:
+        if self._stalled:
             return start
         stop, size = start, FIRST_LOOKUP_BLOCKS
         while stop < len(block_hashes):
@@ -274,10 +291,12 @@ class LowerTier:
 
     def _finish_read(self, job: int, ok: bool) -> None:
         request_id, block, ref, _ = self._reads.pop(job)
+        if job in self._stalled:
+            self._stalled.discard(job)
+            if not self._stalled:
+                logger.info("the stalled reads from the tier below the CPU tier came back; loads are planned again")
         if job in self._given_up:
             self._given_up.discard(job)
-            if not self._given_up:
-                logger.info("the stalled reads from the tier below the CPU tier came back; loads are planned again")
         else:
             self._read_done(request_id)
         if ok:
@@ -303,21 +322,52 @@ class LowerTier:
         """Stop waiting for the reads submitted `STALLED_READ_S` ago or more: their requests
         compute those tokens; each block is released when the store reports its read."""
         too_old = time.monotonic() - STALLED_READ_S
-        for job, (request_id, block, _, submitted) in self._reads.items():
-            if submitted > too_old:
+        for job, read in self._reads.items():
+            if read.submitted > too_old:
                 break  # in submission order: the rest are younger
-            if job in self._given_up:
+            if job in self._stalled:
                 continue
-            if not self._given_up:
+            if not self._stalled:
                 logger.warning("a read from the tier below the CPU tier did not finish in %.0f s: its request computes "
                                "those tokens, and no load is planned until the stalled reads come back", STALLED_READ_S)
-            self._given_up.add(job)
-            self.stalled_loads += 1
-            held = self._loads.get(request_id)
-            if held is not None and block in held:
-                held.remove(block)
-                self._orphans.add(job)
-            self._read_done(request_id)
+            self._stalled.add(job)
+            if job not in self._given_up:
+                self.stalled_loads += 1
+                self._stop_waiting(job, read)
+
+    def _stop_waiting(self, job: int, read: _Read) -> None:
+        """The read's request no longer waits for it: its block is let go when the read reports."""
+        self._given_up.add(job)
+        held = self._loads.get(read.request_id)
+        if held is not None and read.block in held:
+            held.remove(read.block)
+            self._orphans.add(job)
+        self._read_done(read.request_id)
+
+    def late(self, request_id: str) -> LateReads | None:
+        """The request's reads still in flight, if it waits for some (found with nothing to
+        compute before they land): how many, from which token on (those before them landed,
+        in the order they were submitted), and the reads queued up to its last one."""
+        left = self._reads_left.get(request_id, 0)
+        planned = self._load_from.get(request_id)
+        if not left or planned is None or request_id not in self._waiting:
+            return None
+        queued = 0
+        for i, (job, read) in enumerate(self._reads.items(), 1):
+            if read.request_id == request_id and job not in self._given_up:
+                queued = i
+        load_from, num_blocks = planned
+        return LateReads(load_from, num_blocks - left, left, queued)
+
+    def give_up(self, request_id: str) -> None:
+        """The request stops waiting for its reads in flight (it computes those tokens; they
+        still land in the CPU tier): `wait_state` says it landed, and a running sequence jumps
+        over the blocks that did."""
+        self._clocks.pop(request_id, None)  # how long its loads take is not seen
+        for job, read in list(self._reads.items()):
+            if read.request_id == request_id and job not in self._given_up:
+                self._stop_waiting(job, read)
+                self.late_loads += 1
 
     def _stop_clock(self, request_id: str) -> None:
         clock = self._clocks.pop(request_id, None)
@@ -369,6 +419,7 @@ class LowerTier:
             "nvme_loaded_blocks": self.loaded_blocks,
             "nvme_failed_loads": self.failed_loads,
             "nvme_stalled_loads": self.stalled_loads,
+            "nvme_late_loads": self.late_loads,
         }
 
     def close(self) -> None:

@@ -16,7 +16,9 @@ Operations:
   blocks they brought into its next GPU blocks: the prefix tokens it jumps over.
 - `computable(seq, budget, prefix) -> int`: the one question about those loads: how many
   tokens the sequence may compute now (0: wait for its loads); `load_wait(seq) -> LoadWait`:
-  whether a sequence found with nothing to compute before its loads land still waits for them.
+  whether a sequence found with nothing to compute before its loads land still waits for them;
+  `late_reads(seq)`: the reads it waits for, and the queue ahead of them; `give_up_reads(seq)`:
+  it computes those tokens instead.
 - `allocate(seq, num_new_tokens, prefix) -> Allocation | None`: blocks for the next tokens
   (`None`, with nothing changed, when the GPU pool is short); CPU hits are promoted. A block
   the new tokens write into that the sequence shares (a fork) is copied first.
@@ -48,7 +50,7 @@ from typing import NamedTuple
 
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.block_tables import BlockTables
-from tieredkv.cache.lower_tier import LandedLoad, LoadWait
+from tieredkv.cache.lower_tier import LandedLoad, LateReads, LoadWait
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.cache.prefix import BlockKeys, PrefixMatch, find_prefix
 from tieredkv.cache.swap import SwapSpace
@@ -182,6 +184,15 @@ class KVCacheManager:
         """Whether a sequence found with nothing to compute before its loads land (`computable`
         said 0) still waits for them: ask before matching it again, which costs its prompt."""
         return self.lower.wait_state(seq.seq_id) if self.lower is not None else LoadWait.NONE
+
+    def late_reads(self, seq: Sequence) -> LateReads | None:
+        """The sequence's lower-tier reads in flight, if it waits for them (`computable` said 0)."""
+        return self.lower.late(seq.seq_id) if self.lower is not None else None
+
+    def give_up_reads(self, seq: Sequence) -> None:
+        """The sequence computes the tokens its reads in flight would bring (they still land in
+        the CPU tier); a running one jumps over those that landed first (`land_loads`)."""
+        self.lower.give_up(seq.seq_id)
 
     def h2d_queue_blocks(self) -> int:
         """Blocks queued for copying CPU → GPU and not finished: the PCIe queue."""
