@@ -277,28 +277,36 @@ class HeldReads(SyncBackend):
         super()._run(req)
 
 
+def long_and_short_on_a_held_disk(path: str):
+    """A store holding a long prompt's 20 blocks and a short one's 2, reopened on a disk that
+    holds every read (until `disk.release` is set): (disk, sim, long_seq, short_seq)."""
+    long_doc, short_doc = [1000 + j for j in range(81)], [2000 + j for j in range(9)]
+    fillers = [[3000 + 100 * i + j for j in range(81)] for i in range(2)]  # they evict both docs from the GPU
+    first = make_kv(22, num_cpu_blocks=64, nvme_path=path, cpu_policy="lru")
+    run_prompts(make_scheduler(first, "recompute"), first, [long_doc, short_doc, *fillers])
+    first.kv.close()  # the CPU tier written down
+    disk = HeldReads()
+    sim = make_kv(64, num_cpu_blocks=64, nvme_path=path, backend=disk)
+    disk.release.clear()
+    long_seq = make_seq("long", [*long_doc, 1], max_tokens=2)
+    short_seq = make_seq("short", [*short_doc, 2], max_tokens=2)
+    assert sim.kv.match_prefix(long_seq).num_lower == 20 and sim.kv.match_prefix(short_seq).num_lower == 2
+    return disk, sim, long_seq, short_seq
+
+
 @pytest.mark.parametrize("cost, given_up", [
     (BALANCED, 1),  # its first block computed, the second planned to load: it reaches it running
     (CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 2e-3), 2),  # both: waiting
 ])
-def test_a_prompt_ranked_ahead_of_its_plan_computes_rather_than_wait_behind_others_reads(tmp_path, cost, given_up):
-    """Under `ttft` a short prompt whose blocks were planned to load behind a long prompt's
-    reads and prefill (so loading looked faster) ranks first: waiting would cost the whole read
-    queue, computing its blocks 4 ms each. It computes and finishes while the disk holds every
-    read; the long prompt, whose own reads are as fast as computing them, waits for them."""
-    long_doc, short_doc = [1000 + j for j in range(81)], [2000 + j for j in range(9)]  # 20 and 2 full blocks
-    fillers = [[3000 + 100 * i + j for j in range(81)] for i in range(2)]  # they evict both docs from the GPU
-    first = make_kv(22, num_cpu_blocks=64, nvme_path=str(tmp_path), cpu_policy="lru")
-    run_prompts(make_scheduler(first, "recompute"), first, [long_doc, short_doc, *fillers])
-    first.kv.close()  # the CPU tier written down
-    disk = HeldReads()
-    sim = make_kv(64, num_cpu_blocks=64, nvme_path=str(tmp_path), backend=disk)
-    disk.release.clear()
+def test_a_prompt_that_reaches_its_loads_early_computes_rather_than_wait_behind_others_reads(tmp_path, cost, given_up):
+    """A short prompt's blocks were planned to load behind a long prompt's reads and prefill
+    (so loading looked faster), but chunked prefill runs it beside that prefill: waiting would
+    cost the whole read queue, computing its blocks 4 ms each. It computes and finishes while
+    the disk holds every read; the long prompt, whose own reads are as fast as computing them,
+    waits for them."""
+    disk, sim, long_seq, short_seq = long_and_short_on_a_held_disk(str(tmp_path))
     try:
-        sched = make_scheduler(sim, "recompute", cost, scheduling_policy="ttft")
-        long_seq = make_seq("long", [*long_doc, 1], max_tokens=2)
-        short_seq = make_seq("short", [*short_doc, 2], max_tokens=2)
-        assert sim.kv.match_prefix(long_seq).num_lower == 20 and sim.kv.match_prefix(short_seq).num_lower == 2
+        sched = make_scheduler(sim, "recompute", cost)
         sched.add(long_seq)
         sched.add(short_seq)
         for _ in range(50):
@@ -312,6 +320,25 @@ def test_a_prompt_ranked_ahead_of_its_plan_computes_rather_than_wait_behind_othe
         disk.release.set()
     run_until_done(sched, sim)  # check_kv in every step: both exact
     assert long_seq.output_token_ids and sched.loaded_skipped_tokens > 0
+
+
+@pytest.mark.parametrize("policy, queued", [("fcfs", 22), ("ttft", 2)])
+def test_loads_are_planned_in_the_order_the_prompts_are_to_run(tmp_path, policy, queued):
+    """Under `ttft` the short prompt, added after the long one, runs first: its loads are
+    planned first and its reads lead the disk's queue. In arrival order (`fcfs`) they come
+    behind the long prompt's 20. (A disk 4000x faster than the GPU: every block is loaded.)"""
+    disk, sim, long_seq, short_seq = long_and_short_on_a_held_disk(str(tmp_path))
+    fast_disk = CostModel(1e15, 1e15, prefill_s_per_token=1.0, disk_read_bytes_per_s=BLOCK_BYTES / 1e-3)
+    try:
+        sched = make_scheduler(sim, "recompute", fast_disk, scheduling_policy=policy)
+        sched.add(long_seq)
+        sched.add(short_seq)
+        run_step(sched, sim)
+        assert sched.loads.lower_prefix_blocks == {"load": 22, "compute": 0, "compute_for_queues": 0}
+        assert sim.kv.late_reads(short_seq).queued == queued
+    finally:
+        disk.release.set()
+    run_until_done(sched, sim)
 
 
 def test_cpu_hits_are_recomputed_when_copying_them_in_is_slower():

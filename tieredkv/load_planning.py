@@ -6,8 +6,8 @@ The scheduler asks; the KV manager moves the blocks.
 Operations:
 - `pin(policy)`: plan by another policy, its cost model as given (nothing learned over it).
 - `learn(computed_last_step)`: teach the observed load rate how long the loads that landed took.
-- `prefetch(waiting, backlog)`: start the lower-tier loads of the first waiting sequences, so
-  that the reads overlap other work before their turn.
+- `prefetch(in_turn, backlog, to_compute)`: start the lower-tier loads of the first waiting
+  sequences in the order they are to run, so that the reads overlap other work before their turn.
 - `plan(seq, gpu_queue_tokens)`: plan one sequence's lower-tier loads (once per stay in the
   waiting queue; the KV manager keeps the plan).
 - `give_up_late(seq, gpu_queue_tokens) -> bool`: a sequence found waiting for its reads
@@ -19,14 +19,13 @@ Operations:
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterable
 
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.prefix import PrefixMatch
 from tieredkv.policy import ObservedLoads, TierPolicy
-from tieredkv.sequence import Sequence
+from tieredkv.sequence import Sequence, SequenceStatus
 
 PREFETCH_DEPTH = 8  # waiting sequences whose lower-tier prefix loads start ahead of their turn
 
@@ -63,14 +62,21 @@ class LoadPlanner:
             if self.observed_loads is not None and load.request_id not in computed_last_step:
                 self.observed_loads.add(load.num_blocks * self.policy.block_bytes, load.seconds)
 
-    def prefetch(self, waiting: Iterable[Sequence], backlog: int, to_compute: Callable[[Sequence], int]) -> None:
-        """Plan the loads of the first `PREFETCH_DEPTH` waiting sequences, each behind the
-        prefill of those before it (`backlog`: the running sequences' prefill tokens left;
-        `to_compute(seq)`: a waiting sequence's tokens less its resident prefix, which it will
-        not compute, asked only when a plan is made behind it)."""
+    def prefetch(self, in_turn: Iterable[Sequence], backlog: int, to_compute: Callable[[Sequence], int]) -> None:
+        """Plan the loads of the first `PREFETCH_DEPTH` waiting sequences of `in_turn` (the
+        sequences in the order they are to run: the waiting queue, or the policy's ranking),
+        each behind the prefill of `backlog` tokens and of the sequences before it (`to_compute(seq)`:
+        its tokens left less its resident prefix, which it will not compute, asked only when a
+        plan is made behind it). Planned against the queue a sequence will really be behind,
+        a load is not planned where computing would have been faster once its turn came."""
         ahead: list[Sequence] = []
-        for seq in itertools.islice(waiting, PREFETCH_DEPTH):
-            self._plan(seq, lambda ahead=tuple(ahead): backlog + sum(map(to_compute, ahead)))
+        planned = 0
+        for seq in in_turn:
+            if planned == PREFETCH_DEPTH:
+                return
+            if seq.status is SequenceStatus.WAITING:
+                self._plan(seq, lambda ahead=tuple(ahead): backlog + sum(map(to_compute, ahead)))
+                planned += 1
             ahead.append(seq)
 
     def plan(self, seq: Sequence, gpu_queue_tokens: int) -> None:

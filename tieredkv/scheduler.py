@@ -13,8 +13,9 @@ sequences share what is left of the budget in the policy's order (`_schedule_pre
 ranks them (waits, tokens left) is `PrefillRanking`'s (`tieredkv.prefill_ranking`). A swapped-out
 sequence comes back in its turn, so one preempted for ranking last does not hold every shorter
 prompt behind the blocks it needs.
-Before all that, the first waiting sequences start reading the later part of their prefix blocks
-found in the lower tier (disk, remote; as much as the policy says), so the reads overlap other
+The first waiting sequences in the order they are to run (the queue's for `fcfs`, else the
+ranking's) start reading the later part of their prefix blocks found in the lower tier (disk,
+remote; as much as the policy says, behind the prefill ahead of them), so the reads overlap other
 work and the computation of the earlier part: what to load and what to compute is
 `LoadPlanner`'s choice (`tieredkv.load_planning`). The load state is the lower tier's: how far a
 sequence may compute is the KV manager's answer (`computable`, after `land_loads` has jumped a
@@ -111,9 +112,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.loads.learn(self._last_scheduled)
-        if self.waiting:
-            self.loads.prefetch(self.waiting, self._prefill_backlog(), self.ranking.to_compute)
         ranked = self.config.scheduling_policy != "fcfs"
+        if self.waiting and not ranked:  # (ranked: in the ranking's order, `_schedule_prefills`)
+            self.loads.prefetch(self.waiting, self._prefill_backlog(), self.ranking.to_compute)
         prefilling: list[Sequence] | None = [] if ranked else None  # decodes first, prefills later
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
         blocked = False
@@ -329,9 +330,13 @@ class Scheduler:
         backlog = self._prefill_backlog() if admit else 0
         waiting = self._prefill_candidates(backlog) if admit else []
         seqs = prefilling + waiting
-        if not seqs or budget <= 0:
+        if not seqs:
             return False
-        shares = self.ranking.share(seqs, budget, ride_cost=self.policy.cost if out.scheduled else None)
+        shares = self.ranking.share(seqs, max(budget, 0), ride_cost=self.policy.cost if out.scheduled else None)
+        if admit:  # loads planned behind the prefills ranked ahead of them, which run first
+            self.loads.prefetch((seqs[i] for i in shares.order), 0, self.ranking.to_compute)
+        if budget <= 0:
+            return False
         slots = self._slots_taken()  # an upper bound once a preemption frees some
         blocked = False
         for i, tokens in shares:
