@@ -110,6 +110,7 @@ class LowerTier:
         self._reads_left: dict[str, int] = {}  # request -> its reads in flight
         self._orphans: set[int] = set()  # reads whose request let go of them before they finished
         self._given_up: set[int] = set()  # reads their request no longer waits for
+        self._ends: dict[str, int] | None = None  # `_queue_ends`, until the queue changes
         self._stalled: set[int] = set()  # reads given up as stalled: while any is out, the tier holds none
         # requests found with nothing to compute before their loads land: not matched again
         # (O(prompt) each step, which starved the I/O threads of the GIL) until they have
@@ -192,7 +193,7 @@ class LowerTier:
             stop = next(i for i, (block, _) in enumerate(taken) if block is missed)
             self.cpu_pool.release(block for block, _ in taken[stop:])
             del taken[stop:], reads[len(jobs):]
-        submitted = time.monotonic()
+        submitted, self._ends = time.monotonic(), None
         for job, (ref, block) in zip(jobs, reads, strict=True):
             self._reads[job] = _Read(request_id, block, ref, submitted)
         self._loads.setdefault(request_id, []).extend(block for block, _ in taken)
@@ -291,6 +292,7 @@ class LowerTier:
 
     def _finish_read(self, job: int, ok: bool) -> None:
         request_id, block, ref, _ = self._reads.pop(job)
+        self._ends = None
         if job in self._stalled:
             self._stalled.discard(job)
             if not self._stalled:
@@ -338,6 +340,7 @@ class LowerTier:
     def _stop_waiting(self, job: int, read: _Read) -> None:
         """The read's request no longer waits for it: its block is let go when the read reports."""
         self._given_up.add(job)
+        self._ends = None
         held = self._loads.get(read.request_id)
         if held is not None and read.block in held:
             held.remove(read.block)
@@ -352,12 +355,18 @@ class LowerTier:
         planned = self._load_from.get(request_id)
         if not left or planned is None or request_id not in self._waiting:
             return None
-        queued = 0
-        for i, (job, read) in enumerate(self._reads.items(), 1):
-            if read.request_id == request_id and job not in self._given_up:
-                queued = i
         load_from, num_blocks = planned
-        return LateReads(load_from, num_blocks - left, left, queued)
+        return LateReads(load_from, num_blocks - left, left, self._queue_ends()[request_id])
+
+    def _queue_ends(self) -> dict[str, int]:
+        """Each request's reads in flight up to its last one waited for (in submission order),
+        found in one pass over the queue after it changed (each waiting request asks, each step)."""
+        if self._ends is None:
+            self._ends = {}
+            for i, (job, read) in enumerate(self._reads.items(), 1):
+                if job not in self._given_up:
+                    self._ends[read.request_id] = i
+        return self._ends
 
     def give_up(self, request_id: str) -> None:
         """The request stops waiting for its reads in flight (it computes those tokens; they
