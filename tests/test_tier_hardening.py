@@ -237,3 +237,37 @@ def test_a_disk_that_hangs_costs_recomputes_and_the_engine_still_closes(tmp_path
         assert time.monotonic() - start < 5.0
     finally:
         gated.release()  # the I/O left behind finishes: the store's threads end
+
+
+def test_reads_reached_before_they_land_are_computed_exactly(tmp_path, reference_outputs, monkeypatch):
+    """In arrival order a short prompt's two blocks are planned to load behind a long prompt's
+    reads and prefill; chunked prefill runs it beside that prefill, so it reaches them with the
+    disk answering nothing: computing them beats the reads queued ahead, and it does (the long
+    prompt waits for its own reads, given up as stalled). Both exact."""
+    from tests.test_nvme_store import GatedBackend
+    from tieredkv.cache import lower_tier
+    from tieredkv.tiers.nvme import store
+
+    backends: list[GatedBackend] = []  # one for each engine's store
+    monkeypatch.setattr(store, "make_backend", lambda *args: backends.append(GatedBackend()) or backends[-1])
+    monkeypatch.setattr(lower_tier, "STALLED_READ_S", 0.5)
+    prompts = [list(range(3, 73)), list(range(100, 109))]  # 17 full blocks, then 2
+    expected = reference_outputs("tiny-llama", prompts, NEW_TOKENS)
+    with tiny_llm(tmp_path, 64, num_gpu_blocks=24) as first:
+        assert tokens(first, prompts) == expected
+        for filler in [list(range(200 + 70 * i, 270 + 70 * i)) for i in range(3)]:
+            tokens(first, [filler])  # both prompts' blocks go down to the CPU tier, written down at close
+    costs = {"d2h_bytes_per_s": 1e15, "h2d_bytes_per_s": 1e15, "prefill_s_per_token": 1e-3,
+             "disk_read_bytes_per_s": BLOCK_BYTES / 2e-3}  # a block read in 2 ms, computed in 4
+    llm = tiny_llm(tmp_path, 64, num_gpu_blocks=48, max_num_batched_tokens=16,
+                   scheduler={"cost_model": costs, "scheduling_policy": "fcfs"})
+    gated = backends[-1]
+    try:
+        gated.gate.clear()  # from now on the disk answers nothing
+        assert tokens(llm, prompts) == expected
+        stats = llm.stats()
+        assert stats["nvme_prefix_blocks"]["load"] > 2  # the long prompt planned loads too
+        assert stats["nvme_late_loads"] == 2 and stats["nvme_stalled_loads"] > 0
+    finally:
+        gated.release()
+        llm.close()
