@@ -294,11 +294,13 @@ def long_and_short_on_a_held_disk(path: str):
     return disk, sim, long_seq, short_seq
 
 
-@pytest.mark.parametrize("cost, given_up", [
-    (BALANCED, 1),  # its first block computed, the second planned to load: it reaches it running
-    (CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 2e-3), 2),  # both: waiting
+@pytest.mark.parametrize("cost, given_up, where", [
+    (BALANCED, 1, "running"),  # its first block computed, the second planned to load: it reaches it running
+    (CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 2e-3), 2, "waiting"),
 ])
-def test_a_prompt_that_reaches_its_loads_early_computes_rather_than_wait_behind_others_reads(tmp_path, cost, given_up):
+def test_a_prompt_that_reaches_its_loads_early_computes_rather_than_wait_behind_others_reads(
+    tmp_path, cost, given_up, where,
+):
     """A short prompt's blocks were planned to load behind a long prompt's reads and prefill
     (so loading looked faster), but chunked prefill runs it beside that prefill: waiting would
     cost the whole read queue, computing its blocks 4 ms each. It computes and finishes while
@@ -316,6 +318,7 @@ def test_a_prompt_that_reaches_its_loads_early_computes_rather_than_wait_behind_
         assert short_seq.is_finished and not long_seq.is_finished  # every read still held
         assert sched.loads.lower_prefix_blocks["load"] > given_up  # the long prompt loads too
         assert sim.kv.stats()["nvme_late_loads"] == given_up  # the short prompt's: the long one waits for its own
+        assert sched.loads.stats()["nvme_late_requests"] == {"waiting": 0, "running": 0, where: 1}
     finally:
         disk.release.set()
     run_until_done(sched, sim)  # check_kv in every step: both exact

@@ -14,7 +14,8 @@ Operations:
   computes those tokens instead when that is faster than waiting for the reads still queued.
 - `worth_copying(prefix) -> PrefixMatch`: the prefix less the CPU hits not worth copying in;
   `admitted(found, used)` counts the CPU hits recomputed when a sequence is admitted with it.
-- `stats()`: the blocks planned by choice, the CPU hits recomputed, the learned read rate.
+- `stats()`: the blocks planned by choice, the late reads given up, the CPU hits recomputed,
+  the learned read rate.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class LoadPlanner:
         # `compute_for_queues`: computed only because of the lower tier's and the GPU's queues
         self.lower_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0, "compute_for_queues": 0}
         self.cpu_hits_recomputed = 0  # CPU prefix blocks recomputed: copying them in was slower
+        # sequences that gave up their late reads, by where they waited: in the waiting queue, or running
+        self.late_requests: dict[str, int] = {"waiting": 0, "running": 0}
 
     def pin(self, policy: TierPolicy) -> None:
         """Plan by `policy` from now on, its cost model as given: the learned rate is dropped."""
@@ -110,6 +113,7 @@ class LoadPlanner:
         first_token = late.load_from + late.num_landed * self.policy.block_size
         if self.policy.wait_for_reads(late.num_blocks, first_token, late.queued, gpu_queue_tokens, self.observed_loads):
             return False
+        self.late_requests["waiting" if seq.status is SequenceStatus.WAITING else "running"] += 1
         self.kv.give_up_reads(seq)
         return True
 
@@ -129,10 +133,12 @@ class LoadPlanner:
         self.cpu_hits_recomputed += len(found.cpu_blocks) - len(used.cpu_blocks)
 
     def stats(self) -> dict[str, object]:
-        """`nvme_prefix_blocks` (by choice), `cpu_hits_recomputed`, and the lower tier's
-        learned read rate (`disk_read_bytes_per_s`) when it is followed."""
+        """`nvme_prefix_blocks` (by choice), `nvme_late_requests` (the sequences that computed
+        their late reads' blocks, by where they waited), `cpu_hits_recomputed`, and the lower
+        tier's learned read rate (`disk_read_bytes_per_s`) when it is followed."""
         stats: dict[str, object] = {
             "nvme_prefix_blocks": dict(self.lower_prefix_blocks),
+            "nvme_late_requests": dict(self.late_requests),
             "cpu_hits_recomputed": self.cpu_hits_recomputed,
         }
         if self.observed_loads is not None:

@@ -222,6 +222,7 @@ def _ms(values: dict[str, float | None]) -> str:
 def format_summary(s: Summary) -> str:
     preempt = s.stats.get("preemptions", {})
     nvme_choice = s.stats.get("nvme_prefix_blocks", {})
+    late = s.stats.get("nvme_late_requests", {})
     hit = "n/a" if s.prefix_hit_rate is None else f"{s.prefix_hit_rate:.1%} ({s.cached_tokens} tokens)"
     rows = [
         ("requests", f"{s.requests} ({s.errors} errors), {s.requests_per_s:.2f} req/s"
@@ -254,6 +255,8 @@ def format_summary(s: Summary) -> str:
                             f"{s.stats.get('nvme_write_backlog', 0)} queued at the end)"),
         ("NVMe prefix blocks: load / compute", f"{nvme_choice.get('load', 0)} / {nvme_choice.get('compute', 0)} "
                                                f"({nvme_choice.get('compute_for_queues', 0)} for the queues)"),
+        ("  loads found late, computed", f"{s.stats.get('nvme_late_loads', 0)} blocks (by {late.get('waiting', 0)} "
+                                         f"waiting, {late.get('running', 0)} running requests)"),
         ("steps waiting on NVMe loads", str(s.stats.get("nvme_load_waits", 0))),
         _loop_row(s.stats),
         ("disk read observed", f"{s.stats['disk_read_bytes_per_s'] / 1e9:.2f} GB/s"
