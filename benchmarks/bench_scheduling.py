@@ -6,7 +6,8 @@ ITL p50/p99, TPOT p90 and throughput, with ratios to the first variant.
 Two clocks:
 - `--sim` (CPU, no model): the real `Scheduler` and `KVCacheManager` (the config's GPU blocks
   and CPU tier, in blocks of `llama-3-8b`'s size, 2 MiB at 16 tokens, each holding a few bytes;
-  no tiers below the CPU), each step taking the time `StepCost` gives it, a cost model pinned from H200
+  a store below the CPU tier where the config has `nvme_path`: `SimDisk`, LRU, one block at a
+  time at `SIM_DISK_BYTES_PER_S`), each step taking the time `StepCost` gives it, a cost model pinned from H200
   measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`). It shows what the policy does
   to the order of the work, and the scheduler's own host time (wall clock, not on the simulated
   one); the engine run says whether the cost model holds.
@@ -29,11 +30,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +55,7 @@ from tieredkv.policy import CostModel, TierPolicy, needs_cost_model
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
+from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.transfer.engine import make_transfer_engine
 
@@ -94,6 +98,74 @@ H200_LLAMA_8B_COSTS = CostModel(d2h_bytes_per_s=53.3e9, h2d_bytes_per_s=53.8e9,
                                 prefill_s_per_token=H200_LLAMA_8B.token_s,
                                 prefill_s_per_token_sq=H200_LLAMA_8B.pair_s)
 LLAMA_8B_TOKEN_BYTES = 128 << 10  # 32 layers x K and V x 8 heads x 128 x bf16
+SIM_DISK_BYTES_PER_S = 1.5e9  # the GPU machine's disk: 1.45 GB/s measured (LIMITS.md), 1.5-2.4 GB/s seen by loads
+
+
+class SimDisk(BlockStore):
+    """A store below the CPU tier on the simulated clock (`clock()`, seconds): it holds
+    `capacity` blocks (least recently written or read first out) and moves one block at a time
+    at `bytes_per_s`, in the order reads and writes were submitted. No data moves (the
+    simulated KV is never read)."""
+
+    def __init__(self, capacity: int, block_bytes: int, bytes_per_s: float, clock: Callable[[], float]) -> None:
+        self.capacity, self.block_s, self.clock = capacity, block_bytes / bytes_per_s, clock
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.finishes: dict[int, float] = {}  # job -> when it finishes, in submission order
+        self.free_at = 0.0  # when the disk has done all it was given
+        self.jobs = itertools.count()
+        self.reads = self.writes = 0
+
+    def next_finish(self) -> float | None:
+        """When the next job in flight finishes (None: none is)."""
+        return min(self.finishes.values(), default=None)
+
+    def _start(self, block_hash: int) -> int:
+        self.blocks.move_to_end(block_hash)
+        self.free_at = max(self.free_at, self.clock()) + self.block_s
+        job = next(self.jobs)
+        self.finishes[job] = self.free_at
+        return job
+
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self.blocks
+
+    def contains_run(self, block_hashes: Sequence[int]) -> int:
+        return next((i for i, h in enumerate(block_hashes) if h not in self.blocks), len(block_hashes))
+
+    def record(self, block_hashes: Sequence[int], num_hits_above: int) -> None:
+        pass
+
+    def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
+        self.blocks[ref.block_hash] = None
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        self.writes += 1
+        return self._start(ref.block_hash)
+
+    def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
+        if ref.block_hash not in self.blocks:
+            return None
+        self.reads += 1
+        return self._start(ref.block_hash)
+
+    def poll(self) -> list[tuple[int, bool]]:
+        now = self.clock()
+        done = [job for job, at in self.finishes.items() if at <= now]
+        for job in done:
+            del self.finishes[job]
+        return [(job, True) for job in done]
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]:
+        return {job: True for job in job_ids if self.finishes.pop(job, None) is not None}
+
+    def stats(self) -> dict[str, int | str | bool]:
+        faults = dict.fromkeys(("corrupt", "io_errors", "enospc", "short_reads", "short_writes", "files_lost",
+                                "internal_errors", "restored", "scan_discarded", "reformatted"), 0)
+        return {"reads": self.reads, "writes": self.writes, "hits": self.reads, "slots_used": len(self.blocks),
+                "slots_total": self.capacity, "bytes_read": 0, "bytes_written": 0, "backend": "sim", **faults}
+
+    def close(self) -> None:
+        pass
 
 
 def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple[list, float, dict[str, float]]:
@@ -104,50 +176,66 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple
     if config.cache.num_gpu_blocks is None:
         raise SystemExit("--sim needs cache.num_gpu_blocks in the config (the GPU tier the engine would have)")
     cache, cost_model = config.cache, config.scheduler.cost_model
-    offload = sim_cpu_tier(cache)
+    now = 0.0
+    offload = sim_cpu_tier(cache, lambda: now)
+    disk = offload.lower.store if offload is not None and offload.lower is not None else None
     kv = KVCacheManager(cache.num_gpu_blocks, cache.block_size, root_hash=1, offload=offload)
     preemption = config.scheduler.preemption if offload is not None else "recompute"
     if cost_model is None and needs_cost_model(config.scheduler.scheduling_policy, preemption, offload is not None,
-                                               lower_tier=False):  # as the engine would measure one
+                                               lower_tier=disk is not None):  # as the engine would measure one
         cost_model = H200_LLAMA_8B_COSTS
+        if disk is not None:
+            cost_model = dataclasses.replace(cost_model, disk_read_bytes_per_s=SIM_DISK_BYTES_PER_S)
     policy = TierPolicy(preemption, LLAMA_8B_TOKEN_BYTES * cache.block_size, cache.block_size, cost_model)
     sched = Scheduler(config.scheduler, kv, policy)
-    records, now, i, host_s, idle = {}, 0.0, 0, 0.0, 0
+    sched.policy = policy  # pinned: the load rate it would learn is timed on the wall clock
+    records, i, host_s, idle = {}, 0, 0.0, 0
     while i < len(requests) or sched.has_unfinished():
         while i < len(requests) and requests[i][0] <= now:
             arrival, tag, prompt, returning, max_tokens = requests[i]
             sched.add(Seq(tag, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
             records[tag] = RequestRecord(tag, arrival, returning, prompt_tokens=len(prompt))
             i += 1
-        if not sched.has_unfinished():
-            now = requests[i][0]
+        if not sched.has_unfinished():  # idle: the disk works on (the engine tends its tiers) until the next arrival
+            wake = disk.next_finish() if disk is not None else None
+            now = wake if wake is not None and wake < requests[i][0] else requests[i][0]
+            kv.retire()
             continue
         start = time.perf_counter()
         kv.retire()
         out = sched.schedule()
         host_s += time.perf_counter() - start
-        if not out.scheduled:  # its KV is landing from the CPU tier: the copies finish by the next step
-            idle += 1
+        if not out.scheduled:  # its KV is landing from the CPU tier (by the next step), or from the disk
+            wake = disk.next_finish() if disk is not None else None
+            idle = idle + 1 if wake is None else 0
             assert idle < 100, "the scheduler made no progress"
-            now += cost.step_s
+            now = max(now + cost.step_s, wake or 0.0)
             continue
         idle = 0
         now += cost.seconds([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
         kv.before_forward()
         _book(sched, out, records, now)
     stats = {"loop_schedule_s": host_s, **{f"{kind}_preemptions": n for kind, n in sched.num_preemptions.items()}}
+    if disk is not None:
+        stats |= {"disk_reads": disk.reads, "late_loads": kv.stats()["nvme_late_loads"],
+                  "loaded_blocks": kv.stats()["nvme_loaded_blocks"]}
     return list(records.values()), now, stats
 
 
-def sim_cpu_tier(cache: CacheConfig) -> CPUOffload | None:
+def sim_cpu_tier(cache: CacheConfig, clock: Callable[[], float]) -> CPUOffload | None:
     """The config's CPU tier, `cpu_cache_bytes` in blocks of llama-3-8b's size, over a GPU tier
-    on the CPU; each token of a block holds 16 bytes (the scheduler counts blocks, not bytes)."""
-    num_blocks = cache.cpu_cache_bytes // (LLAMA_8B_TOKEN_BYTES * cache.block_size)
+    on the CPU; each token of a block holds 16 bytes (the scheduler counts blocks, not bytes).
+    With `nvme_path`, a `SimDisk` of `nvme_bytes` below it, on the simulated `clock`."""
+    block_bytes = LLAMA_8B_TOKEN_BYTES * cache.block_size
+    num_blocks = cache.cpu_cache_bytes // block_bytes
     if num_blocks == 0:
         return None
     gpu = torch.zeros((1, 2, cache.num_gpu_blocks, cache.block_size, 1, 4), dtype=torch.bfloat16)
     tier = CPUTier(num_blocks, tuple(gpu[:, :, 0].shape), gpu.dtype, pin=False)
-    return CPUOffload(tier, make_transfer_engine(gpu, tier.data), policy=cache.cpu_policy)
+    disk = None
+    if cache.nvme_path is not None:
+        disk = SimDisk(cache.nvme_bytes // block_bytes, block_bytes, SIM_DISK_BYTES_PER_S, clock)
+    return CPUOffload(tier, make_transfer_engine(gpu, tier.data), disk, policy=cache.cpu_policy)
 
 
 def _book(sched: Scheduler, out: SchedulerOutput, records: dict[str, RequestRecord], now: float) -> None:
@@ -332,7 +420,9 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
         print(row(summaries[-1][0], summaries[0][0] if len(summaries) > 1 else None, summaries[-1][1]), flush=True)
         if sim:
             print(f"{'':<28} the scheduler's host time: {stats['loop_schedule_s']:.2f} s; preemptions: "
-                  f"{stats['swap_preemptions']} swapped, {stats['recompute_preemptions']} recomputed", flush=True)
+                  f"{stats['swap_preemptions']} swapped, {stats['recompute_preemptions']} recomputed"
+                  + (f"; the disk: {stats['disk_reads']} reads, {stats['loaded_blocks']} blocks loaded, "
+                     f"{stats['late_loads']} given up late" if "disk_reads" in stats else ""), flush=True)
         runs.append(records)
     if bound:
         print_bound(runs, H200_LLAMA_8B)

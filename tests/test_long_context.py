@@ -132,3 +132,22 @@ def test_the_simulated_benchmark_swaps_to_the_configs_cpu_tier(bench):
     records, _, stats = bench.simulate(engine, requests, bench.H200_LLAMA_8B)
     assert all(r.finished and len(r.token_times) == 800 for r in records)
     assert stats["swap_preemptions"] == 1 and stats["recompute_preemptions"] == 0 and stats["loop_schedule_s"] > 0
+
+
+def test_the_simulated_benchmark_reads_back_from_a_simulated_disk(bench, monkeypatch):
+    """--sim with a store below the CPU tier (`SimDisk`, here as fast as an NVMe array, so that
+    loads pay at any depth): a 2k-token prompt pushed out of the GPU and the 1 GiB LRU CPU tier
+    by eight others is read back from the disk when it comes again, on the simulated clock."""
+    monkeypatch.setattr(bench, "SIM_DISK_BYTES_PER_S", 28e9)
+    engine = {"model": "llama-3-8b", "cache": {"block_size": 16, "num_gpu_blocks": 256, "cpu_cache_bytes": "1GiB",
+                                               "nvme_path": "unused", "nvme_bytes": "8GiB", "cpu_policy": "lru"},
+              "scheduler": {"max_num_batched_tokens": 8192}}
+    prompt = list(range(1, 2001))
+    requests = [(0.0, "first", prompt, False, 4)]
+    requests += [(1.0 + i, f"other{i}", [10_000 * (i + 1) + j for j in range(2000)], False, 4) for i in range(8)]
+    requests += [(20.0, "again", [*prompt, 7], False, 4)]
+    records, _, stats = bench.simulate(engine, requests, bench.H200_LLAMA_8B)
+    assert all(r.finished for r in records)
+    assert stats["disk_reads"] > 10 and stats["loaded_blocks"] == stats["disk_reads"]
+    again = next(r for r in records if r.tag == "again")
+    assert again.cached_tokens >= 16 * stats["loaded_blocks"] >= 1500  # read back before its turn: its prefix
