@@ -22,6 +22,8 @@ Two clocks:
     python benchmarks/bench_scheduling.py --sim --bound               # and the least p99 any order could give
     python benchmarks/bench_scheduling.py configs/mooncake_conversation_8b.yaml --sim --rates 0.635 \
         --variants recompute-only,gpu+cpu16,gpu+cpu64   # a replay config, its CPU tiers (BENCHMARKS.md)
+    python benchmarks/bench_scheduling.py configs/mooncake_synthetic_8b.yaml --sim --speed 8 \
+        --variants gpu+cpu16,gpu+cpu16+nvme             # the store beside its CPU tier (SimDisk)
     python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
 """
 
@@ -296,7 +298,7 @@ FIRST_ID = 4
 
 def workload_of(doc: dict, trace: str | None, **keys: float | None) -> LongContextWorkload | ReplayWorkload:
     """The config's workload, or with `trace` a replay of that Mooncake trace with full-length
-    prompts and real output lengths; `keys` (rate, requests, seed; fraction, start_s,
+    prompts and real output lengths; `keys` (rate, requests, seed, a replay's speed; fraction, start_s,
     duration_s of a trace) replace the workload's where given."""
     given = {k: v for k, v in keys.items() if v is not None}
     if trace is not None:
@@ -465,6 +467,8 @@ def main() -> None:
     parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG))
     parser.add_argument("--sim", action="store_true", help="simulated clock on the CPU (no model)")
     parser.add_argument("--rates", help="arrival rates to run, e.g. 0.6,0.8 (default: the config's)")
+    parser.add_argument("--speed", type=float, help="a replay's speed (its arrival gaps divided by it; "
+                                                    "default: the config's)")
     parser.add_argument("--requests", type=int, help="number of requests (default: the config's)")
     parser.add_argument("--seeds", help="workload seeds, e.g. 0,1,2 (default: the config's)")
     parser.add_argument("--variants", help="comma-separated variant names to run (default: all)")
@@ -497,7 +501,7 @@ def main() -> None:
     results = []
     for rate in [float(r) for r in args.rates.split(",")] if args.rates else [None]:
         points = [run_point(doc, engines, args.sim, args.trace, args.bound, rate=rate, requests=args.requests,
-                            seed=seed, **window)
+                            seed=seed, speed=args.speed, **window)
                   for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])]
         if len(points) > 1:
             print_means(rate, [[s for s, _ in p] for p in points])
