@@ -7,10 +7,10 @@ Two clocks:
 - `--sim` (CPU, no model): the real `Scheduler` and `KVCacheManager` (the config's GPU blocks
   and CPU tier, in blocks of `llama-3-8b`'s size, 2 MiB at 16 tokens, each holding a few bytes;
   a store below the CPU tier where the config has `nvme_path`: `SimDisk`, LRU, one block at a
-  time at `SIM_DISK_BYTES_PER_S`), each step taking the time `StepCost` gives it, a cost model pinned from H200
-  measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`). It shows what the policy does
-  to the order of the work, and the scheduler's own host time (wall clock, not on the simulated
-  one); the engine run says whether the cost model holds.
+  time at `SIM_DISK_BYTES_PER_S`, reads first), each step taking the time `StepCost` gives it,
+  a cost model pinned from H200 measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`).
+  It shows what the policy does to the order of the work, and the scheduler's own host time
+  (wall clock, not on the simulated one); the engine run says whether the cost model holds.
 - without `--sim` (CUDA): `LLMEngine` with the config's model, wall clock, after a warm-up.
 
     python benchmarks/bench_scheduling.py --sim                       # CPU, ~1 min
@@ -37,7 +37,7 @@ import json
 import statistics
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,26 +106,42 @@ SIM_DISK_BYTES_PER_S = 1.5e9  # the GPU machine's disk: 1.45 GB/s measured (LIMI
 class SimDisk(BlockStore):
     """A store below the CPU tier on the simulated clock (`clock()`, seconds): it holds
     `capacity` blocks (least recently written or read first out) and moves one block at a time
-    at `bytes_per_s`, in the order reads and writes were submitted. No data moves (the
-    simulated KV is never read)."""
+    at `bytes_per_s`, a queued read before any queued write (as the NVMe store submits them). No
+    data moves (the simulated KV is never read)."""
 
     def __init__(self, capacity: int, block_bytes: int, bytes_per_s: float, clock: Callable[[], float]) -> None:
         self.capacity, self.block_s, self.clock = capacity, block_bytes / bytes_per_s, clock
         self.blocks: OrderedDict[int, None] = OrderedDict()
-        self.finishes: dict[int, float] = {}  # job -> when it finishes, in submission order
-        self.free_at = 0.0  # when the disk has done all it was given
+        self.queued: dict[str, deque[int]] = {"read": deque(), "write": deque()}
+        self.current: tuple[int, float] | None = None  # the job on the disk, and when it finishes
+        self.done: list[int] = []
         self.jobs = itertools.count()
         self.reads = self.writes = 0
 
     def next_finish(self) -> float | None:
-        """When the next job in flight finishes (None: none is)."""
-        return min(self.finishes.values(), default=None)
+        """When the job on the disk finishes (None: the disk is idle)."""
+        self._advance()
+        return self.current[1] if self.current is not None else None
 
-    def _start(self, block_hash: int) -> int:
+    def _advance(self) -> None:
+        """Finish the jobs done by now, each next one started when the last finished."""
+        now = self.clock()
+        while self.current is not None and self.current[1] <= now:
+            job, at = self.current
+            self.done.append(job)
+            self._start_next(at)
+
+    def _start_next(self, at: float) -> None:
+        queue = self.queued["read"] or self.queued["write"]
+        self.current = (queue.popleft(), at + self.block_s) if queue else None
+
+    def _submit(self, op: str, block_hash: int) -> int:
+        self._advance()
         self.blocks.move_to_end(block_hash)
-        self.free_at = max(self.free_at, self.clock()) + self.block_s
         job = next(self.jobs)
-        self.finishes[job] = self.free_at
+        self.queued[op].append(job)
+        if self.current is None:
+            self._start_next(self.clock())
         return job
 
     def contains(self, block_hash: int) -> bool:
@@ -142,23 +158,21 @@ class SimDisk(BlockStore):
         while len(self.blocks) > self.capacity:
             self.blocks.popitem(last=False)
         self.writes += 1
-        return self._start(ref.block_hash)
+        return self._submit("write", ref.block_hash)
 
     def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
         if ref.block_hash not in self.blocks:
             return None
         self.reads += 1
-        return self._start(ref.block_hash)
+        return self._submit("read", ref.block_hash)
 
     def poll(self) -> list[tuple[int, bool]]:
-        now = self.clock()
-        done = [job for job, at in self.finishes.items() if at <= now]
-        for job in done:
-            del self.finishes[job]
+        self._advance()
+        done, self.done = self.done, []
         return [(job, True) for job in done]
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, bool]:
-        return {job: True for job in job_ids if self.finishes.pop(job, None) is not None}
+        return dict.fromkeys(job_ids, True)  # (only at close: the clock stops there)
 
     def stats(self) -> dict[str, int | str | bool]:
         faults = dict.fromkeys(("corrupt", "io_errors", "enospc", "short_reads", "short_writes", "files_lost",
