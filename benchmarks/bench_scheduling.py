@@ -233,8 +233,9 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple
         _book(sched, out, records, now)
     stats = {"loop_schedule_s": host_s, **{f"{kind}_preemptions": n for kind, n in sched.num_preemptions.items()}}
     if disk is not None:
-        stats |= {"disk_reads": disk.reads, "late_loads": kv.stats()["nvme_late_loads"],
-                  "loaded_blocks": kv.stats()["nvme_loaded_blocks"]}
+        tiers = kv.stats()
+        stats |= {"disk_reads": disk.reads, "late_loads": tiers["nvme_late_loads"],
+                  "loaded_blocks": tiers["nvme_loaded_blocks"]}
     return list(records.values()), now, stats
 
 
