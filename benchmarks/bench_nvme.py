@@ -12,6 +12,12 @@ are printed, with the range of the ratios (target: >= 90%). Bytes counted are bl
 slot headers (4 KiB a block) are overhead the store pays.
 
     python benchmarks/bench_nvme.py --dir /tmp --size 1GiB --block 2MiB --backend uring
+
+`--behind-writes` measures instead how long reads take with writes in flight, as the engine's
+spills leave them: 1 and 8 block reads alone, then submitted just after W = 1, 2, 4, 8 writes
+of new blocks (medians over `--rounds`), and when those writes were done:
+
+    python benchmarks/bench_nvme.py --dir /tmp --block 16MiB --behind-writes
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -96,6 +103,44 @@ def store_round(
     return size / (t1 - t0) / 1e9, size / (t2 - t1) / 1e9, backend
 
 
+def reads_behind_writes(args: argparse.Namespace) -> dict[str, float]:
+    """Milliseconds: reads of 1 and 8 stored blocks alone, and submitted just after W writes
+    of new blocks (`read{k}_after_{W}w`), with when those writes were done (`writes{W}_done`)."""
+    tokens, depths, sizes, stored = list(range(16)), (1, 2, 4, 8), (1, 8), 16
+    num_writes = args.rounds * len(sizes) * sum(depths)
+    geometry = SlotGeometry.for_block(1 << 50, args.block, 16)
+    capacity = SUPERBLOCK_BYTES + (stored + num_writes) * geometry.slot_bytes
+    src, dst = block_buffer(8, args.block, args.pin, args.unaligned), block_buffer(8, args.block, args.pin, False)
+    path = tempfile.mktemp(dir=args.dir, prefix="bench-store-")
+    figures: dict[str, list[float]] = {}
+    new_hash = iter(range(stored + 1, stored + num_writes + 1))
+
+    def ms_since(t: float) -> float:
+        return (time.perf_counter() - t) * 1e3
+
+    try:
+        with NVMeStore(path, capacity, args.block, b"bench", 16, args.backend, args.queue_depth) as store:
+            assert all(store.wait([store.submit_write(BlockRef(i + 1, i, tokens), src[i % 8])
+                                   for i in range(stored)]).values()), "a benchmark write failed"
+            for r in range(args.rounds):
+                for k in sizes:
+                    for w in (0, *depths):
+                        start = time.perf_counter()
+                        writes = [store.submit_write(BlockRef(h, 0, tokens), src[i % 8])
+                                  for i, h in zip(range(w), new_hash, strict=False)]
+                        reads_at = time.perf_counter()
+                        first = [(r + i) % stored for i in range(k)]
+                        reads = store.submit_reads([(BlockRef(j + 1, j, tokens), dst[i]) for i, j in enumerate(first)])
+                        assert len(reads) == k and all(store.wait(reads).values()), "a benchmark read failed"
+                        figures.setdefault(f"read{k}_after_{w}w", []).append(ms_since(reads_at))
+                        if w:
+                            assert None not in writes and all(store.wait(writes).values()), "a write failed"
+                            figures.setdefault(f"writes{w}_done", []).append(ms_since(start))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return {key: statistics.median(values) for key, values in figures.items()}
+
+
 def block_buffer(num_blocks: int, block_bytes: int, pin: bool, unaligned: bool) -> torch.Tensor:
     """[num_blocks, block_bytes] uint8 host blocks: page-aligned (pinned memory is, too) unless
     `unaligned`, which shifts them 64 bytes as torch.empty's memory often is (bounce path)."""
@@ -130,8 +175,18 @@ def main() -> None:
     parser.add_argument(
         "--unaligned", action="store_true", help="blocks off 4 KiB alignment (bounce buffers)"
     )
+    parser.add_argument("--behind-writes", action="store_true", help="read latency with writes in flight")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
+    if args.behind_writes:
+        med = reads_behind_writes(args)
+        print(f"{args.block >> 20} MiB blocks, {args.rounds} rounds, {args.dir}; ms, medians")
+        for key, value in med.items():
+            print(f"  {key:<16} {value:7.1f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "median": med}, f, indent=1)
+        return
 
     n = args.size // args.block
     src = block_buffer(n, args.block, args.pin, args.unaligned)

@@ -7,8 +7,9 @@ Two clocks:
 - `--sim` (CPU, no model): the real `Scheduler` and `KVCacheManager` (the config's GPU blocks
   and CPU tier, in blocks of `llama-3-8b`'s size, 2 MiB at 16 tokens, each holding a few bytes;
   a store below the CPU tier where the config has `nvme_path`: `SimDisk`, LRU, one block at a
-  time at `SIM_DISK_BYTES_PER_S`, reads first), each step taking the time `StepCost` gives it,
-  a cost model pinned from H200 measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`).
+  time each way at `SIM_DISK_BYTES_PER_S` or `--disk-gbps`, reads beside writes), each step
+  taking the time `StepCost` gives it (its fixed part scaled by `--perturb`), a cost model
+  pinned from H200 measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`).
   It shows what the policy does to the order of the work, and the scheduler's own host time
   (wall clock, not on the simulated one); the engine run says whether the cost model holds.
 - without `--sim` (CUDA): `LLMEngine` with the config's model, wall clock, after a warm-up.
@@ -106,42 +107,46 @@ SIM_DISK_BYTES_PER_S = 1.5e9  # the GPU machine's disk: 1.45 GB/s measured (LIMI
 class SimDisk(BlockStore):
     """A store below the CPU tier on the simulated clock (`clock()`, seconds): it holds
     `capacity` blocks (least recently written or read first out) and moves one block at a time
-    at `bytes_per_s`, a queued read before any queued write (as the NVMe store submits them). No
-    data moves (the simulated KV is never read)."""
+    each way at `bytes_per_s`, reads and writes side by side: on the GPU machine's disk a read
+    behind 1 to 8 writes of 16 MiB in flight took 13.2-13.5 ms against 12.0 alone, while those
+    writes went on at 1.2-1.7 GB/s (BENCHMARKS.md). No data moves (the simulated KV is never
+    read)."""
 
     def __init__(self, capacity: int, block_bytes: int, bytes_per_s: float, clock: Callable[[], float]) -> None:
         self.capacity, self.block_s, self.clock = capacity, block_bytes / bytes_per_s, clock
         self.blocks: OrderedDict[int, None] = OrderedDict()
         self.queued: dict[str, deque[int]] = {"read": deque(), "write": deque()}
-        self.current: tuple[int, float] | None = None  # the job on the disk, and when it finishes
+        # the job each way is moving, and when it finishes
+        self.current: dict[str, tuple[int, float] | None] = {"read": None, "write": None}
         self.done: list[int] = []
         self.jobs = itertools.count()
         self.reads = self.writes = 0
 
     def next_finish(self) -> float | None:
-        """When the job on the disk finishes (None: the disk is idle)."""
+        """When the next job on the disk finishes (None: the disk is idle)."""
         self._advance()
-        return self.current[1] if self.current is not None else None
+        return min((c[1] for c in self.current.values() if c is not None), default=None)
 
     def _advance(self) -> None:
-        """Finish the jobs done by now, each next one started when the last finished."""
+        """Finish the jobs done by now, each next one started when the last one its way finished."""
         now = self.clock()
-        while self.current is not None and self.current[1] <= now:
-            job, at = self.current
-            self.done.append(job)
-            self._start_next(at)
+        for op, current in self.current.items():
+            while current is not None and current[1] <= now:
+                self.done.append(current[0])
+                current = self._start_next(op, current[1])
 
-    def _start_next(self, at: float) -> None:
-        queue = self.queued["read"] or self.queued["write"]
-        self.current = (queue.popleft(), at + self.block_s) if queue else None
+    def _start_next(self, op: str, at: float) -> tuple[int, float] | None:
+        queue = self.queued[op]
+        self.current[op] = (queue.popleft(), at + self.block_s) if queue else None
+        return self.current[op]
 
     def _submit(self, op: str, block_hash: int) -> int:
         self._advance()
         self.blocks.move_to_end(block_hash)
         job = next(self.jobs)
         self.queued[op].append(job)
-        if self.current is None:
-            self._start_next(self.clock())
+        if self.current[op] is None:
+            self._start_next(op, self.clock())
         return job
 
     def contains(self, block_hash: int) -> bool:
@@ -184,8 +189,10 @@ class SimDisk(BlockStore):
         pass
 
 
-def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple[list, float, dict[str, float]]:
-    """Serve `requests` with the config's scheduler on a simulated clock; the clients' records,
+def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_bytes_per_s: float | None = None,
+             ) -> tuple[list, float, dict[str, float]]:
+    """Serve `requests` with the config's scheduler on a simulated clock, its store's disk (if
+    any) moving `disk_bytes_per_s` each way (default `SIM_DISK_BYTES_PER_S`); the clients' records,
     the seconds until the last token and the scheduler's figures: its host seconds (wall
     clock, `loop_schedule_s`) and its preemptions by kind."""
     config = EngineConfig.from_dict(engine_doc)
@@ -193,7 +200,8 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple
         raise SystemExit("--sim needs cache.num_gpu_blocks in the config (the GPU tier the engine would have)")
     cache, cost_model = config.cache, config.scheduler.cost_model
     now = 0.0
-    offload = sim_cpu_tier(cache, lambda: now)
+    disk_bytes_per_s = disk_bytes_per_s or SIM_DISK_BYTES_PER_S
+    offload = sim_cpu_tier(cache, lambda: now, disk_bytes_per_s)
     disk = offload.lower.store if offload is not None and offload.lower is not None else None
     kv = KVCacheManager(cache.num_gpu_blocks, cache.block_size, root_hash=1, offload=offload)
     preemption = config.scheduler.preemption if offload is not None else "recompute"
@@ -201,7 +209,7 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple
                                                lower_tier=disk is not None):  # as the engine would measure one
         cost_model = H200_LLAMA_8B_COSTS
         if disk is not None:
-            cost_model = dataclasses.replace(cost_model, disk_read_bytes_per_s=SIM_DISK_BYTES_PER_S)
+            cost_model = dataclasses.replace(cost_model, disk_read_bytes_per_s=disk_bytes_per_s)
     policy = TierPolicy(preemption, LLAMA_8B_TOKEN_BYTES * cache.block_size, cache.block_size, cost_model)
     sched = Scheduler(config.scheduler, kv, policy)
     sched.policy = policy  # pinned: the load rate it would learn is timed on the wall clock
@@ -239,7 +247,7 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost) -> tuple
     return list(records.values()), now, stats
 
 
-def sim_cpu_tier(cache: CacheConfig, clock: Callable[[], float]) -> CPUOffload | None:
+def sim_cpu_tier(cache: CacheConfig, clock: Callable[[], float], disk_bytes_per_s: float) -> CPUOffload | None:
     """The config's CPU tier, `cpu_cache_bytes` in blocks of llama-3-8b's size, over a GPU tier
     on the CPU; each token of a block holds 16 bytes (the scheduler counts blocks, not bytes).
     With `nvme_path`, a `SimDisk` of `nvme_bytes` below it, on the simulated `clock`."""
@@ -251,7 +259,7 @@ def sim_cpu_tier(cache: CacheConfig, clock: Callable[[], float]) -> CPUOffload |
     tier = CPUTier(num_blocks, tuple(gpu[:, :, 0].shape), gpu.dtype, pin=False)
     disk = None
     if cache.nvme_path is not None:
-        disk = SimDisk(cache.nvme_bytes // block_bytes, block_bytes, SIM_DISK_BYTES_PER_S, clock)
+        disk = SimDisk(cache.nvme_bytes // block_bytes, block_bytes, disk_bytes_per_s, clock)
     return CPUOffload(tier, make_transfer_engine(gpu, tier.data), disk, policy=cache.cpu_policy)
 
 
@@ -413,9 +421,11 @@ HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'I
 
 
 def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str | None, bound: bool = False,
+              sim_cost: StepCost = H200_LLAMA_8B, disk_bytes_per_s: float | None = None,
               **keys: float | None) -> list[tuple[Summary, RequestRecord]]:
     """Every variant on one workload (one rate, one seed); prints a table (and with `bound`,
-    `print_bound`), returns the summaries and each variant's slowest request."""
+    `print_bound`), returns the summaries and each variant's slowest request. With `sim`, steps
+    take `sim_cost`'s time and a store's disk moves `disk_bytes_per_s` each way."""
     workload = workload_of(doc, trace, **keys)
     requests = plan_of(workload)
     tokens = sum(len(r[2]) for r in requests)
@@ -429,7 +439,7 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
     for name, engine_doc in engines:
         stats = {}
         if sim:
-            records, elapsed, stats = simulate(engine_doc, requests, H200_LLAMA_8B)
+            records, elapsed, stats = simulate(engine_doc, requests, sim_cost, disk_bytes_per_s)
         else:
             records, elapsed = serve(engine_doc, requests)
         assert all(r.finished for r in records), f"{name}: a request did not finish"
@@ -442,7 +452,7 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
                      f"{stats['late_loads']} given up late" if "disk_reads" in stats else ""), flush=True)
         runs.append(records)
     if bound:
-        print_bound(runs, H200_LLAMA_8B)
+        print_bound(runs, sim_cost)
     return summaries
 
 
@@ -501,10 +511,21 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, help="with --trace: the replayed window's length (s)")
     parser.add_argument("--bound", action="store_true", help="with --sim: also the least TTFT p99 any prefill "
                                                              "order could give (benchmarks/tail_bound.py)")
+    parser.add_argument("--disk-gbps", type=float, help="with --sim: the simulated disk's GB/s each way "
+                                                           f"(default {SIM_DISK_BYTES_PER_S / 1e9:g})")
+    parser.add_argument("--perturb", type=float, default=1.0,
+                        help="with --sim: scale each step's fixed time by this factor (e.g. 1.002), to see how far "
+                             "a figure moves under a change too small to matter (BENCHMARKS.md)")
     parser.add_argument("--json", help="write every summary here")
     args = parser.parse_args()
-    if args.bound and not args.sim:
-        raise SystemExit("--bound takes the simulated cost model: add --sim")
+    if (args.bound or args.disk_gbps or args.perturb != 1.0) and not args.sim:
+        raise SystemExit("--bound, --disk-gbps and --perturb take the simulated clock: add --sim")
+    if args.disk_gbps is not None and not args.disk_gbps > 0:
+        raise SystemExit(f"--disk-gbps: expected a positive number, got {args.disk_gbps}")
+    if not args.perturb > 0:
+        raise SystemExit(f"--perturb: expected a positive factor, got {args.perturb}")
+    sim_cost = dataclasses.replace(H200_LLAMA_8B, step_s=H200_LLAMA_8B.step_s * args.perturb)
+    disk_bytes_per_s = args.disk_gbps * 1e9 if args.disk_gbps else None
     doc = read_yaml(args.config)
     workload = doc.get("workload") or {}
     if workload.get("kind") == "replay" and "path" in workload:  # relative to the config, as `tieredkv run` reads it
@@ -515,7 +536,8 @@ def main() -> None:
     window = {"fraction": args.fraction, "start_s": args.start_s, "duration_s": args.duration_s}
     results = []
     for rate in [float(r) for r in args.rates.split(",")] if args.rates else [None]:
-        points = [run_point(doc, engines, args.sim, args.trace, args.bound, rate=rate, requests=args.requests,
+        points = [run_point(doc, engines, args.sim, args.trace, args.bound, sim_cost, disk_bytes_per_s,
+                            rate=rate, requests=args.requests,
                             seed=seed, speed=args.speed, **window)
                   for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])]
         if len(points) > 1:
