@@ -107,9 +107,10 @@ SIM_DISK_BYTES_PER_S = 1.5e9  # the GPU machine's disk: 1.45 GB/s measured (LIMI
 class SimDisk(BlockStore):
     """A store below the CPU tier on the simulated clock (`clock()`, seconds): it holds
     `capacity` blocks (least recently written or read first out) and moves one block at a time
-    each way at `bytes_per_s`, reads and writes side by side: on the GPU machine's disk a read
-    behind 1 to 8 writes of 16 MiB in flight took 13.2-13.5 ms against 12.0 alone, while those
-    writes went on at 1.2-1.7 GB/s (BENCHMARKS.md). No data moves (the simulated KV is never
+    each way at `bytes_per_s`, reads and writes side by side: on the GPU machine's disk a 16 MiB
+    read behind 1 to 8 writes of 16 MiB in flight took 14.9-16.3 ms against 17.2 alone, and 8
+    reads behind 8 writes 90 ms against 83 while those writes were done in 99 ms
+    (`bench_nvme.py --behind-writes`, BENCHMARKS.md). No data moves (the simulated KV is never
     read)."""
 
     def __init__(self, capacity: int, block_bytes: int, bytes_per_s: float, clock: Callable[[], float]) -> None:
