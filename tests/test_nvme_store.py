@@ -450,9 +450,10 @@ def test_a_batch_longer_than_the_queue_depth_all_completes(open_store, backend_n
     jobs = store.submit_reads(refs_into(dst, hashes))
     assert len(jobs) == 12 and store.wait(jobs) == dict.fromkeys(jobs, True)
     assert same_bytes(dst, src) and store.stats()["hits"] == 12
-    # the first four in one submit; the rest as reads finish (one at a time, or a few together
-    # when several finish at once), never more than the queue depth in flight
-    assert counting.calls[0] == ["read"] * 4 and sum(map(len, counting.calls)) == 12
+    # the first ones in one submit (four, or fewer while the issuing thread still books the last
+    # write: seen on a loaded 2-core machine); the rest as reads finish (one at a time, or a few
+    # together when several finish at once), never more than the queue depth in flight
+    assert 2 <= len(counting.calls[0]) <= 4 and sum(map(len, counting.calls)) == 12
     assert all(call == ["read"] * len(call) and len(call) <= 4 for call in counting.calls)
 
 
