@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -12,6 +13,7 @@ from tieredkv.policy import (
     ObservedLoads,
     TierPolicy,
     choose_preemption,
+    first_paying_block,
     promote_cpu_hits,
     split_lower_prefix,
     wait_for_late_reads,
@@ -47,15 +49,38 @@ BALANCED = CostModel(d2h_bytes_per_s=1e15, h2d_bytes_per_s=1e15, prefill_s_per_t
                      disk_read_bytes_per_s=1 / 4e-3)
 
 
+# the disk twice as fast: 2 ms a block
+FAST_DISK = replace(BALANCED, disk_read_bytes_per_s=1 / 2e-3)
+
+
 def test_a_shared_disk_makes_later_requests_compute_more():
-    alone = split_lower_prefix(10, 1, 0, 4, BALANCED)
-    behind_reads = split_lower_prefix(10, 1, 0, 4, BALANCED, lower_queue_bytes=6)  # 6 blocks queued
-    assert (alone, behind_reads) == (5, 8)
-    assert split_lower_prefix(10, 1, 0, 4, BALANCED, lower_queue_bytes=1000) == 10  # never arrives in time
+    alone = split_lower_prefix(10, 1, 0, 4, FAST_DISK)
+    behind_reads = split_lower_prefix(10, 1, 0, 4, FAST_DISK, lower_queue_bytes=6)  # 6 blocks queued
+    assert (alone, behind_reads) == (3, 5)
+    assert split_lower_prefix(10, 1, 0, 4, FAST_DISK, lower_queue_bytes=1000) == 10  # never arrives in time
+
+
+def test_a_block_whose_load_alone_does_not_beat_computing_it_is_computed():
+    """At equal speeds, loading half the prefix while computing the other half would finish in
+    half the time, but no block's load saves anything on its own: all are computed."""
+    assert split_lower_prefix(10, 1, 0, 4, BALANCED) == 10
+
+
+def test_with_attention_only_the_deeper_blocks_pay():
+    """With attention (1e-5 s a (query, key) pair) a block's prefill grows with its depth: from
+    the second block on, the load (4 ms) saves 10% of it; the first is computed."""
+    deep = replace(BALANCED, prefill_s_per_token_sq=1e-5)
+    assert first_paying_block(40, 4e-3, 0, 4, deep) == 1
+    assert first_paying_block(40, 4e-3, 40, 4, deep) == 0
+    assert first_paying_block(40, 4e-3, 0, 4, BALANCED) == 40
+    assert split_lower_prefix(40, 1, 0, 4, deep) == 15  # the split among the blocks that pay
 
 
 def test_a_busy_gpu_makes_loading_pay():
-    assert split_lower_prefix(10, 1, 0, 4, BALANCED, gpu_queue_tokens=24) == 2  # 24 ms of prefill ahead
+    """Blocks that land before the GPU gets to the request cost it nothing: loaded, even where
+    their loads alone would not pay."""
+    assert split_lower_prefix(10, 1, 0, 4, BALANCED, gpu_queue_tokens=24) == 4  # 24 ms of prefill ahead: 6 land
+    assert split_lower_prefix(10, 1, 0, 4, BALANCED, gpu_queue_tokens=40) == 0
 
 
 def test_a_disk_faster_than_compute_loads_everything():
@@ -91,9 +116,9 @@ def test_the_observed_read_rate_corrects_a_wrong_calibration_within_a_few_loads(
 
 
 def test_nvme_plans_use_the_observed_loads_over_the_calibrated_ones():
-    policy = TierPolicy("recompute", block_bytes=1, block_size=4, cost=BALANCED)
+    policy = TierPolicy("recompute", block_bytes=1, block_size=4, cost=FAST_DISK)
     fast, slow = ObservedLoads(1e15), ObservedLoads(1 / 40e-3)
-    assert policy.lower_blocks_to_compute(10, 0) == 5
+    assert policy.lower_blocks_to_compute(10, 0) == 3
     assert policy.lower_blocks_to_compute(10, 0, observed=fast) == 0
     assert policy.lower_blocks_to_compute(10, 0, observed=slow) == 10
 
@@ -114,7 +139,14 @@ def _split_by_scan(num_blocks, block_bytes, first_token, block_size, cost, lower
         load = load_wait + (num_blocks - c) * per_block if c < num_blocks else 0.0
         return max(cost.recompute_s(gpu_queue_tokens) + cost.extend_s(first_token, c * block_size), load)
 
-    best = min(range(num_blocks + 1), key=finish_s)
+    def pays_alone(i):
+        return per_block <= (1 - LOAD_MARGIN) * cost.extend_s(first_token + i * block_size, block_size)
+
+    gpu_wait = cost.recompute_s(gpu_queue_tokens)
+    first_paying = next((i for i in range(num_blocks) if pays_alone(i)), num_blocks)
+    in_time = next((c for c in range(num_blocks + 1)
+                    if c == num_blocks or load_wait + (num_blocks - c) * per_block <= gpu_wait + 1e-12), num_blocks)
+    best = min(range(min(first_paying, in_time), num_blocks + 1), key=finish_s)
     margin = LOAD_MARGIN * cost.extend_s(first_token, num_blocks * block_size)
     return best if finish_s(best) <= finish_s(num_blocks) - margin else num_blocks
 
