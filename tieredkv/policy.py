@@ -158,13 +158,13 @@ def first_paying_block(num_blocks: int, per_block_load_s: float, first_token: in
     """The first of `num_blocks` prefix blocks (from token `first_token` on) whose load,
     `per_block_load_s`, saves `LOAD_MARGIN` of computing it; `num_blocks` if none does. A
     block's prefill grows with its depth (its attention), so every later one pays too."""
-    a, b, n = cost.prefill_s_per_token, cost.prefill_s_per_token_sq, block_size
-    needed = per_block_load_s / (1 - LOAD_MARGIN)  # a block at depth d costs a*n + b*(2*d*n + n*n)
-    if a * n + b * (2 * first_token * n + n * n) >= needed:
+    needed = per_block_load_s / (1 - LOAD_MARGIN)
+    if cost.extend_s(first_token, block_size) >= needed:
         return 0
+    a, b, n = cost.prefill_s_per_token, cost.prefill_s_per_token_sq, block_size
     if b <= 0:
         return num_blocks
-    depth = (needed - a * n - b * n * n) / (2 * b * n)
+    depth = (needed - a * n - b * n * n) / (2 * b * n)  # where a*n + b*(2*depth*n + n*n) reaches it
     return min(num_blocks, max(0, math.ceil((depth - first_token) / block_size)))
 
 
