@@ -8,7 +8,7 @@ Two clocks:
   and CPU tier, in blocks of `llama-3-8b`'s size, 2 MiB at 16 tokens, each holding a few bytes;
   a store below the CPU tier where the config has `nvme_path`: `SimDisk`, LRU, one block at a
   time each way at `SIM_DISK_BYTES_PER_S` or `--disk-gbps`, reads beside writes), each step
-  taking the time `StepCost` gives it (its fixed part scaled by `--perturb`), a cost model
+  taking the time `StepCost` gives it (its fixed part scaled by each of `--perturb`), a cost model
   pinned from H200 measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`).
   It shows what the policy does to the order of the work, and the scheduler's own host time
   (wall clock, not on the simulated one); the engine run says whether the cost model holds.
@@ -407,17 +407,18 @@ def tokens_per_s(summary: Summary) -> float:
 
 
 def ratios(first: Summary, other: Summary) -> dict[str, float]:
-    """How many times lower `other`'s TTFT p50 / p90 and ITL p99 are, and its throughput over
-    `first`'s."""
+    """How many times lower `other`'s TTFT p50 / p90 / p99 and ITL p99 are, and its throughput
+    over `first`'s."""
     return {"ttft_p50": first.ttft_s["p50"] / other.ttft_s["p50"],
             "ttft_p90": first.ttft_s["p90"] / other.ttft_s["p90"],
+            "ttft_p99": first.ttft_s["p99"] / other.ttft_s["p99"],
             "itl_p99": first.itl_s["p99"] / other.itl_s["p99"],
             "throughput": tokens_per_s(other) / tokens_per_s(first)}
 
 
 HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'ITL p50':>9} {'p99':>9}"
           f" {'TPOT p90':>9} {'slowest':>9}"
-          f" {'wall s':>8} {'tok/s':>9}   vs the first: TTFT p50, p90 and ITL p99 x lower, throughput x\n"
+          f" {'wall s':>8} {'tok/s':>9}   vs the first: TTFT p50, p90, p99 and ITL p99 x lower, throughput x\n"
           "(slowest: the prompt tokens of the request with the max TTFT)")
 
 
@@ -480,8 +481,10 @@ def print_bound(runs: list[list[RequestRecord]], cost: StepCost) -> None:
 
 
 def print_means(rate: float | None, points: list[list[Summary]]) -> None:
-    """Each variant's ratios to the first, averaged over the seeds (geometric mean)."""
-    print(f"\nrate {rate}: ratios to {points[0][0].name}, geometric mean over {len(points)} seeds")
+    """Each variant's ratios to the first, averaged over the runs (seeds and perturbations;
+    geometric mean)."""
+    print(f"\nrate {rate}: ratios to {points[0][0].name}, geometric mean over {len(points)} runs "
+          "(seeds x perturbations)")
     for i in range(1, len(points[0])):
         each = [ratios(p[0], p[i]) for p in points]
         means = {k: statistics.geometric_mean(r[k] for r in each) for k in each[0]}
@@ -514,18 +517,23 @@ def main() -> None:
                                                              "order could give (benchmarks/tail_bound.py)")
     parser.add_argument("--disk-gbps", type=float, help="with --sim: the simulated disk's GB/s each way "
                                                            f"(default {SIM_DISK_BYTES_PER_S / 1e9:g})")
-    parser.add_argument("--perturb", type=float, default=1.0,
-                        help="with --sim: scale each step's fixed time by this factor (e.g. 1.002), to see how far "
-                             "a figure moves under a change too small to matter (BENCHMARKS.md)")
+    parser.add_argument("--perturb", default="1",
+                        help="with --sim: scale each step's fixed time by these factors, each a run (e.g. "
+                             "1,1.001,1.002): how far a figure moves under a change too small to matter, and "
+                             "the variants' ratios averaged over it (BENCHMARKS.md)")
     parser.add_argument("--json", help="write every summary here")
     args = parser.parse_args()
-    if (args.bound or args.disk_gbps or args.perturb != 1.0) and not args.sim:
+    try:
+        factors = [float(f) for f in args.perturb.split(",")]
+    except ValueError:
+        raise SystemExit(f"--perturb: expected factors like 1,1.001, got {args.perturb!r}") from None
+    if not all(f > 0 for f in factors):
+        raise SystemExit(f"--perturb: expected positive factors, got {args.perturb!r}")
+    if (args.bound or args.disk_gbps or factors != [1.0]) and not args.sim:
         raise SystemExit("--bound, --disk-gbps and --perturb take the simulated clock: add --sim")
     if args.disk_gbps is not None and not args.disk_gbps > 0:
         raise SystemExit(f"--disk-gbps: expected a positive number, got {args.disk_gbps}")
-    if not args.perturb > 0:
-        raise SystemExit(f"--perturb: expected a positive factor, got {args.perturb}")
-    sim_cost = dataclasses.replace(H200_LLAMA_8B, step_s=H200_LLAMA_8B.step_s * args.perturb)
+    sim_costs = [dataclasses.replace(H200_LLAMA_8B, step_s=H200_LLAMA_8B.step_s * f) for f in factors]
     disk_bytes_per_s = args.disk_gbps * 1e9 if args.disk_gbps else None
     doc = read_yaml(args.config)
     workload = doc.get("workload") or {}
@@ -540,7 +548,8 @@ def main() -> None:
         points = [run_point(doc, engines, args.sim, args.trace, args.bound, sim_cost, disk_bytes_per_s,
                             rate=rate, requests=args.requests,
                             seed=seed, speed=args.speed, **window)
-                  for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])]
+                  for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])
+                  for sim_cost in sim_costs]
         if len(points) > 1:
             print_means(rate, [[s for s, _ in p] for p in points])
         results += [{"rate": rate, **dataclasses.asdict(s), "ttft_max_s": last.ttft,
