@@ -23,12 +23,14 @@ of new blocks (medians over `--rounds`), and when those writes were done:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import get_args
 
@@ -73,30 +75,36 @@ def sequential_peak(directory: str, size: int, chunk: int, depth: int = 1) -> tu
     return size / (t1 - t0) / 1e9, size / (t2 - t1) / 1e9
 
 
+@contextlib.contextmanager
+def fresh_store(args: argparse.Namespace, num_blocks: int) -> Iterator[NVMeStore]:
+    """A new store of `num_blocks` slots of `args.block` bytes, in a folder of its own under
+    `args.dir` that is removed afterwards."""
+    geometry = SlotGeometry.for_block(1 << 50, args.block, 16)
+    capacity = SUPERBLOCK_BYTES + num_blocks * geometry.slot_bytes
+    path = tempfile.mkdtemp(dir=args.dir, prefix="bench-store-")
+    try:
+        with NVMeStore(path, capacity, args.block, b"bench", 16, args.backend, args.queue_depth) as store:
+            yield store
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def store_round(
     args: argparse.Namespace, src: torch.Tensor, dst: torch.Tensor
 ) -> tuple[float, float, str]:
     """(spill, restore) GB/s of all blocks of `src` through a fresh store, and its backend."""
     n = src.shape[0]
-    geometry = SlotGeometry.for_block(1 << 50, args.block, 16)
-    capacity = SUPERBLOCK_BYTES + n * geometry.slot_bytes
-    path = tempfile.mktemp(dir=args.dir, prefix="bench-store-")
     tokens = list(range(16))
-    try:
-        with NVMeStore(
-            path, capacity, args.block, b"bench", 16, args.backend, args.queue_depth
-        ) as store:
-            t0 = time.perf_counter()
-            jobs = [store.submit_write(BlockRef(i + 1, i, tokens), src[i]) for i in range(n)]
-            ok_w = all(store.wait(jobs).values())
-            assert store.sync()  # as the peak's fsync: count the data as on disk
-            t1 = time.perf_counter()
-            jobs = [store.submit_read(BlockRef(i + 1, i, tokens), dst[i]) for i in range(n)]
-            ok_r = all(store.wait(jobs).values())
-            t2 = time.perf_counter()
-            backend = f"{store.stats()['backend']}, O_DIRECT={store.stats()['o_direct']}"
-    finally:
-        os.unlink(path)
+    with fresh_store(args, n) as store:
+        t0 = time.perf_counter()
+        jobs = [store.submit_write(BlockRef(i + 1, i, tokens), src[i]) for i in range(n)]
+        ok_w = all(store.wait(jobs).values())
+        assert store.sync()  # as the peak's fsync: count the data as on disk
+        t1 = time.perf_counter()
+        jobs = [store.submit_read(BlockRef(i + 1, i, tokens), dst[i]) for i in range(n)]
+        ok_r = all(store.wait(jobs).values())
+        t2 = time.perf_counter()
+        backend = f"{store.stats()['backend']}, O_DIRECT={store.stats()['o_direct']}"
     assert ok_w and ok_r, "a benchmark job failed"
     assert torch.equal(src, dst), "restored blocks differ from the spilled ones"
     size = n * args.block
@@ -108,36 +116,30 @@ def reads_behind_writes(args: argparse.Namespace) -> dict[str, float]:
     of new blocks (`read{k}_after_{W}w`), with when those writes were done (`writes{W}_done`)."""
     tokens, depths, sizes, stored = list(range(16)), (1, 2, 4, 8), (1, 8), 16
     num_writes = args.rounds * len(sizes) * sum(depths)
-    geometry = SlotGeometry.for_block(1 << 50, args.block, 16)
-    capacity = SUPERBLOCK_BYTES + (stored + num_writes) * geometry.slot_bytes
     src, dst = block_buffer(8, args.block, args.pin, args.unaligned), block_buffer(8, args.block, args.pin, False)
-    path = tempfile.mktemp(dir=args.dir, prefix="bench-store-")
     figures: dict[str, list[float]] = {}
     new_hash = iter(range(stored + 1, stored + num_writes + 1))
 
     def ms_since(t: float) -> float:
         return (time.perf_counter() - t) * 1e3
 
-    try:
-        with NVMeStore(path, capacity, args.block, b"bench", 16, args.backend, args.queue_depth) as store:
-            assert all(store.wait([store.submit_write(BlockRef(i + 1, i, tokens), src[i % 8])
-                                   for i in range(stored)]).values()), "a benchmark write failed"
-            for r in range(args.rounds):
-                for k in sizes:
-                    for w in (0, *depths):
-                        start = time.perf_counter()
-                        writes = [store.submit_write(BlockRef(h, 0, tokens), src[i % 8])
-                                  for i, h in zip(range(w), new_hash, strict=False)]
-                        reads_at = time.perf_counter()
-                        first = [(r + i) % stored for i in range(k)]
-                        reads = store.submit_reads([(BlockRef(j + 1, j, tokens), dst[i]) for i, j in enumerate(first)])
-                        assert len(reads) == k and all(store.wait(reads).values()), "a benchmark read failed"
-                        figures.setdefault(f"read{k}_after_{w}w", []).append(ms_since(reads_at))
-                        if w:
-                            assert None not in writes and all(store.wait(writes).values()), "a write failed"
-                            figures.setdefault(f"writes{w}_done", []).append(ms_since(start))
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    with fresh_store(args, stored + num_writes) as store:
+        assert all(store.wait([store.submit_write(BlockRef(i + 1, i, tokens), src[i % 8])
+                               for i in range(stored)]).values()), "a benchmark write failed"
+        for r in range(args.rounds):
+            for k in sizes:
+                for w in (0, *depths):
+                    start = time.perf_counter()
+                    writes = [store.submit_write(BlockRef(h, 0, tokens), src[i % 8])
+                              for i, h in zip(range(w), new_hash, strict=False)]
+                    reads_at = time.perf_counter()
+                    first = [(r + i) % stored for i in range(k)]
+                    reads = store.submit_reads([(BlockRef(j + 1, j, tokens), dst[i]) for i, j in enumerate(first)])
+                    assert len(reads) == k and all(store.wait(reads).values()), "a benchmark read failed"
+                    figures.setdefault(f"read{k}_after_{w}w", []).append(ms_since(reads_at))
+                    if w:
+                        assert None not in writes and all(store.wait(writes).values()), "a write failed"
+                        figures.setdefault(f"writes{w}_done", []).append(ms_since(start))
     return {key: statistics.median(values) for key, values in figures.items()}
 
 
