@@ -4,12 +4,12 @@ scheduled sequence reads back exactly its own tokens' KV (tests/kv_factory.py)."
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from tests.kv_factory import BLOCK_BYTES, make_kv, make_scheduler, make_seq, run_step, run_until_done
+from tests.test_nvme_store import GatedBackend
 from tieredkv.policy import CostModel
 from tieredkv.tiers.nvme.io_backends import SyncBackend
 
@@ -263,31 +263,17 @@ def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more
     assert observed.latency_s + 8 * BLOCK_BYTES / observed.bytes_per_s > 10 * calibrated_s
 
 
-class HeldReads(SyncBackend):
-    """The sync backend with every read held while `release` is clear (a disk far behind)."""
-
-    def __init__(self) -> None:
-        super().__init__(threads=1)
-        self.release = threading.Event()
-        self.release.set()  # (opening the store reads its index)
-
-    def _run(self, req) -> None:
-        if req.op == "read":
-            self.release.wait()
-        super()._run(req)
-
-
 def long_and_short_on_a_held_disk(path: str):
     """A store holding a long prompt's 20 blocks and a short one's 2, reopened on a disk that
-    holds every read (until `disk.release` is set): (disk, sim, long_seq, short_seq)."""
+    holds every request (until `disk.release()`): (disk, sim, long_seq, short_seq)."""
     long_doc, short_doc = [1000 + j for j in range(81)], [2000 + j for j in range(9)]
     fillers = [[3000 + 100 * i + j for j in range(81)] for i in range(2)]  # they evict both docs from the GPU
     first = make_kv(22, num_cpu_blocks=64, nvme_path=path, cpu_policy="lru")
     run_prompts(make_scheduler(first, "recompute"), first, [long_doc, short_doc, *fillers])
     first.kv.close()  # the CPU tier written down
-    disk = HeldReads()
+    disk = GatedBackend()
     sim = make_kv(64, num_cpu_blocks=64, nvme_path=path, backend=disk)
-    disk.release.clear()
+    disk.gate.clear()
     long_seq = make_seq("long", [*long_doc, 1], max_tokens=2)
     short_seq = make_seq("short", [*short_doc, 2], max_tokens=2)
     assert sim.kv.match_prefix(long_seq).num_lower == 20 and sim.kv.match_prefix(short_seq).num_lower == 2
@@ -322,7 +308,7 @@ def test_a_prompt_that_reaches_its_loads_early_computes_rather_than_wait_behind_
         assert sim.kv.stats()["nvme_late_loads"] == given_up  # the short prompt's: the long one waits for its own
         assert sched.loads.stats()["nvme_late_requests"] == {"waiting": 0, "running": 0, where: 1}
     finally:
-        disk.release.set()
+        disk.release()
     run_until_done(sched, sim)  # check_kv in every step: both exact
     assert long_seq.output_token_ids and sched.loaded_skipped_tokens > 0
 
@@ -342,7 +328,7 @@ def test_loads_are_planned_in_the_order_the_prompts_are_to_run(tmp_path, policy,
         assert sched.loads.lower_prefix_blocks == {"load": 22, "compute": 0, "compute_for_queues": 0}
         assert sim.kv.late_reads(short_seq).queued == queued
     finally:
-        disk.release.set()
+        disk.release()
     run_until_done(sched, sim)
 
 
