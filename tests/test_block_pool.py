@@ -35,6 +35,36 @@ def test_allocate_takes_blocks_in_order_and_fails_without_side_effects():
     assert pool.num_free == 1
 
 
+def test_a_pinned_block_is_never_allocated_and_keeps_its_place():
+    pool = BlockPool(5)
+    blocks = pool.allocate(4)
+    for i, block in enumerate(blocks):
+        pool.cache(block, 100 + i, 0, (i,))
+    pool.release(blocks)  # LRU order: 0, 1, 2, 3; block 4 empty
+    pool.pin(blocks[0])
+    assert pool.num_free == 4 and not pool.is_free(blocks[0])
+    assert [b.block_id for b in pool.cold_blocks()] == [1, 2, 3]
+    assert [b.block_id for b in pool.allocate(2)] == [4, 1]  # the empty one, then past the pinned one
+    assert pool.cached_block(100) is blocks[0] and pool.allocate(3) is None
+    pool.touch(blocks[0])  # found again while pinned: owned, then released to the back
+    pool.release([blocks[0]])
+    assert [b.block_id for b in pool.cold_blocks()] == [2, 3] and pool.num_free == 2
+    pool.unpin(blocks[0])
+    assert pool.num_free == 3 and [b.block_id for b in pool.allocate(3)] == [2, 3, 0]
+
+
+def test_unpinned_the_block_is_taken_where_it_stood():
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    for i, block in enumerate(blocks):
+        pool.cache(block, 100 + i, 0, (i,))
+    pool.release(blocks)
+    pool.pin(blocks[0])
+    assert [b.block_id for b in pool.allocate(1)] == [1]
+    pool.unpin(blocks[0])
+    assert [b.block_id for b in pool.free_blocks()] == [0, 2]  # still first in line
+
+
 def test_uncached_blocks_are_reused_before_cached_ones():
     kv = KVCacheManager(num_blocks=6, block_size=BS, root_hash=7)
     a = make_seq("a", list(range(10)))  # 2 full blocks + 1 partial

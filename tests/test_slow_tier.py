@@ -288,6 +288,21 @@ def test_spills_are_dropped_not_queued_when_the_store_is_behind():
     assert spill.dropped == 0
 
 
+def test_a_block_written_ahead_keeps_its_place_in_the_cpu_tiers_order():
+    """Spill-ahead pins the blocks it writes (never evicted meanwhile) and leaves the CPU tier's
+    order alone: once on disk a block is evicted in its turn, not sooner."""
+    store = BehindStore()
+    pool = cached_pool(128, 64)  # a write window of 32: the 16 coldest are written
+    spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)))
+    order = [b.block_id for b in pool.cold_blocks()]
+    spill.spill_ahead(reads_in_flight=0)
+    written = set(order[:MAX_WRITES_IN_FLIGHT])
+    assert [b.block_id for b in pool.cold_blocks()] == [i for i in order if i not in written]  # pinned
+    store.release()
+    assert spill.poll() == [] and spill.writes_in_flight == 0
+    assert [b.block_id for b in pool.cold_blocks()] == order  # back where they stood
+
+
 def test_staged_copies_wait_for_the_disk_newest_first_and_the_oldest_make_way():
     store = BehindStore()
     pool = cached_pool(128, 0)  # 8 staging blocks, nothing cached to spill ahead

@@ -8,6 +8,8 @@ Operations (all O(1) per block):
   free queue (cached ones stay findable until they are evicted).
 - `cache(block, ...)` / `lookup(hash, ...)` / `cached_block(hash)`: the prefix-cache hash map.
 - `refresh(block)`: an unowned cached block was used again: move it to the back.
+- `pin(block)` / `unpin(block)`: while its content is read elsewhere (written to disk), a block
+  is never allocated, and keeps its place in the free queue (O(pinned) per allocation).
 - `free_blocks()`: the free queues, the next to be taken first; `next_victim()`: that one;
   `cold_blocks()`: the cached ones, least recently used first;
   `drop_unowned()`: forget
@@ -57,28 +59,36 @@ class BlockPool:
         self._empty: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._free_queue: OrderedDict[int, Block] = OrderedDict()  # cached, nobody owns them
         self._cached: dict[int, Block] = {}
+        self._pinned: dict[int, Block] = {}  # never allocated, wherever they are (a few at a time)
         self.on_evict = on_evict
         self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        """Blocks that can be allocated now (empty, or cached with no owner)."""
-        return len(self._empty) + len(self._free_queue)
+        """Blocks that can be allocated now (empty, or cached with no owner; not pinned)."""
+        return len(self._empty) + len(self._free_queue) - sum(map(self._in_free_queues, self._pinned.values()))
 
     @property
     def num_cached(self) -> int:
         return len(self._cached)
 
     def free_blocks(self) -> Iterator[Block]:
-        """Blocks nobody owns, the next to be taken first: the empty ones, then the cached
-        ones from the least recently used on."""
-        return itertools.chain(self._empty.values(), self._free_queue.values())
+        """Blocks that can be allocated, the next to be taken first: the empty ones, then the
+        cached ones from the least recently used on."""
+        return itertools.chain(self._unpinned(self._empty), self._unpinned(self._free_queue))
 
     def cold_blocks(self) -> Iterator[Block]:
-        """Cached blocks nobody owns, the least recently used first."""
-        return iter(self._free_queue.values())
+        """Cached blocks that can be allocated (evicted), the least recently used first."""
+        return self._unpinned(self._free_queue)
+
+    def _unpinned(self, queue: OrderedDict[int, Block]) -> Iterator[Block]:
+        return (b for b in queue.values() if b.block_id not in self._pinned) if self._pinned else iter(queue.values())
 
     def is_free(self, block: Block) -> bool:
+        """Whether the block can be allocated now."""
+        return self._in_free_queues(block) and block.block_id not in self._pinned
+
+    def _in_free_queues(self, block: Block) -> bool:
         return block.block_id in self._empty or block.block_id in self._free_queue
 
     def next_victim(self) -> Block | None:
@@ -92,14 +102,31 @@ class BlockPool:
     def allocate(self, n: int) -> list[Block] | None:
         if n > self.num_free:
             return None
-        taken = []
-        for _ in range(n):
-            _, block = (self._empty or self._free_queue).popitem(last=False)
+        taken: list[Block] = []
+        passed: list[tuple[OrderedDict[int, Block], Block]] = []  # pinned: back in front, in order, after
+        while len(taken) < n:
+            queue = self._empty or self._free_queue
+            _, block = queue.popitem(last=False)
+            if block.block_id in self._pinned:
+                passed.append((queue, block))
+                continue
             self._evict(block)
             block.ref_count = 1
             block.evict_first = False
             taken.append(block)
+        for queue, block in reversed(passed):
+            queue[block.block_id] = block
+            queue.move_to_end(block.block_id, last=False)
         return taken
+
+    def pin(self, block: Block) -> None:
+        """Never allocate the block until `unpin`: its content is being read elsewhere. Owned
+        or not, it keeps its place (found, touched, released, evicted last as before)."""
+        assert block.block_id not in self._pinned, f"block {block.block_id} is pinned already"
+        self._pinned[block.block_id] = block
+
+    def unpin(self, block: Block) -> None:
+        del self._pinned[block.block_id]
 
     def touch(self, block: Block) -> None:
         """Add an owner to a block found in the prefix cache."""

@@ -4,9 +4,11 @@ What is written: the full prefix blocks the CPU tier lets go, each once; which o
 is the store's own policy (asking the CPU tier's admission as well wrote fewer and found fewer:
 BENCHMARKS.md, "The spill gate"):
 - `spill_ahead(reads_in_flight)`: write the coldest cached CPU blocks in the background, so
-  that when the CPU tier evicts them they are safe on disk; a block being written is held
-  (never evicted, so nothing ever waits for a write) and goes back to the front of the CPU
-  tier's free queue, where it was taken, once it is on disk (evicting it then loses nothing);
+  that when the CPU tier evicts them they are safe on disk; a block being written is pinned
+  (never evicted meanwhile, so nothing ever waits for a write) and keeps its place in the CPU
+  tier's order: being on disk does not make it go sooner (moved to the front once written,
+  blocks gave up CPU hits worth more than the disk's copies on the conversation slices:
+  BENCHMARKS.md, "Written blocks keep their place");
 - `stage(reads_in_flight) -> cpu block | None` / `write_staged(block, ref, reads_in_flight)`:
   a demotion the full CPU tier turned down passes through one of a few staging blocks of the
   CPU tier on its way down; a copy that lands while the disk is behind waits in its staging
@@ -173,7 +175,7 @@ class Spill:
                 self._on_disk[block.block_id] = block.block_hash
                 self.skipped_blocks += 1
             else:
-                self.cpu_pool.touch(block)  # held while written: never evicted, never waited for
+                self.cpu_pool.pin(block)  # while written: never evicted, never waited for
                 self._write(block, BlockRef(block.block_hash, block.parent_hash, block.token_ids), staged=False)
                 written += 1
                 if closing and time.monotonic() - said >= CLOSING_PROGRESS_S:
@@ -217,7 +219,7 @@ class Spill:
             return
         if on_disk:
             self._on_disk[block.block_id] = block_hash
-        self.cpu_pool.release([block], evict_first=True)  # back to the front, where it was taken
+        self.cpu_pool.unpin(block)
 
     def _count_outcome(self, ok: bool) -> None:
         """Failed writes in a row pause spilling, twice as long each pause, until one succeeds."""
@@ -247,7 +249,7 @@ class Spill:
 
     @property
     def held_blocks(self) -> int:
-        """CPU blocks the spill holds: the staging blocks, and cached blocks being written."""
+        """CPU blocks the spill holds: the staging blocks, and cached blocks being written (pinned)."""
         return self.num_staging + sum(not staged for _, _, staged in self._writes.values())
 
     def poll(self) -> list[tuple[int, bool]]:
