@@ -8,8 +8,8 @@ Two clocks:
   and CPU tier, in blocks of `llama-3-8b`'s size, 2 MiB at 16 tokens, each holding a few bytes;
   a store below the CPU tier where the config has `nvme_path`: `SimDisk`, LRU, one block at a
   time each way at `SIM_DISK_BYTES_PER_S` or `--disk-gbps`, reads beside writes), each step
-  taking the time `StepCost` gives it (its fixed part scaled by each of `--perturb`), a cost model
-  pinned from H200 measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`).
+  taking the time `StepCost` gives it (its fixed part `--step-ms`, scaled by each of `--perturb`),
+  a cost model pinned from H200 measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`).
   It shows what the policy does to the order of the work, and the scheduler's own host time
   (wall clock, not on the simulated one); the engine run says whether the cost model holds.
 - without `--sim` (CUDA): `LLMEngine` with the config's model, wall clock, after a warm-up.
@@ -25,6 +25,8 @@ Two clocks:
         --variants recompute-only,gpu+cpu16,gpu+cpu64   # a replay config, its CPU tiers (BENCHMARKS.md)
     python benchmarks/bench_scheduling.py configs/mooncake_synthetic_8b.yaml --sim --speed 8 \
         --variants gpu+cpu16,gpu+cpu16+nvme             # the store beside its CPU tier (SimDisk)
+    python benchmarks/bench_scheduling.py configs/mooncake_conversation_8b.yaml --sim --step-ms 9 \
+        --disk-gbps 1.8 --perturb 1,0.998,1.001 --variants gpu+cpu16,gpu+cpu16+nvme  # as the engine serves
     python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
 """
 
@@ -517,6 +519,11 @@ def main() -> None:
                                                              "order could give (benchmarks/tail_bound.py)")
     parser.add_argument("--disk-gbps", type=float, help="with --sim: the simulated disk's GB/s each way "
                                                            f"(default {SIM_DISK_BYTES_PER_S / 1e9:g})")
+    parser.add_argument("--step-ms", type=float,
+                        help="with --sim: a step's fixed time in ms (default: the H200 preset's "
+                             f"{H200_LLAMA_8B.step_s * 1e3:g}, a decode microbenchmark's; 9 reproduces the engine's "
+                             "serving figures on the conversation slice: BENCHMARKS.md, \"A simulated clock that "
+                             "serves like the engine\")")
     parser.add_argument("--perturb", default="1",
                         help="with --sim: scale each step's fixed time by these factors, each a run (e.g. "
                              "1,1.001,1.002): how far a figure moves under a change too small to matter, and "
@@ -529,11 +536,13 @@ def main() -> None:
         raise SystemExit(f"--perturb: expected factors like 1,1.001, got {args.perturb!r}") from None
     if not all(f > 0 for f in factors):
         raise SystemExit(f"--perturb: expected positive factors, got {args.perturb!r}")
-    if (args.bound or args.disk_gbps or factors != [1.0]) and not args.sim:
-        raise SystemExit("--bound, --disk-gbps and --perturb take the simulated clock: add --sim")
-    if args.disk_gbps is not None and not args.disk_gbps > 0:
-        raise SystemExit(f"--disk-gbps: expected a positive number, got {args.disk_gbps}")
-    sim_costs = [dataclasses.replace(H200_LLAMA_8B, step_s=H200_LLAMA_8B.step_s * f) for f in factors]
+    if (args.bound or args.disk_gbps or args.step_ms or factors != [1.0]) and not args.sim:
+        raise SystemExit("--bound, --disk-gbps, --step-ms and --perturb take the simulated clock: add --sim")
+    for flag, value in (("--disk-gbps", args.disk_gbps), ("--step-ms", args.step_ms)):
+        if value is not None and not value > 0:
+            raise SystemExit(f"{flag}: expected a positive number, got {value}")
+    step_s = args.step_ms / 1e3 if args.step_ms else H200_LLAMA_8B.step_s
+    sim_costs = [dataclasses.replace(H200_LLAMA_8B, step_s=step_s * f) for f in factors]
     disk_bytes_per_s = args.disk_gbps * 1e9 if args.disk_gbps else None
     doc = read_yaml(args.config)
     workload = doc.get("workload") or {}

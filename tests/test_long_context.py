@@ -185,3 +185,23 @@ def test_perturbed_runs_time_each_step_anew_and_are_averaged(bench, tmp_path, mo
     monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, "--sim", "--perturb", "1,-1"])
     with pytest.raises(SystemExit, match="positive factors"):
         bench.main()
+
+
+def test_a_longer_fixed_step_time_slows_the_simulated_clock(bench, tmp_path, monkeypatch):
+    """`--step-ms`: every step takes that much fixed time (the preset's unless given)."""
+    config = str(Path(bench.__file__).resolve().parents[1] / "configs" / "long_context_8b.yaml")
+    elapsed = {}
+    for step_ms in (None, 9.0):
+        out = tmp_path / f"{step_ms}.json"
+        step = ["--step-ms", str(step_ms)] if step_ms else []
+        monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, "--sim", "--requests", "6", "--policies",
+                                          "ttft", "--json", str(out), *step])
+        bench.main()
+        elapsed[step_ms] = json.loads(out.read_text())[0]["elapsed_s"]
+    assert elapsed[9.0] > elapsed[None]
+    monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, "--step-ms", "9"])
+    with pytest.raises(SystemExit, match="add --sim"):
+        bench.main()
+    monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, "--sim", "--step-ms", "0"])
+    with pytest.raises(SystemExit, match="--step-ms: expected a positive number"):
+        bench.main()
