@@ -1,6 +1,6 @@
 """The GPU block pool: ids of the blocks in the one KV tensor, their ref counts and hashes.
 
-Operations (all O(1) per block):
+Operations (O(1) per block; an allocation also steps over the pinned blocks in its way):
 - `allocate(n)`: take n blocks from the front of the free queue (evicting cached ones);
   `None` when there are not enough.
 - `touch(block)`: take a cached block out of the free queue for a new owner.
@@ -9,11 +9,10 @@ Operations (all O(1) per block):
 - `cache(block, ...)` / `lookup(hash, ...)` / `cached_block(hash)`: the prefix-cache hash map.
 - `refresh(block)`: an unowned cached block was used again: move it to the back.
 - `pin(block)` / `unpin(block)`: while its content is read elsewhere (written to disk), a block
-  is never allocated, and keeps its place in the free queue (O(pinned) per allocation).
-- `free_blocks()`: the free queues, the next to be taken first; `next_victim()`: that one;
-  `cold_blocks()`: the cached ones, least recently used first;
-  `drop_unowned()`: forget
-  every cached block nobody owns.
+  is never allocated, and keeps its place in the free queue.
+- `free_blocks()`: the blocks that can be allocated, the next to be taken first;
+  `next_victim()`: that one; `cold_blocks()`: the cached ones, least recently used first;
+  `drop_unowned()`: forget every cached block nobody owns.
 
 Empty blocks (never hashed, or forgotten) are taken first, the most recently freed first;
 then cached blocks nobody owns, in LRU order (the front is evicted first; released ones join
@@ -138,17 +137,17 @@ class BlockPool:
         """The free queue a block with no owner is in."""
         return self._free_queue if block.block_id in self._free_queue else self._empty
 
-    def release(self, blocks: Iterable[Block], evict_first: bool = False) -> None:
+    def release(self, blocks: Iterable[Block]) -> None:
         """Drop one reference from each block, in the given order (the first reaches the
-        free queue first, so it is evicted first). `evict_first`: blocks that reach zero go to
-        the front (their content is safe elsewhere), as never-hashed blocks always do."""
+        free queue first, so it is evicted first). Blocks marked `evict_first` that reach zero
+        go to the front (their content is safe elsewhere), as never-hashed blocks always do."""
         for block in blocks:
             assert block.ref_count > 0, f"block {block.block_id} released more often than owned"
             block.ref_count -= 1
             if block.ref_count == 0:
                 queue = self._empty if block.block_hash is None else self._free_queue
                 queue[block.block_id] = block
-                if evict_first or block.evict_first or block.block_hash is None:
+                if block.evict_first or block.block_hash is None:
                     queue.move_to_end(block.block_id, last=False)
 
     def lookup(self, block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> Block | None:
