@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -131,7 +132,7 @@ def reads_behind_writes(args: argparse.Namespace) -> dict[str, float]:
                 for w in (0, *depths):
                     start = time.perf_counter()
                     writes = [store.submit_write(BlockRef(h, 0, tokens), src[i % 8])
-                              for i, h in zip(range(w), new_hash, strict=False)]
+                              for i, h in enumerate(itertools.islice(new_hash, w))]
                     reads_at = time.perf_counter()
                     first = [(r + i) % stored for i in range(k)]
                     reads = store.submit_reads([(BlockRef(j + 1, j, tokens), dst[i]) for i, j in enumerate(first)])

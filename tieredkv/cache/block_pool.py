@@ -119,8 +119,8 @@ class BlockPool:
         return taken
 
     def pin(self, block: Block) -> None:
-        """Never allocate the block until `unpin`: its content is being read elsewhere. Owned
-        or not, it keeps its place (found, touched, released, evicted last as before)."""
+        """Never allocate the block until `unpin`: its content is being read elsewhere. It
+        keeps its place in the free queue, and is found, touched and released as before."""
         assert block.block_id not in self._pinned, f"block {block.block_id} is pinned already"
         self._pinned[block.block_id] = block
 
