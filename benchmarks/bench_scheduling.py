@@ -27,6 +27,8 @@ Two clocks:
         --variants gpu+cpu16,gpu+cpu16+nvme             # the store beside its CPU tier (SimDisk)
     python benchmarks/bench_scheduling.py configs/mooncake_conversation_8b.yaml --sim --step-ms 9 \
         --disk-gbps 1.8 --perturb 1,0.998,1.001 --variants gpu+cpu16,gpu+cpu16+nvme  # as the engine serves
+    python benchmarks/bench_scheduling.py configs/long_docs_revisited_8b.yaml --sim --step-ms 9 --disk-gbps 1.3 \
+        --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme --json docs.json  # documents revisited (returning TTFT in the json)
     python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
 """
 
@@ -55,7 +57,7 @@ from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
 from tieredkv.experiment.replay import ReplayWorkload
 from tieredkv.experiment.spec import variants
 from tieredkv.experiment.traces import prompt_token_ids
-from tieredkv.experiment.workloads import LongContextWorkload, make_workload
+from tieredkv.experiment.workloads import LongContextWorkload, LongDocQAWorkload, make_workload
 from tieredkv.policy import CostModel, TierPolicy, needs_cost_model
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
@@ -322,7 +324,10 @@ def _warm_up(engine) -> None:
 FIRST_ID = 4
 
 
-def workload_of(doc: dict, trace: str | None, **keys: float | None) -> LongContextWorkload | ReplayWorkload:
+Planned = LongContextWorkload | LongDocQAWorkload | ReplayWorkload  # workloads whose every request is known ahead
+
+
+def workload_of(doc: dict, trace: str | None, **keys: float | None) -> Planned:
     """The config's workload, or with `trace` a replay of that Mooncake trace with full-length
     prompts and real output lengths; `keys` (rate, requests, seed, a replay's speed; fraction, start_s,
     duration_s of a trace) replace the workload's where given."""
@@ -337,15 +342,15 @@ def workload_of(doc: dict, trace: str | None, **keys: float | None) -> LongConte
     if "rate" in given:
         section.pop("speed", None)  # a replay's arrivals are set by one or the other
     workload = make_workload(section)
-    if not isinstance(workload, (LongContextWorkload, ReplayWorkload)):
+    if not isinstance(workload, Planned):
         raise SystemExit(f"the config's workload is {section.get('kind')!r}; this benchmark runs kind: "
-                         "long_context or replay (or a trace: --trace)")
+                         "long_context, long_doc_qa or replay (or a trace: --trace)")
     return workload
 
 
-def plan_of(workload: LongContextWorkload | ReplayWorkload) -> list[Request]:
+def plan_of(workload: Planned) -> list[Request]:
     """Every request of the workload, in arrival order."""
-    if isinstance(workload, LongContextWorkload):
+    if not isinstance(workload, ReplayWorkload):
         return [(*r, workload.max_tokens) for r in workload.plan(VOCAB)]
     blocks: dict[int, list[int]] = {}
     return [(r.time_s, f"line{r.line.line}", prompt_token_ids(r.line, workload.block_tokens, VOCAB, workload.seed,

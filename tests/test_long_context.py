@@ -152,6 +152,35 @@ def test_the_simulated_benchmark_reads_back_from_a_simulated_disk(bench):
     assert again.cached_tokens >= 16 * stats["loaded_blocks"] >= 1500  # read back before its turn: its prefix
 
 
+def test_the_simulated_benchmark_plans_the_questions_about_documents(bench):
+    """A `long_doc_qa` workload on the simulated clock: its requests, as `run` sends them."""
+    doc = {"workload": {"kind": "long_doc_qa", "documents": 2, "document_tokens": 32, "questions": 2, "rate": 1.0}}
+    plan = bench.plan_of(bench.workload_of(doc, None))
+    assert [(tag, returning) for _, tag, _, returning, _ in plan] == [
+        ("doc0/q0", False), ("doc1/q0", False), ("doc0/q1", True), ("doc1/q1", True)]
+    assert plan[0][2][:32] == plan[2][2][:32] and plan[0][2][32:] != plan[2][2][32:]
+    assert [t for t, *_ in plan] == sorted({t for t, *_ in plan})
+
+
+def test_a_document_revisited_on_an_idle_engine_reads_its_later_part_while_computing_the_rest(bench):
+    """On a 1.5 GB/s disk no block of a 1.5k-token document pays to load on its own (1.4 ms a
+    block against ~0.5 ms to compute it), but with no other request queued the engine reads
+    the document's last blocks while it computes the first ones, and the revisit's first
+    token comes sooner than the first visit's."""
+    engine = {"model": "llama-3-8b", "cache": {"block_size": 16, "num_gpu_blocks": 256, "cpu_cache_bytes": "1GiB",
+                                               "nvme_path": "unused", "nvme_bytes": "8GiB", "cpu_policy": "lru"},
+              "scheduler": {"max_num_batched_tokens": 8192}}
+    document = list(range(1, 1537))
+    requests = [(0.0, "first", [*document, 3], False, 4)]
+    requests += [(1.0 + i, f"other{i}", [10_000 * (i + 1) + j for j in range(1536)], False, 4) for i in range(10)]
+    requests += [(20.0, "again", [*document, 7], False, 4)]
+    records, _, stats = bench.simulate(engine, requests, bench.H200_LLAMA_8B, disk_bytes_per_s=1.5e9)
+    first, again = (next(r for r in records if r.tag == tag) for tag in ("first", "again"))
+    assert 0 < stats["loaded_blocks"] < 96 // 2  # its tail: most of it is computed
+    assert again.cached_tokens == 16 * stats["loaded_blocks"]
+    assert again.ttft < first.ttft
+
+
 def test_the_simulated_disk_reads_beside_its_writes(bench):
     """A read submitted while writes are moving finishes one block's time later, as on the GPU
     machine's disk (a read behind 1 to 8 writes took 14.9-16.3 ms against 17.2 alone); the

@@ -135,9 +135,12 @@ def test_split_puts_compute_first_and_loads_last():
     cost = CostModel(**BALANCED)
     # a block read in 3 ms, computed in 4: compute 4 while 6 load
     assert split_lower_prefix(10, BLOCK_BYTES, 0, 4, cost) == 4
-    # a disk 4x slower than compute: compute all 10 (the overlap would save 20%, no block's load anything)
+    # a disk 4x slower than compute: alone, the last 2 blocks load while 8 compute (32 ms
+    # against 40); behind a queue, compute all 10 (the overlap saves 20%, no block's load anything)
     slow = CostModel(**{**BALANCED, "disk_read_bytes_per_s": BLOCK_BYTES / 16e-3})
-    assert split_lower_prefix(10, BLOCK_BYTES, 0, 4, slow) == 10
+    assert split_lower_prefix(10, BLOCK_BYTES, 0, 4, slow) == 8
+    assert split_lower_prefix(10, BLOCK_BYTES, 0, 4, slow, gpu_queue_tokens=4) == 10
+    assert split_lower_prefix(10, BLOCK_BYTES, 0, 4, slow, lower_queue_bytes=BLOCK_BYTES) == 10
     # a disk far faster than compute: load everything
     fast = CostModel(**{**BALANCED, "disk_read_bytes_per_s": 1e15})
     assert split_lower_prefix(10, BLOCK_BYTES, 0, 4, fast) == 0

@@ -60,10 +60,13 @@ def test_a_shared_disk_makes_later_requests_compute_more():
     assert split_lower_prefix(10, 1, 0, 4, FAST_DISK, lower_queue_bytes=1000) == 10  # never arrives in time
 
 
-def test_a_block_whose_load_alone_does_not_beat_computing_it_is_computed():
-    """At equal speeds, loading half the prefix while computing the other half would finish in
-    half the time, but no block's load saves anything on its own: all are computed."""
-    assert split_lower_prefix(10, 1, 0, 4, BALANCED) == 10
+def test_behind_a_queue_a_block_whose_load_alone_does_not_beat_computing_it_is_computed():
+    """At equal speeds, loading half the prefix while computing the other half finishes in half
+    the time, but no block's load saves anything on its own: behind other reads or other
+    prefill all are computed; with both queues empty the overlap is the request's to take."""
+    assert split_lower_prefix(10, 1, 0, 4, BALANCED, gpu_queue_tokens=1) == 10
+    assert split_lower_prefix(10, 1, 0, 4, BALANCED, lower_queue_bytes=0.001) == 10
+    assert split_lower_prefix(10, 1, 0, 4, BALANCED) == 5
 
 
 def test_with_attention_only_the_deeper_blocks_pay():
@@ -73,7 +76,7 @@ def test_with_attention_only_the_deeper_blocks_pay():
     assert first_paying_block(40, 4e-3, 0, 4, deep) == 1
     assert first_paying_block(40, 4e-3, 40, 4, deep) == 0
     assert first_paying_block(40, 4e-3, 0, 4, BALANCED) == 40
-    assert split_lower_prefix(40, 1, 0, 4, deep) == 15  # the split among the blocks that pay
+    assert split_lower_prefix(40, 1, 0, 4, deep, gpu_queue_tokens=1) == 15  # the split among the blocks that pay
 
 
 def test_a_busy_gpu_makes_loading_pay():
@@ -146,7 +149,8 @@ def _split_by_scan(num_blocks, block_bytes, first_token, block_size, cost, lower
     first_paying = next((i for i in range(num_blocks) if pays_alone(i)), num_blocks)
     in_time = next((c for c in range(num_blocks + 1)
                     if c == num_blocks or load_wait + (num_blocks - c) * per_block <= gpu_wait + 1e-12), num_blocks)
-    best = min(range(min(first_paying, in_time), num_blocks + 1), key=finish_s)
+    alone = lower_queue_bytes == 0 and gpu_queue_tokens == 0  # the overlap costs no other request
+    best = min(range(0 if alone else min(first_paying, in_time), num_blocks + 1), key=finish_s)
     margin = LOAD_MARGIN * cost.extend_s(first_token, num_blocks * block_size)
     return best if finish_s(best) <= finish_s(num_blocks) - margin else num_blocks
 

@@ -101,21 +101,24 @@ def split_lower_prefix(
         tokens:  [ hits | compute c blocks ──► | ◄── load num_blocks - c blocks | rest of prompt ]
 
     The GPU computes forward from the hits while the tier reads the later blocks; c is the split
-    that finishes first (the larger of the two times is smallest), among those that load only
-    blocks whose load alone beats computing them by `LOAD_MARGIN` (`first_paying_block`), or
-    that land before the GPU queue ahead of the request is done: a shallow block's prefill is
-    cheap, and a load that pays only through the overlap with the request's own prefill moves
-    disk time, and the request's place in the schedule, for little (on a 1.5 GB/s disk, 16 MiB
-    blocks of llama-3-8b pay from ~52k tokens deep, from ~16k at 3 GB/s, all at 6 GB/s; on the
-    simulated clock at 1.5 GB/s, over eight real-trace slices each perturbed five ways, this
-    rule cut the cells where the store is over 5% worse than its CPU tier alone from 21 / 13 / 10
-    to 15 / 7 / 5 of 40 on TTFT p50 / p90 / p99, BENCHMARKS.md). Loading k blocks costs
-    `read_latency_s` + k blocks over the read rate and over PCIe; both start behind their
-    queues: the tier after the `lower_queue_bytes` already queued for reads, the GPU after the
-    `gpu_queue_tokens` of prefill already scheduled ahead of this request. Loading must save at
-    least `LOAD_MARGIN` of the time computing the blocks takes, else they are all computed (when
-    the two are close, computing risks nothing). 0 loads everything, `num_blocks` recomputes
-    everything. Without a measured read rate, load everything.
+    that finishes first (the larger of the two times is smallest). Behind a queue (reads in
+    flight, or prefill ahead of the request) it loads only blocks whose load alone beats
+    computing them by `LOAD_MARGIN` (`first_paying_block`), or that land before the GPU queue
+    ahead of the request is done: a shallow block's prefill is cheap, and a load that pays only
+    through the overlap with the request's own prefill moves disk time, and the request's place
+    in the schedule, for little (on a 1.5 GB/s disk, 16 MiB blocks of llama-3-8b pay from ~52k
+    tokens deep, from ~16k at 3 GB/s, all at 6 GB/s; on the simulated clock at 1.5 GB/s, over
+    eight real-trace slices each perturbed five ways, this rule cut the cells where the store is
+    over 5% worse than its CPU tier alone from 21 / 13 / 10 to 15 / 7 / 5 of 40 on TTFT p50 /
+    p90 / p99, BENCHMARKS.md). With both queues empty the overlap is the request's alone to
+    win, and costs no other: a document revisited on an idle engine reads its later part while
+    the GPU computes the rest (BENCHMARKS.md, "Documents revisited on the simulated clock").
+    Loading k blocks costs `read_latency_s` + k blocks over the read rate and over PCIe; both
+    start behind their queues: the tier after the `lower_queue_bytes` already queued for reads,
+    the GPU after the `gpu_queue_tokens` of prefill already scheduled ahead of this request.
+    Loading must save at least `LOAD_MARGIN` of the time computing the blocks takes, else they
+    are all computed (when the two are close, computing risks nothing). 0 loads everything,
+    `num_blocks` recomputes everything. Without a measured read rate, load everything.
     """
     if cost is None or cost.disk_read_bytes_per_s is None:
         return 0
@@ -138,7 +141,9 @@ def split_lower_prefix(
     # loaded: blocks that pay alone, and any that land before the GPU gets to the request
     in_time = (gpu_wait - load_wait) / per_block_load  # blocks that land before the GPU is free
     lands_in_time = num_blocks if in_time < 0 else max(0, num_blocks - math.floor(in_time + 1e-9))
-    first = min(first_paying_block(num_blocks, per_block_load, first_token, block_size, cost), lands_in_time)
+    alone = lower_queue_bytes == 0 and gpu_queue_tokens == 0
+    first = 0 if alone else min(first_paying_block(num_blocks, per_block_load, first_token, block_size, cost),
+                                lands_in_time)
     if first == num_blocks:
         return num_blocks
     lo, hi = first, num_blocks

@@ -99,12 +99,18 @@ class LongDocQAWorkload:
     def num_requests(self) -> int:
         return self.documents * self.questions
 
-    async def run(self, client: Client, vocab_size: int) -> None:
+    def plan(self, vocab_size: int) -> list[tuple[float, str, list[int], bool]]:
+        """Every request as (arrival second, tag, prompt, returning: its document was asked
+        about before), in arrival order."""
         rng = random.Random(self.seed)
         docs = [random_tokens(rng, self.document_tokens, vocab_size) for _ in range(self.documents)]
         prompts = [(f"doc{d}/q{q}", docs[d] + random_tokens(rng, self.question_tokens, vocab_size), q > 0)
                    for q in range(self.questions) for d in range(self.documents)]
-        await send_all(client, prompts, self.max_tokens, rng, self.rate)
+        times = arrival_times(rng, self.rate, len(prompts))
+        return [(t, *prompt) for t, prompt in zip(times, prompts, strict=True)]
+
+    async def run(self, client: Client, vocab_size: int) -> None:
+        await send_at(client, self.plan(vocab_size), self.max_tokens)
 
 
 @dataclass(frozen=True)
