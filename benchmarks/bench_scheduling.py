@@ -52,6 +52,7 @@ import yaml
 
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
+from tieredkv.cache.spill import write_bound
 from tieredkv.config import CacheConfig, EngineConfig, read_yaml
 from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
 from tieredkv.experiment.replay import ReplayWorkload
@@ -265,7 +266,10 @@ def sim_cpu_tier(cache: CacheConfig, clock: Callable[[], float], disk_bytes_per_
     disk = None
     if cache.nvme_path is not None:
         disk = SimDisk(cache.nvme_bytes // block_bytes, block_bytes, disk_bytes_per_s, clock)
-    return CPUOffload(tier, make_transfer_engine(gpu, tier.data), disk, policy=cache.cpu_policy)
+    offload = CPUOffload(tier, make_transfer_engine(gpu, tier.data), disk, policy=cache.cpu_policy)
+    if offload.lower is not None:  # the engine's bound, for blocks of llama-3-8b's size (the tier's hold a few bytes)
+        offload.lower.spill.max_writes = write_bound(block_bytes)
+    return offload
 
 
 def _book(sched: Scheduler, out: SchedulerOutput, records: dict[str, RequestRecord], now: float) -> None:

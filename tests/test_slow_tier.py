@@ -28,11 +28,12 @@ from tests.test_nvme_store import (
     slots_capacity,
     tokens_of,
 )
+from tieredkv.cache import spill as spill_module
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.lower_tier import LoadWait, LowerTier
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
-from tieredkv.cache.spill import MAX_WRITES_IN_FLIGHT, Spill
+from tieredkv.cache.spill import MIN_WRITES_IN_FLIGHT, Spill, write_bound
 from tieredkv.replacement import AdmitAll
 from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.cpu import CPUTier
@@ -267,28 +268,48 @@ def cached_pool(num_blocks: int, num_cached: int) -> BlockPool:
     return pool
 
 
-def test_spills_are_dropped_not_queued_when_the_store_is_behind():
+@pytest.fixture
+def sixteen_in_flight(monkeypatch):
+    """The write bound at its floor, `MIN_WRITES_IN_FLIGHT`, for these tests' tiny blocks (a
+    byte bound would let them write every block at once)."""
+    monkeypatch.setattr(spill_module, "WRITE_BYTES_IN_FLIGHT", 0)
+
+
+def test_writes_in_flight_cover_a_long_step_of_the_disks_time(monkeypatch):
+    """Writes are topped up between steps: 512 MiB in flight keep the disk writing through a
+    step of ~0.3 s, as 256 blocks of 2 MiB or 32 of 16 MiB; never fewer than 16. A spill
+    writes that many of its window's blocks at once (here the bound is 40 of its blocks)."""
+    assert [write_bound(mib << 20) for mib in (2, 16, 64)] == [256, 32, MIN_WRITES_IN_FLIGHT]
+    blocks = torch.zeros((256, *BLOCK_SHAPE))
+    monkeypatch.setattr(spill_module, "WRITE_BYTES_IN_FLIGHT", 40 * blocks[0].nbytes)
+    store = BehindStore()
+    spill = Spill(store, cached_pool(256, 200), blocks)  # a write window of 64
+    spill.spill_ahead(reads_in_flight=0)
+    assert spill.max_writes == 40 and store.writes == list(range(1000, 1040))  # the coldest 40
+
+
+def test_spills_are_dropped_not_queued_when_the_store_is_behind(sixteen_in_flight):
     store = BehindStore()
     pool = cached_pool(128, 64)  # 8 staging blocks, a write window of 32
     spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)))
     spill.spill_ahead(reads_in_flight=0)
-    assert store.writes == list(range(1000, 1000 + MAX_WRITES_IN_FLIGHT))  # the coldest, up to the bound
+    assert store.writes == list(range(1000, 1000 + MIN_WRITES_IN_FLIGHT))  # the coldest, up to the bound
     spill.spill_ahead(reads_in_flight=0)
-    assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # behind: nothing more is submitted
+    assert len(store.writes) == MIN_WRITES_IN_FLIGHT  # behind: nothing more is submitted
     staging = spill.stage(reads_in_flight=0)  # a demotion bound for disk waits in a staging block
     spill.write_staged(staging, ref(7), reads_in_flight=0)
-    assert len(store.writes) == MAX_WRITES_IN_FLIGHT and spill.staged_waited == 1  # not queued on the disk
+    assert len(store.writes) == MIN_WRITES_IN_FLIGHT and spill.staged_waited == 1  # not queued on the disk
     store.release()
     assert spill.poll() == [] and spill.writes_in_flight == 0  # the writes were booked
     spill.spill_ahead(reads_in_flight=1)
-    assert len(store.writes) == MAX_WRITES_IN_FLIGHT  # no write beside a read, not even the waiting copy
+    assert len(store.writes) == MIN_WRITES_IN_FLIGHT  # no write beside a read, not even the waiting copy
     spill.spill_ahead(reads_in_flight=0)  # the reads are done: the waiting copy goes first, then spill-ahead
-    assert store.writes[MAX_WRITES_IN_FLIGHT] == ref(7).block_hash
-    assert len(store.writes) == 2 * MAX_WRITES_IN_FLIGHT and spill.writes_in_flight == MAX_WRITES_IN_FLIGHT
+    assert store.writes[MIN_WRITES_IN_FLIGHT] == ref(7).block_hash
+    assert len(store.writes) == 2 * MIN_WRITES_IN_FLIGHT and spill.writes_in_flight == MIN_WRITES_IN_FLIGHT
     assert spill.dropped == 0
 
 
-def test_a_block_written_ahead_keeps_its_place_in_the_cpu_tiers_order():
+def test_a_block_written_ahead_keeps_its_place_in_the_cpu_tiers_order(sixteen_in_flight):
     """Spill-ahead pins the blocks it writes (never evicted meanwhile) and leaves the CPU tier's
     order alone: once on disk a block is evicted in its turn, not sooner."""
     store = BehindStore()
@@ -296,7 +317,7 @@ def test_a_block_written_ahead_keeps_its_place_in_the_cpu_tiers_order():
     spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)))
     order = [b.block_id for b in pool.cold_blocks()]
     spill.spill_ahead(reads_in_flight=0)
-    written = set(order[:MAX_WRITES_IN_FLIGHT])
+    written = set(order[:MIN_WRITES_IN_FLIGHT])
     assert [b.block_id for b in pool.cold_blocks()] == [i for i in order if i not in written]  # pinned
     store.release()
     assert spill.poll() == [] and spill.writes_in_flight == 0
@@ -333,7 +354,7 @@ class KeepsWhatItHas(AdmitAll):
 
 def full_tier_behind_a_burst() -> tuple[CPUOffload, BehindStore]:
     """A full CPU tier (1 staging block) that turns every demotion down, over a disk with
-    `MAX_WRITES_IN_FLIGHT` spill-ahead writes in flight, after one step evicted a chain of 10
+    `MIN_WRITES_IN_FLIGHT` spill-ahead writes in flight, after one step evicted a chain of 10
     blocks tail first: 909, 908, ..., 900 (its head)."""
     gpu = torch.zeros((BLOCK_SHAPE[0], 2, 64, *BLOCK_SHAPE[2:]))
     tier = CPUTier(24, BLOCK_SHAPE, gpu.dtype, pin=False)  # 1 staging block, 23 for the tier
@@ -612,7 +633,7 @@ def test_an_idle_engine_tends_a_hung_tier_less_and_less_often(monkeypatch):
         assert llm.tend_tiers() is None
 
 
-def test_a_long_write_down_at_close_says_how_far_it_got(monkeypatch, caplog):
+def test_a_long_write_down_at_close_says_how_far_it_got(monkeypatch, caplog, sixteen_in_flight):
     from tieredkv.cache import spill
 
     class SlowStore(BehindStore):

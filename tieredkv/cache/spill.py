@@ -18,13 +18,13 @@ BENCHMARKS.md, "The spill gate"):
   first, and kept longest, is the head every later hit needs;
 - `persist()`: at shutdown, every cached CPU block, so that a restart finds them on disk.
 
-Writes never wait and never crowd out reads: while reads are in flight, or `MAX_WRITES_IN_FLIGHT`
-writes are, the disk is behind and nothing is submitted to it: a spill-ahead is dropped, a
-staged copy waits in its staging block (and is dropped, counted, when a newer one takes that
-block); after repeated failed writes (a full or lost disk) spilling pauses, for longer each
-time, and says so once. A write the store refuses without starting it (its policy keeps the
-victim, every slot is busy, it is down) is no fault: spill-ahead passes over that block for
-`REFUSED_RETRY_S`.
+Writes never wait and never crowd out reads: while reads are in flight, or `max_writes` writes
+are (`write_bound`: a long step's worth of the disk's time), the disk is behind and nothing is
+submitted to it: a spill-ahead is dropped, a staged copy waits in its staging block (and is
+dropped, counted, when a newer one takes that block); after repeated failed writes (a full or
+lost disk) spilling pauses, for longer each time, and says so once. A write the store refuses
+without starting it (its policy keeps the victim, every slot is busy, it is down) is no fault:
+spill-ahead passes over that block for `REFUSED_RETRY_S`.
 `poll() -> [(job, ok)]`: the store's finished reads (finished writes are booked here).
 """
 
@@ -41,7 +41,13 @@ from tieredkv.tiers.backend import BlockRef, BlockStore
 
 logger = logging.getLogger(__name__)
 
-MAX_WRITES_IN_FLIGHT = 16  # keeps the disk busy at the store's queue depth; more would queue
+MIN_WRITES_IN_FLIGHT = 16  # the store's queue depth kept busy, whatever the block size
+# Writes are topped up only between steps, and a step with a prefill of 8k tokens takes ~0.3 s:
+# 512 MiB keep a 1.5-2 GB/s disk writing through it, where 16 writes of 2 MiB blocks leave it
+# idle most of the step (BENCHMARKS.md, "Documents revisited: writes through a step"). Writes in
+# flight cost reads little: the store issues reads before the writes it queues, and the disk
+# moves both side by side.
+WRITE_BYTES_IN_FLIGHT = 512 << 20
 STAGING_FRACTION = 16  # 1/16 of the CPU tier stages blocks on their way to disk
 MAX_STAGING_BLOCKS = 256
 FAILURES_BEFORE_PAUSE = 8  # failed writes in a row (one write window) before spilling pauses
@@ -49,6 +55,12 @@ PAUSE_FIRST_S, PAUSE_MAX_S = 1.0, 60.0  # the pause doubles while writes keep fa
 REFUSED_RETRY_S = 1.0  # a block the store refused is offered again after this long
 CLOSING_WAIT_S = 10.0  # at close, writes not finished this long are given up, and the rest with them
 CLOSING_PROGRESS_S = 5.0  # a long write-down at close says how far it got this often
+
+
+def write_bound(block_bytes: int) -> int:
+    """Writes kept in flight for blocks of `block_bytes`: `WRITE_BYTES_IN_FLIGHT` of them, at
+    least `MIN_WRITES_IN_FLIGHT`."""
+    return max(MIN_WRITES_IN_FLIGHT, WRITE_BYTES_IN_FLIGHT // max(1, block_bytes))
 
 
 def staging_blocks(num_cpu_blocks: int) -> int:
@@ -66,6 +78,7 @@ class Spill:
         self.cpu_blocks = cpu_blocks  # each CPU block's data, by block id
         self.window = max(8, len(cpu_pool.blocks) // 4)  # the coldest cached blocks, kept on disk
         self.num_staging = staging_blocks(len(cpu_pool.blocks))
+        self.max_writes = write_bound(cpu_blocks[0].nbytes) if len(cpu_blocks) else MIN_WRITES_IN_FLIGHT
         self._staging = cpu_pool.allocate(self.num_staging) or []
         # staged copies that landed while the disk was behind, oldest first: written newest first,
         # before spill-ahead; the oldest gives its block up to a new copy when none is free
@@ -89,7 +102,7 @@ class Spill:
     def behind(self, reads_in_flight: int) -> bool:
         """True when a write now would queue: reads are in flight (they come first), the write
         bound is reached, or spilling pauses after failed writes."""
-        return reads_in_flight > 0 or len(self._writes) >= MAX_WRITES_IN_FLIGHT or self.paused
+        return reads_in_flight > 0 or len(self._writes) >= self.max_writes or self.paused
 
     @property
     def paused(self) -> bool:
@@ -158,7 +171,7 @@ class Spill:
                         time.monotonic() - start)
 
     def _spill(self, blocks: Iterable[Block], closing: bool) -> None:
-        """Write those of `blocks` the store lacks, keeping at most `MAX_WRITES_IN_FLIGHT` writes
+        """Write those of `blocks` the store lacks, keeping at most `max_writes` writes
         in flight: beyond it (or once writes fail), stop, or when `closing` wait for the oldest
         write (and say how far it got every `CLOSING_PROGRESS_S`)."""
         now = said = time.monotonic()
@@ -188,8 +201,8 @@ class Spill:
         return refused is not None and refused[0] == block.block_hash and now - refused[1] < REFUSED_RETRY_S
 
     def _settle_one_if_full(self) -> None:
-        """At MAX_WRITES_IN_FLIGHT writes, wait for the oldest (only where writes may wait: closing)."""
-        if len(self._writes) >= MAX_WRITES_IN_FLIGHT:
+        """At `max_writes` writes, wait for the oldest (only where writes may wait: closing)."""
+        if len(self._writes) >= self.max_writes:
             self._settle(list(self._writes)[:1])
 
     def _settle(self, jobs: list[int]) -> None:
