@@ -43,10 +43,10 @@ logger = logging.getLogger(__name__)
 
 MIN_WRITES_IN_FLIGHT = 16  # the store's queue depth kept busy, whatever the block size
 # Writes are topped up only between steps, and a step with a prefill of 8k tokens takes ~0.3 s:
-# 512 MiB keep a 1.5-2 GB/s disk writing through it, where 16 writes of 2 MiB blocks leave it
-# idle most of the step (BENCHMARKS.md, "Documents revisited: writes through a step"). Writes in
-# flight cost reads little: the store issues reads before the writes it queues, and the disk
-# moves both side by side.
+# 512 MiB keep a 1.5-2 GB/s disk writing through it, where 16 writes of 2 MiB blocks left it
+# idle most of the step and revisited documents never reached it whole (BENCHMARKS.md, "Documents
+# revisited on the simulated clock, and writes through a step"). Writes in flight cost reads
+# little: the store issues reads before the writes it queues, and the disk moves both side by side.
 WRITE_BYTES_IN_FLIGHT = 512 << 20
 STAGING_FRACTION = 16  # 1/16 of the CPU tier stages blocks on their way to disk
 MAX_STAGING_BLOCKS = 256
