@@ -63,6 +63,11 @@ def write_bound(block_bytes: int) -> int:
     return max(MIN_WRITES_IN_FLIGHT, WRITE_BYTES_IN_FLIGHT // max(1, block_bytes))
 
 
+def _nbytes(block) -> int:
+    """A CPU block's bytes: one tensor, or (tensor parallel) one slice a rank."""
+    return block.nbytes if hasattr(block, "nbytes") else sum(part.nbytes for part in block)
+
+
 def staging_blocks(num_cpu_blocks: int) -> int:
     """CPU blocks reserved to stage demotions on their way to disk: 1/16 of the tier, at least
     one, at most 256; none in a one-block tier, whose block is needed to read blocks back."""
@@ -78,7 +83,7 @@ class Spill:
         self.cpu_blocks = cpu_blocks  # each CPU block's data, by block id
         self.window = max(8, len(cpu_pool.blocks) // 4)  # the coldest cached blocks, kept on disk
         self.num_staging = staging_blocks(len(cpu_pool.blocks))
-        self.max_writes = write_bound(cpu_blocks[0].nbytes) if len(cpu_blocks) else MIN_WRITES_IN_FLIGHT
+        self.max_writes = write_bound(_nbytes(cpu_blocks[0])) if len(cpu_blocks) else MIN_WRITES_IN_FLIGHT
         self._staging = cpu_pool.allocate(self.num_staging) or []
         # staged copies that landed while the disk was behind, oldest first: written newest first,
         # before spill-ahead; the oldest gives its block up to a new copy when none is free
