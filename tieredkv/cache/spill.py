@@ -83,7 +83,7 @@ class Spill:
         self.cpu_blocks = cpu_blocks  # each CPU block's data, by block id
         self.window = max(8, len(cpu_pool.blocks) // 4)  # the coldest cached blocks, kept on disk
         self.num_staging = staging_blocks(len(cpu_pool.blocks))
-        self.max_writes = write_bound(_nbytes(cpu_blocks[0])) if len(cpu_blocks) else MIN_WRITES_IN_FLIGHT
+        self.max_writes = write_bound(_nbytes(cpu_blocks[0]))
         self._staging = cpu_pool.allocate(self.num_staging) or []
         # staged copies that landed while the disk was behind, oldest first: written newest first,
         # before spill-ahead; the oldest gives its block up to a new copy when none is free
