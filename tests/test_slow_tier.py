@@ -373,6 +373,29 @@ def full_tier_behind_a_burst() -> tuple[CPUOffload, BehindStore]:
     return offload, store
 
 
+def test_a_demotion_takes_the_place_of_a_block_read_back_whatever_the_admission_says():
+    # a block read back from the tier below for one request waits at the eviction end (its copy
+    # stays below): weighed against newcomers by a frequency admission, it won, as it had just
+    # been asked for, and turned them all away (with a disk under it the CPU tier served half
+    # its hits on the Mooncake synthetic slice)
+    gpu = torch.zeros((BLOCK_SHAPE[0], 2, 64, *BLOCK_SHAPE[2:]))
+    tier = CPUTier(24, BLOCK_SHAPE, gpu.dtype, pin=False)  # 1 staging block, 23 for the tier
+    offload = CPUOffload(tier, TransferEngine(gpu, tier.data), BehindStore(), "lru")
+    offload.admission = offload.lower.admission = offload.lower.spill.admission = KeepsWhatItHas()
+    for i in range(23):
+        offload.demote(Block(i, block_hash=500 + i, parent_hash=0, token_ids=(i,)))
+    offload.flush()
+    offload.drain()
+    read_back = offload.pool.cached_block(515)
+    offload.pool.touch(read_back)  # as a read from below leaves it: used once, then at the front
+    read_back.evict_first = True
+    offload.pool.release([read_back])
+    offload.demote(Block(30, block_hash=700, parent_hash=0, token_ids=(30,)))
+    assert offload.pool.cached_block(700) is not None and offload.pool.cached_block(515) is None
+    offload.demote(Block(31, block_hash=701, parent_hash=0, token_ids=(31,)))  # its victim was kept
+    assert offload.pool.cached_block(701) is None and offload.rejected_blocks == 1
+
+
 def test_a_burst_of_demotions_stages_the_last_ones_the_heads_of_chains_evicted_tail_first():
     offload, store = full_tier_behind_a_burst()
     store.release()  # the disk catches up: the waiting copy is written first
