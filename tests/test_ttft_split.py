@@ -113,3 +113,15 @@ def test_the_phases_add_the_delivery_measured_from_the_engines_first_token():
     figures = ttft_split_figures([record])
     assert figures["accounted"] == pytest.approx(0.98) and figures["delivery"]["mean"] == pytest.approx(0.04)
     assert RequestRecord("r", 10.0, token_times=[10.5], ttft_split=record.ttft_split).ttft_phases is None
+
+
+def test_a_wait_across_a_warm_restart_is_a_phase_of_its_own():
+    split = {"queued": 0.1, "loading": 0.0, "prefill": 0.35, "preempted": 0.0}
+    waited = RequestRecord("w", arrival=10.0, token_times=[12.5], engine_first_token=12.46, ttft_split=split,
+                           restart_wait=2.0)
+    phases = waited.ttft_phases
+    assert list(phases)[0] == "restart" and phases["client"] == pytest.approx(0.01)
+    sent = RequestRecord("s", arrival=10.0, token_times=[10.5], engine_first_token=10.46, ttft_split=split)
+    figures = ttft_split_figures([sent, waited])  # the phase counts 0 where it was not
+    assert list(figures)[0] == "restart" and figures["restart"]["mean"] == pytest.approx(1.0)
+    assert figures["accounted"] == pytest.approx(0.98)

@@ -88,6 +88,12 @@ def test_requests_sent_during_a_restart_wait_for_the_new_engine(tmp_path):
     waited = [r for r in result["requests"] if restart["began_s"] <= r["arrival"] < restart["ready_s"]]
     assert len(waited) == restart["waited_requests"]
     assert all(r["token_times"][0] > restart["ready_s"] for r in waited)  # served by the new engine
+    for r in waited:  # the wait at the door is a phase of their TTFT, measured: the split sums
+        split = r["ttft_split"]
+        assert split["restart"] >= restart["ready_s"] - r["arrival"] - 1e-6
+        assert sum(split.values()) == pytest.approx(r["ttft"], abs=1e-9) and split["client"] < 0.1 * r["ttft"]
+    assert all("restart" not in r["ttft_split"] for r in result["requests"] if r["arrival"] < restart["began_s"])
+    assert result["summary"]["ttft_split_s"]["restart"]["p99"] > 0
     assert summary.requests == 40 and summary.errors == 0 and summary.output_tokens == 40 * 3
     assert [t for t in result["timeline"] if restart["closed_s"] < t["t"] < restart["ready_s"]] == []
 

@@ -104,7 +104,10 @@ class _Client:
         record = RequestRecord(tag, time.monotonic(), returning)
         self.records.append(record)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        at_the_door = not self.slot.letting_in
         llm = await self.slot.acquire()
+        if at_the_door:
+            record.restart_wait = time.monotonic() - record.arrival
         try:
             async for out in llm.generate_stream(prompt, params):
                 record.token_times.append(time.monotonic())

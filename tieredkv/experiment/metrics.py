@@ -39,7 +39,9 @@ class RequestRecord:
     """What one client saw (monotonic seconds). `finished`: its stream ended (not cut short by
     an interrupted run); `cached_tokens`: prompt tokens found cached at its first admission;
     `ttft_split`: the engine's seconds of its TTFT by phase (`tieredkv.sequence.TtftSplit`);
-    `engine_first_token`: when the engine had its first token (the same clock: one machine)."""
+    `engine_first_token`: when the engine had its first token (the same clock: one machine);
+    `restart_wait`: seconds it waited to be sent while a warm restart was under way (None: it
+    was sent at once)."""
 
     tag: str
     arrival: float
@@ -53,6 +55,7 @@ class RequestRecord:
     prompt_token_ids: list[int] | None = None
     ttft_split: dict[str, float] | None = None
     engine_first_token: float | None = None
+    restart_wait: float | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -60,15 +63,17 @@ class RequestRecord:
 
     @property
     def ttft_phases(self) -> dict[str, float] | None:
-        """The TTFT by phase: the engine's (`ttft_split`, from the front end's arrival stamp to
-        the engine's first token), `delivery` (from then until the client had the token: the
+        """The TTFT by phase: `restart` where it waited to be sent across a warm restart
+        (`restart_wait`), the engine's (`ttft_split`, from the front end's arrival stamp to the
+        engine's first token), `delivery` (from then until the client had the token: the
         outputs' way back, measured) and `client`, the rest (before the front end stamped the
         arrival); they sum to `ttft`."""
         if self.ttft_split is None or self.ttft is None or self.engine_first_token is None:
             return None
+        restart = {} if self.restart_wait is None else {"restart": self.restart_wait}
         delivery = self.token_times[0] - self.engine_first_token
-        return {**self.ttft_split, "delivery": delivery,
-                "client": self.ttft - sum(self.ttft_split.values()) - delivery}
+        measured = sum(self.ttft_split.values()) + delivery + (self.restart_wait or 0.0)
+        return {**restart, **self.ttft_split, "delivery": delivery, "client": self.ttft - measured}
 
     @property
     def itls(self) -> list[float]:
@@ -175,13 +180,15 @@ def summarize(name: str, records: list[RequestRecord], elapsed_s: float, stats: 
 
 def ttft_split_figures(records: list[RequestRecord]) -> dict[str, Any]:
     """Over the requests with a TTFT split: each phase's mean and p50 / p90 / p99 (seconds,
-    `RequestRecord.ttft_phases`), and `accounted`: the least share of a request's TTFT that the
-    measured phases (the engine's and `delivery`) sum to (the rest is `client`). Empty without
-    splits."""
+    `RequestRecord.ttft_phases`; a phase some requests lack, `restart`, counts 0 for them), and
+    `accounted`: the least share of a request's TTFT that the measured phases (the engine's,
+    `delivery`, `restart`) sum to (the rest is `client`). Empty without splits."""
     split = [(r, r.ttft_phases) for r in records if r.ttft_phases is not None and r.ttft]
     if not split:
         return {}
-    phases = {k: [p[k] for _, p in split] for k in split[0][1]}
+    names = list(dict.fromkeys(k for _, p in split for k in p))  # in their order, `restart` first
+    names.sort(key=lambda k: k != "restart")
+    phases = {k: [p.get(k, 0.0) for _, p in split] for k in names}
     figures: dict[str, Any] = {k: {"mean": statistics.fmean(v), **percentiles(v)} for k, v in phases.items()}
     figures["accounted"] = min(1 - p["client"] / r.ttft for r, p in split)
     return figures

@@ -76,6 +76,11 @@ class EngineSlot:
         """An engine is open (false only between closing the old engine and opening the new)."""
         return self.llm is not None
 
+    @property
+    def letting_in(self) -> bool:
+        """Requests go to the engine at once (false while a restart is under way)."""
+        return self._open.is_set()
+
     def stats(self) -> dict[str, Any]:
         """The open engine's stats; while none is, the old engine's last ones."""
         return self.llm.stats() if self.llm is not None else self._last_stats
