@@ -15,9 +15,11 @@ slot headers (4 KiB a block) are overhead the store pays.
 
 `--behind-writes` measures instead how long reads take with writes in flight, as the engine's
 spills leave them: 1 and 8 block reads alone, then submitted just after W = 1, 2, 4, 8 writes
-of new blocks (medians over `--rounds`), and when those writes were done:
+of new blocks (`--write-depths`; the spill keeps up to 512 MiB in flight) (medians over
+`--rounds`), and when those writes were done:
 
     python benchmarks/bench_nvme.py --dir /tmp --block 16MiB --behind-writes
+    python benchmarks/bench_nvme.py --dir /tmp --block 2MiB --behind-writes --write-depths 8,64,256
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def store_round(
 def reads_behind_writes(args: argparse.Namespace) -> dict[str, float]:
     """Milliseconds: reads of 1 and 8 stored blocks alone, and submitted just after W writes
     of new blocks (`read{k}_after_{W}w`), with when those writes were done (`writes{W}_done`)."""
-    tokens, depths, sizes, stored = list(range(16)), (1, 2, 4, 8), (1, 8), 16
+    tokens, depths, sizes, stored = list(range(16)), args.write_depths, (1, 8), 16
     num_writes = args.rounds * len(sizes) * sum(depths)
     src, dst = block_buffer(8, args.block, args.pin, args.unaligned), block_buffer(8, args.block, args.pin, False)
     figures: dict[str, list[float]] = {}
@@ -142,6 +144,17 @@ def reads_behind_writes(args: argparse.Namespace) -> dict[str, float]:
                         assert None not in writes and all(store.wait(writes).values()), "a write failed"
                         figures.setdefault(f"writes{w}_done", []).append(ms_since(start))
     return {key: statistics.median(values) for key, values in figures.items()}
+
+
+def write_depths(text: str) -> tuple[int, ...]:
+    """`--write-depths`: comma-separated counts of writes, each >= 1."""
+    try:
+        depths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        depths = ()
+    if not depths or min(depths) < 1:
+        raise argparse.ArgumentTypeError(f"expected counts of writes >= 1 like 8,64,256, got {text!r}")
+    return depths
 
 
 def block_buffer(num_blocks: int, block_bytes: int, pin: bool, unaligned: bool) -> torch.Tensor:
@@ -179,6 +192,8 @@ def main() -> None:
         "--unaligned", action="store_true", help="blocks off 4 KiB alignment (bounce buffers)"
     )
     parser.add_argument("--behind-writes", action="store_true", help="read latency with writes in flight")
+    parser.add_argument("--write-depths", type=write_depths, default=(1, 2, 4, 8),
+                        help="with --behind-writes: the writes in flight before the reads, e.g. 8,64,256")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     if args.behind_writes:
