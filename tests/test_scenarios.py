@@ -313,6 +313,36 @@ def test_a_prompt_that_reaches_its_loads_early_computes_rather_than_wait_behind_
     assert long_seq.output_token_ids and sched.loaded_skipped_tokens > 0
 
 
+def test_a_prompt_that_reaches_its_loads_while_the_gpu_computes_before_them_waits_for_them(tmp_path):
+    """The running case above, with the GPU still computing 10 s of prefill it was given (the
+    loop schedules ahead of the GPU through steps that sample nothing): computing the late block
+    would start behind that, so the short prompt waits for its read. Once the GPU is done,
+    computing is faster again, and it computes the block while the disk still holds the read."""
+    cost = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 3.5e-3)
+    disk, sim, long_seq, short_seq = long_and_short_on_a_held_disk(str(tmp_path))
+    in_flight = [10_000]
+    try:
+        sched = make_scheduler(sim, "recompute", cost)
+        sched.launched_prefill = lambda: in_flight[0]
+        sched.add(long_seq)
+        sched.add(short_seq)
+        for _ in range(20):
+            run_step(sched, sim)
+        assert not short_seq.is_finished and sched.load_waits > 0
+        assert sim.kv.stats()["nvme_late_loads"] == 0
+        in_flight[0] = 0
+        for _ in range(20):
+            run_step(sched, sim)
+            if short_seq.is_finished:
+                break
+        assert short_seq.is_finished and not long_seq.is_finished  # every read still held
+        assert sim.kv.stats()["nvme_late_loads"] == 1
+        assert sched.loads.stats()["nvme_late_requests"] == {"waiting": 0, "running": 1}
+    finally:
+        disk.release()
+    run_until_done(sched, sim)
+
+
 @pytest.mark.parametrize("policy, queued", [("fcfs", 22), ("ttft", 2)])
 def test_loads_are_planned_in_the_order_the_prompts_are_to_run(tmp_path, policy, queued):
     """Under `ttft` the short prompt, added after the long one, runs first: its loads are

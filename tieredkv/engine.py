@@ -37,6 +37,7 @@ from tieredkv.cache.trace import BlockTrace, replay_all
 from tieredkv.calibrate import DiskProbe, calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, RESULTS_VAR, EngineConfig, read_yaml, resolve_paths
 from tieredkv.decode import Decoder
+from tieredkv.launched_prefill import LaunchedPrefill
 from tieredkv.limits import RequestLimits
 from tieredkv.model import locate
 from tieredkv.model.runner import ModelRunner
@@ -102,7 +103,9 @@ class LLMEngine:
         self.remote = tiers.remote  # the remote tier's own store (its stats, bandwidth)
         self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, tiers.offload)
         policy = TierPolicy(config.scheduler.preemption, self.block_bytes, block_size, self._cost_model())
-        self.scheduler = Scheduler(config.scheduler, self.kv, policy)
+        # ranks in processes of their own answer each step: only a local GPU runs behind the loop
+        self.prefill_in_flight = LaunchedPrefill(torch.device("cpu") if parallel else self.runner.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv, policy, self.prefill_in_flight.tokens)
         self.limits = RequestLimits(self.runner.hf_config.vocab_size, self.runner.max_model_len, num_blocks,
                                     block_size, config.scheduler.max_num_seqs)
         if self.runner.device.type == "cuda" and not config.model.enforce_eager:
@@ -343,7 +346,7 @@ class LLMEngine:
             result = self.runner.execute(batch.scheduled, tables, batch.sampling, self.decoder.draws(batch.sampling))
         else:
             result = self.runner.execute(batch.scheduled, tables)
-        self._count(batch)  # before `advance` moves the sequences on
+        self.prefill_in_flight.launched(self._count(batch))  # before `advance` moves the sequences on
         self.scheduler.advance(batch)
         return result
 
@@ -362,11 +365,17 @@ class LLMEngine:
         finally:
             self._loop_s[key] += time.perf_counter() - start
 
-    def _count(self, batch: SchedulerOutput) -> None:
+    def _count(self, batch: SchedulerOutput) -> int:
+        """Count the step's prefill and decode tokens; its prefill tokens."""
+        prefill = 0
         for item in batch.scheduled:
-            decoding = item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
-            self._counters["decode_tokens" if decoding else "prefill_tokens"] += item.num_new_tokens
+            if item.seq.num_computed_tokens >= item.seq.num_prompt_tokens:
+                self._counters["decode_tokens"] += item.num_new_tokens
+            else:
+                prefill += item.num_new_tokens
+        self._counters["prefill_tokens"] += prefill
         self._counters["steps"] += 1
+        return prefill
 
     def _output(self, seq: Seq) -> RequestOutput:
         """The output of the request `seq` started (its samples or beams: `outputs`)."""

@@ -20,7 +20,9 @@ work and the computation of the earlier part: what to load and what to compute i
 `LoadPlanner`'s choice (`tieredkv.load_planning`). The load state is the lower tier's: how far a
 sequence may compute is the KV manager's answer (`computable`, after `land_loads` has jumped a
 running one over what its loads brought), and whether a waiting sequence still waits for its
-loads too (`load_wait`).
+loads too (`load_wait`). A sequence that reaches blocks still being read waits for them unless
+computing them is faster, behind the prefill the GPU was given and has not finished (the loop
+runs ahead of the GPU through steps that sample nothing: `launched_prefill`).
 
 After the forward pass, `update(batch, sampled_tokens)` advances the scheduled sequences,
 commits their new full blocks, appends the sampled tokens and retires finished sequences (in
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, LoadWait
@@ -75,11 +78,15 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting, running and swapped queues and every sequence's progress."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: TierPolicy) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: TierPolicy,
+                 launched_prefill: Callable[[], int] = lambda: 0) -> None:
         """`policy`: the cost model's choices (swap or recompute, load or compute); the load
-        planner holds it, and learns the lower tier's rate over it unless the config pins one."""
+        planner holds it, and learns the lower tier's rate over it unless the config pins one.
+        `launched_prefill()`: the prefill tokens the GPU was given and has not finished
+        (`tieredkv.launched_prefill`), ahead of whatever a sequence computes now."""
         self.config = config
         self.kv = kv
+        self.launched_prefill = launched_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -216,7 +223,9 @@ class Scheduler:
         if landing:
             return 0
         n = self.kv.computable(seq, budget)
-        if n == 0 and self.loads.give_up_late(seq, gpu_queue_tokens=0):  # its turn came before its reads landed
+        # its turn came before its reads landed: it computes their blocks if that is faster,
+        # behind the chunks before them that the GPU may still be computing
+        if n == 0 and self.loads.give_up_late(seq, self.launched_prefill()):
             return self._next_chunk(seq, budget)  # it jumps over those that did, and computes on
         return n
 
@@ -285,7 +294,7 @@ class Scheduler:
         waits for them (it is not matched again until they have, or until computing their
         blocks behind the `backlog` of prefill is faster); a step waited is counted."""
         wait = self.kv.load_wait(seq)
-        if wait is LoadWait.ARRIVING and self.loads.give_up_late(seq, backlog):
+        if wait is LoadWait.ARRIVING and self.loads.give_up_late(seq, backlog + self.launched_prefill()):
             wait = self.kv.load_wait(seq)  # landed: matched again
         if wait is LoadWait.ARRIVING:
             self._wait_for_loads(seq)

@@ -1,0 +1,28 @@
+"""The prefill the GPU was given and has not finished (`LaunchedPrefill`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tieredkv.launched_prefill import LaunchedPrefill
+
+
+def test_on_the_cpu_a_step_is_done_when_it_returns():
+    launched = LaunchedPrefill(torch.device("cpu"))
+    launched.launched(100)
+    assert launched.tokens() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_launched_steps_count_until_the_gpu_has_run_them():
+    launched = LaunchedPrefill(torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # a kernel that spins for about a second
+    launched.launched(100)
+    launched.launched(0)  # a step of decodes only: nothing to count
+    launched.launched(50)
+    assert launched.tokens() == 150
+    torch.cuda.synchronize()
+    assert launched.tokens() == 0
