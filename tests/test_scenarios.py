@@ -313,12 +313,17 @@ def test_a_prompt_that_reaches_its_loads_early_computes_rather_than_wait_behind_
     assert long_seq.output_token_ids and sched.loaded_skipped_tokens > 0
 
 
-def test_a_prompt_that_reaches_its_loads_while_the_gpu_computes_before_them_waits_for_them(tmp_path):
-    """The running case above, with the GPU still computing 10 s of prefill it was given (the
-    loop schedules ahead of the GPU through steps that sample nothing): computing the late block
-    would start behind that, so the short prompt waits for its read. Once the GPU is done,
-    computing is faster again, and it computes the block while the disk still holds the read."""
-    cost = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 3.5e-3)
+@pytest.mark.parametrize("cost, given_up, where", [
+    (CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 3.5e-3), 1, "running"),
+    (CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 2e-3), 2, "waiting"),
+])
+def test_a_prompt_that_reaches_its_loads_while_the_gpu_computes_before_them_waits_for_them(
+    tmp_path, cost, given_up, where,
+):
+    """The cases above, with the GPU still computing 10 s of prefill it was given (the loop
+    schedules ahead of the GPU through steps that sample nothing): computing the late blocks
+    would start behind that, so the short prompt waits for its reads. Once the GPU is done,
+    computing is faster again, and it computes them while the disk still holds the reads."""
     disk, sim, long_seq, short_seq = long_and_short_on_a_held_disk(str(tmp_path))
     in_flight = [10_000]
     try:
@@ -336,8 +341,8 @@ def test_a_prompt_that_reaches_its_loads_while_the_gpu_computes_before_them_wait
             if short_seq.is_finished:
                 break
         assert short_seq.is_finished and not long_seq.is_finished  # every read still held
-        assert sim.kv.stats()["nvme_late_loads"] == 1
-        assert sched.loads.stats()["nvme_late_requests"] == {"waiting": 0, "running": 1}
+        assert sim.kv.stats()["nvme_late_loads"] == given_up
+        assert sched.loads.stats()["nvme_late_requests"] == {"waiting": 0, "running": 0, where: 1}
     finally:
         disk.release()
     run_until_done(sched, sim)

@@ -21,15 +21,15 @@ import torch
 
 class LaunchedPrefill:
     def __init__(self, device: torch.device) -> None:
-        self._on_gpu = device.type == "cuda"
+        self._device = device
         self._steps: deque[tuple[torch.cuda.Event, int]] = deque()  # in launch order
 
     def launched(self, prefill_tokens: int) -> None:
-        """A step with `prefill_tokens` was queued on the current stream (after its kernels)."""
-        if not self._on_gpu or not prefill_tokens:
+        """A step with `prefill_tokens` was queued on the device's current stream (after its kernels)."""
+        if self._device.type != "cuda" or not prefill_tokens:
             return
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self._device))
         self._steps.append((done, prefill_tokens))
 
     def tokens(self) -> int:
