@@ -164,8 +164,12 @@ def test_a_store_that_cannot_be_made_again_backs_off_and_holds_nothing(tmp_path,
             assert stats["nvme_io_errors"] - idle["nvme_io_errors"] <= 1
             assert stats["nvme_write_backlog"] == 0 and stats["cpu_blocks_used"] == 0  # nothing held
             assert not (tmp_path / "kv" / STORE_FILE_NAME).exists()
-        pauses = [r for r in caplog.records if "spilling pauses" in r.getMessage()]
-        assert len(failures()) == 1 and len(pauses) <= 1  # said once, however often retried
+        def said(text: str) -> int:
+            return sum(text in r.getMessage() for r in caplog.records)
+
+        # said once, however often retried; a pause is said again only after writes succeeded
+        # (writes at the lost file's first 64 KiB still may, as timing has it)
+        assert len(failures()) == 1 and said("spilling pauses") <= said("spilling resumes") + 1
         time.sleep(0.5)  # the limit is gone: after the back-off, the store is made again
         assert tokens(llm, prompts) == expected
         llm.kv.offload.lower.store.sync()
