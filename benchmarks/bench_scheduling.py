@@ -10,6 +10,9 @@ Two clocks:
   time each way at `SIM_DISK_BYTES_PER_S` or `--disk-gbps`, reads beside writes), each step
   taking the time `StepCost` gives it (its fixed part `--step-ms`, scaled by each of `--perturb`),
   a cost model pinned from H200 measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`).
+  The loop waits for each step to end, unless `--host-us-per-token` gives its launch time: then
+  it waits only for steps that sample and schedules ahead of the GPU through the others, as the
+  engine's loop does.
   It shows what the policy does to the order of the work, and the scheduler's own host time
   (wall clock, not on the simulated one); the engine run says whether the cost model holds.
 - without `--sim` (CUDA): `LLMEngine` with the config's model, wall clock, after a warm-up.
@@ -29,6 +32,8 @@ Two clocks:
         --disk-gbps 1.8 --perturb 1,0.998,1.001 --variants gpu+cpu16,gpu+cpu16+nvme  # as the engine serves
     python benchmarks/bench_scheduling.py configs/long_docs_revisited_8b.yaml --sim --step-ms 9 --disk-gbps 1.3 \
         --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme --json docs.json  # documents revisited (returning TTFT in the json)
+    python benchmarks/bench_scheduling.py configs/long_docs_revisited_8b.yaml --sim --step-ms 9 --disk-gbps 1.36 \
+        --host-us-per-token 11 --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme   # the loop ahead of the GPU
     python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
 """
 
@@ -84,6 +89,10 @@ class StepCost:
     token_s: float
     pair_s: float
     kv_read_s: float
+    # the loop's time to launch a step, per token of it; None: the loop waits for each step's end.
+    # Given, it waits only for steps that sample (as the engine does) and schedules ahead of the
+    # GPU through the others (`Scheduler.launched_prefill` sees the prefill not finished)
+    host_s_per_token: float | None = None
 
     def seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
         """The step's time for chunks of (tokens computed before, new tokens)."""
@@ -217,7 +226,15 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         if disk is not None:
             cost_model = dataclasses.replace(cost_model, disk_read_bytes_per_s=disk_bytes_per_s)
     policy = TierPolicy(preemption, LLAMA_8B_TOKEN_BYTES * cache.block_size, cache.block_size, cost_model)
-    sched = Scheduler(config.scheduler, kv, policy)
+    launched: deque[tuple[float, int]] = deque()  # the GPU's queue: when each step ends, its prefill tokens
+    gpu_free = 0.0
+
+    def prefill_in_flight() -> int:
+        while launched and launched[0][0] <= now:
+            launched.popleft()
+        return sum(tokens for _, tokens in launched)
+
+    sched = Scheduler(config.scheduler, kv, policy, prefill_in_flight)
     sched.policy = policy  # pinned: the load rate it would learn is timed on the wall clock
     records, i, host_s, idle = {}, 0, 0.0, 0
     while i < len(requests) or sched.has_unfinished():
@@ -236,13 +253,22 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         out = sched.schedule()
         host_s += time.perf_counter() - start
         if not out.scheduled:  # its KV is landing from the CPU tier (by the next step), or from the disk
-            wake = disk.next_finish() if disk is not None else None
-            idle = idle + 1 if wake is None else 0
+            wakes = [t for t in (disk.next_finish() if disk is not None else None,
+                                 launched[0][0] if prefill_in_flight() else None) if t is not None]
+            idle = 0 if wakes else idle + 1
             assert idle < 100, "the scheduler made no progress"
-            now = max(now + cost.step_s, wake or 0.0)
+            now = max(now + cost.step_s, min(wakes, default=0.0))
             continue
         idle = 0
-        now += cost.seconds([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
+        step_s = cost.seconds([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
+        if cost.host_s_per_token is None:
+            now += step_s
+        else:  # launched behind the GPU's queue; the loop waits for it only where the step samples
+            launch_s = cost.host_s_per_token * out.num_tokens
+            gpu_free = max(now + launch_s, gpu_free) + step_s
+            launched.append((gpu_free, sum(s.num_new_tokens for s in out.scheduled
+                                           if s.seq.num_computed_tokens < s.seq.num_prompt_tokens)))
+            now = gpu_free if out.sampling else now + launch_s
         kv.before_forward()
         _book(sched, out, records, now)
     stats = {"loop_schedule_s": host_s, **{f"{kind}_preemptions": n for kind, n in sched.num_preemptions.items()}}
@@ -533,6 +559,10 @@ def main() -> None:
                              f"{H200_LLAMA_8B.step_s * 1e3:g}, a decode microbenchmark's; 9 reproduces the engine's "
                              "serving figures on the conversation slice: BENCHMARKS.md, \"A simulated clock that "
                              "serves like the engine\")")
+    parser.add_argument("--host-us-per-token", type=float,
+                        help="with --sim: the loop's time to launch a step, in us per token of it; the loop then "
+                             "waits only for steps that sample and schedules ahead of the GPU through the others "
+                             "(default: it waits for every step)")
     parser.add_argument("--perturb", default="1",
                         help="with --sim: scale each step's fixed time by these factors, each a run (e.g. "
                              "1,1.001,1.002): how far a figure moves under a change too small to matter, and "
@@ -545,13 +575,18 @@ def main() -> None:
         raise SystemExit(f"--perturb: expected factors like 1,1.001, got {args.perturb!r}") from None
     if not all(f > 0 for f in factors):
         raise SystemExit(f"--perturb: expected positive factors, got {args.perturb!r}")
-    if (args.bound or args.disk_gbps or args.step_ms or factors != [1.0]) and not args.sim:
-        raise SystemExit("--bound, --disk-gbps, --step-ms and --perturb take the simulated clock: add --sim")
+    if (args.bound or args.disk_gbps or args.step_ms or args.host_us_per_token is not None
+            or factors != [1.0]) and not args.sim:
+        raise SystemExit("--bound, --disk-gbps, --step-ms, --host-us-per-token and --perturb take the simulated "
+                         "clock: add --sim")
     for flag, value in (("--disk-gbps", args.disk_gbps), ("--step-ms", args.step_ms)):
         if value is not None and not value > 0:
             raise SystemExit(f"{flag}: expected a positive number, got {value}")
+    if args.host_us_per_token is not None and not args.host_us_per_token >= 0:
+        raise SystemExit(f"--host-us-per-token: expected a number >= 0, got {args.host_us_per_token}")
     step_s = args.step_ms / 1e3 if args.step_ms else H200_LLAMA_8B.step_s
-    sim_costs = [dataclasses.replace(H200_LLAMA_8B, step_s=step_s * f) for f in factors]
+    host_s = args.host_us_per_token / 1e6 if args.host_us_per_token is not None else None
+    sim_costs = [dataclasses.replace(H200_LLAMA_8B, step_s=step_s * f, host_s_per_token=host_s) for f in factors]
     disk_bytes_per_s = args.disk_gbps * 1e9 if args.disk_gbps else None
     doc = read_yaml(args.config)
     workload = doc.get("workload") or {}

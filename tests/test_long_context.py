@@ -3,8 +3,10 @@ arrivals, its checked keys, and a run end to end with a tiny model under both sc
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -179,6 +181,40 @@ def test_a_document_revisited_on_an_idle_engine_reads_its_later_part_while_compu
     assert 0 < stats["loaded_blocks"] < 96 // 2  # its tail: most of it is computed
     assert again.cached_tokens == 16 * stats["loaded_blocks"]
     assert again.ttft < first.ttft
+
+
+def test_a_loop_ahead_of_the_gpu_waits_for_a_documents_reads_rather_than_compute_them(bench, monkeypatch):
+    """With the loop's launch time given, the simulated loop schedules ahead of the GPU through
+    the chunks that sample nothing, as the engine does: a revisited 16k-token document reaches
+    its later blocks, still being read, while the GPU still computes the chunks before them.
+    Weighed behind that queue (`Scheduler.launched_prefill`), the reads are waited for; weighed
+    behind an empty one, they look late and their blocks are computed, and the revisits gain
+    less. (long_docs_revisited_8b with two questions a document.)"""
+    doc = read_yaml(Path(bench.__file__).resolve().parents[1] / "configs" / "long_docs_revisited_8b.yaml")
+    doc["workload"]["questions"] = 2
+    [(_, engine)] = bench.engines_of(doc, "gpu+cpu8GiB+nvme", None, None, [])
+    requests = bench.plan_of(bench.workload_of(doc, None))
+    cost = dataclasses.replace(bench.H200_LLAMA_8B, host_s_per_token=1e-6)
+    seen = bench.simulate(engine, requests, cost, disk_bytes_per_s=1.5e9)
+
+    class Blind(bench.Scheduler):  # the GPU's queue unseen
+        def __init__(self, config, kv, policy, launched_prefill=None):
+            super().__init__(config, kv, policy)
+
+    monkeypatch.setattr(bench, "Scheduler", Blind)
+    blind = bench.simulate(engine, requests, cost, disk_bytes_per_s=1.5e9)
+    assert blind[2]["late_loads"] > 1000 and seen[2]["late_loads"] == 0
+    returning = [sorted(r.ttft for r in records if r.returning) for records, _, _ in (seen, blind)]
+    assert statistics.median(returning[0]) < 0.95 * statistics.median(returning[1])
+
+
+def test_the_launch_time_takes_the_simulated_clock_and_a_number(bench, monkeypatch):
+    config = str(Path(bench.__file__).resolve().parents[1] / "configs" / "long_context_8b.yaml")
+    for argv, error in ((["--host-us-per-token", "2"], "add --sim"),
+                        (["--sim", "--host-us-per-token", "-1"], "--host-us-per-token: expected a number >= 0")):
+        monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, *argv])
+        with pytest.raises(SystemExit, match=error):
+            bench.main()
 
 
 def test_the_simulated_disk_reads_beside_its_writes(bench):
