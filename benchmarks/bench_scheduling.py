@@ -64,6 +64,7 @@ from tieredkv.experiment.replay import ReplayWorkload
 from tieredkv.experiment.spec import variants
 from tieredkv.experiment.traces import prompt_token_ids
 from tieredkv.experiment.workloads import LongContextWorkload, LongDocQAWorkload, make_workload
+from tieredkv.launched_prefill import LaunchedPrefill
 from tieredkv.policy import CostModel, TierPolicy, needs_cost_model
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
@@ -226,15 +227,9 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         if disk is not None:
             cost_model = dataclasses.replace(cost_model, disk_read_bytes_per_s=disk_bytes_per_s)
     policy = TierPolicy(preemption, LLAMA_8B_TOKEN_BYTES * cache.block_size, cache.block_size, cost_model)
-    launched: deque[tuple[float, int]] = deque()  # the GPU's queue: when each step ends, its prefill tokens
-    gpu_free = 0.0
-
-    def prefill_in_flight() -> int:
-        while launched and launched[0][0] <= now:
-            launched.popleft()
-        return sum(tokens for _, tokens in launched)
-
-    sched = Scheduler(config.scheduler, kv, policy, prefill_in_flight)
+    gpu = SimLaunched(lambda: now, cost.host_s_per_token) if cost.host_s_per_token is not None else None
+    gpu_free = 0.0  # when the simulated GPU is done with what it was given
+    sched = Scheduler(config.scheduler, kv, policy, gpu)
     sched.policy = policy  # pinned: the load rate it would learn is timed on the wall clock
     records, i, host_s, idle = {}, 0, 0.0, 0
     while i < len(requests) or sched.has_unfinished():
@@ -254,20 +249,20 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         host_s += time.perf_counter() - start
         if not out.scheduled:  # its KV is landing from the CPU tier (by the next step), or from the disk
             wakes = [t for t in (disk.next_finish() if disk is not None else None,
-                                 launched[0][0] if prefill_in_flight() else None) if t is not None]
+                                 gpu.next_end() if gpu is not None else None) if t is not None]
             idle = 0 if wakes else idle + 1
             assert idle < 100, "the scheduler made no progress"
             now = max(now + cost.step_s, min(wakes, default=0.0))
             continue
         idle = 0
         step_s = cost.seconds([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
-        if cost.host_s_per_token is None:
+        if gpu is None:
             now += step_s
         else:  # launched behind the GPU's queue; the loop waits for it only where the step samples
-            launch_s = cost.host_s_per_token * out.num_tokens
+            launch_s = gpu.launch_s(out.num_tokens)
             gpu_free = max(now + launch_s, gpu_free) + step_s
-            launched.append((gpu_free, sum(s.num_new_tokens for s in out.scheduled
-                                           if s.seq.num_computed_tokens < s.seq.num_prompt_tokens)))
+            gpu.ends_at(gpu_free, sum(s.num_new_tokens for s in out.scheduled
+                                      if s.seq.num_computed_tokens < s.seq.num_prompt_tokens))
             now = gpu_free if out.sampling else now + launch_s
         kv.before_forward()
         _book(sched, out, records, now)
@@ -277,6 +272,30 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         stats |= {"disk_reads": disk.reads, "late_loads": tiers["nvme_late_loads"],
                   "loaded_blocks": tiers["nvme_loaded_blocks"]}
     return list(records.values()), now, stats
+
+
+class SimLaunched(LaunchedPrefill):
+    """`LaunchedPrefill` on the simulated `clock`: the steps the simulated GPU has not finished
+    (`ends_at`), and a launch of `host_s_per_token` a token."""
+
+    def __init__(self, clock: Callable[[], float], host_s_per_token: float) -> None:
+        super().__init__(torch.device("cpu"))
+        self.clock, self.host_s_per_token = clock, host_s_per_token
+        self.ends: deque[tuple[float, int]] = deque()  # when each step ends, its prefill tokens
+
+    def ends_at(self, end: float, prefill_tokens: int) -> None:
+        self.ends.append((end, prefill_tokens))
+
+    def next_end(self) -> float | None:
+        return self.ends[0][0] if self.tokens() else None
+
+    def tokens(self) -> int:
+        while self.ends and self.ends[0][0] <= self.clock():
+            self.ends.popleft()
+        return sum(tokens for _, tokens in self.ends)
+
+    def launch_s(self, tokens: int) -> float:
+        return self.host_s_per_token * tokens
 
 
 def sim_cpu_tier(cache: CacheConfig, clock: Callable[[], float], disk_bytes_per_s: float) -> CPUOffload | None:

@@ -10,8 +10,8 @@ from tieredkv.launched_prefill import LaunchedPrefill
 
 def test_on_the_cpu_a_step_is_done_when_it_returns():
     launched = LaunchedPrefill(torch.device("cpu"))
-    launched.launched(100)
-    assert launched.tokens() == 0
+    launched.launched(100, 100, host_s=0.01)
+    assert launched.tokens() == 0 and launched.launch_s(100) == 0.0
 
 
 @pytest.mark.gpu
@@ -20,9 +20,10 @@ def test_on_the_gpu_launched_steps_count_until_the_gpu_has_run_them():
     launched = LaunchedPrefill(torch.device("cuda"))
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # a kernel that spins for about a second
-    launched.launched(100)
-    launched.launched(0)  # a step of decodes only: nothing to count
-    launched.launched(50)
+    launched.launched(100, 100, host_s=0.001)
+    launched.launched(0, 8, host_s=0.5)  # a step of decodes only: nothing counted, nor learned
+    launched.launched(50, 50, host_s=0.001)
     assert launched.tokens() == 150
+    assert launched.launch_s(1000) == pytest.approx(0.01)  # 10 us a token
     torch.cuda.synchronize()
     assert launched.tokens() == 0

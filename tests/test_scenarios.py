@@ -7,9 +7,11 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from tests.kv_factory import BLOCK_BYTES, make_kv, make_scheduler, make_seq, run_step, run_until_done
 from tests.test_nvme_store import GatedBackend
+from tieredkv.launched_prefill import LaunchedPrefill
 from tieredkv.policy import CostModel
 from tieredkv.tiers.nvme.io_backends import SyncBackend
 
@@ -263,6 +265,17 @@ def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more
     assert observed.latency_s + 8 * BLOCK_BYTES / observed.bytes_per_s > 10 * calibrated_s
 
 
+class Queued(LaunchedPrefill):
+    """The GPU still computing `queued` prefill tokens, whatever the time."""
+
+    def __init__(self, queued: int) -> None:
+        super().__init__(torch.device("cpu"))
+        self.queued = queued
+
+    def tokens(self) -> int:
+        return self.queued
+
+
 def long_and_short_on_a_held_disk(path: str):
     """A store holding a long prompt's 20 blocks and a short one's 2, reopened on a disk that
     holds every request (until `disk.release()`): (disk, sim, long_seq, short_seq)."""
@@ -325,17 +338,17 @@ def test_a_prompt_that_reaches_its_loads_while_the_gpu_computes_before_them_wait
     would start behind that, so the short prompt waits for its reads. Once the GPU is done,
     computing is faster again, and it computes them while the disk still holds the reads."""
     disk, sim, long_seq, short_seq = long_and_short_on_a_held_disk(str(tmp_path))
-    in_flight = [10_000]
+    gpu = Queued(10_000)
     try:
         sched = make_scheduler(sim, "recompute", cost)
-        sched.launched_prefill = lambda: in_flight[0]
+        sched.launched = gpu
         sched.add(long_seq)
         sched.add(short_seq)
         for _ in range(20):
             run_step(sched, sim)
         assert not short_seq.is_finished and sched.load_waits > 0
         assert sim.kv.stats()["nvme_late_loads"] == 0
-        in_flight[0] = 0
+        gpu.queued = 0
         for _ in range(20):
             run_step(sched, sim)
             if short_seq.is_finished:

@@ -104,8 +104,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, self.fingerprint, tiers.offload)
         policy = TierPolicy(config.scheduler.preemption, self.block_bytes, block_size, self._cost_model())
         # ranks in processes of their own answer each step: only a local GPU runs behind the loop
-        self.prefill_in_flight = LaunchedPrefill(torch.device("cpu") if parallel else self.runner.device)
-        self.scheduler = Scheduler(config.scheduler, self.kv, policy, self.prefill_in_flight.tokens)
+        self.launched = LaunchedPrefill(torch.device("cpu") if parallel else self.runner.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv, policy, self.launched)
         self.limits = RequestLimits(self.runner.hf_config.vocab_size, self.runner.max_model_len, num_blocks,
                                     block_size, config.scheduler.max_num_seqs)
         if self.runner.device.type == "cuda" and not config.model.enforce_eager:
@@ -306,6 +306,7 @@ class LLMEngine:
         """One scheduler step and forward pass; outputs of the requests that got a token (a
         beam search: of those that ended)."""
         self._tend_every_s = TEND_EVERY_S
+        begun = time.perf_counter()
         if not self._retired:  # no forward pass since the last step's schedule
             with self._timed("loop_tiers_s"):
                 self.kv.retire()
@@ -322,7 +323,7 @@ class LLMEngine:
             self.kv.before_forward()
         start = time.perf_counter()
         with self._timed("loop_model_s"):
-            result = self._launch(batch, tables)
+            result = self._launch(batch, tables, begun)
         # the next step's tier bookkeeping, while the GPU runs this one (nothing between here and
         # the next schedule starts a transfer or a tier job)
         with self._timed("loop_tiers_s"):
@@ -337,16 +338,17 @@ class LLMEngine:
                 self._counters["requests_finished"] += 1
         return outputs
 
-    def _launch(self, batch: SchedulerOutput, tables: list[list[int]]) -> torch.Tensor | Drawn:
+    def _launch(self, batch: SchedulerOutput, tables: list[list[int]], begun: float) -> torch.Tensor | Drawn:
         """Start the batch's forward pass (on one GPU its kernels are queued: the GPU is still
-        running them on return) and move the scheduled sequences on; the logits, or the tokens
-        the tensor-parallel ranks drew."""
+        running them on return; the step was `begun` then, on the loop's clock) and move the
+        scheduled sequences on; the logits, or the tokens the tensor-parallel ranks drew."""
         self.runner.copy_blocks(self.kv.take_block_copies())  # copy-on-write, before the writes
         if isinstance(self.runner, Workers):  # rank 0 draws where the logits are, as the decoder would
             result = self.runner.execute(batch.scheduled, tables, batch.sampling, self.decoder.draws(batch.sampling))
         else:
             result = self.runner.execute(batch.scheduled, tables)
-        self.prefill_in_flight.launched(self._count(batch))  # before `advance` moves the sequences on
+        prefill = self._count(batch)  # before `advance` moves the sequences on
+        self.launched.launched(prefill, batch.num_tokens, time.perf_counter() - begun)
         self.scheduler.advance(batch)
         return result
 

@@ -22,7 +22,7 @@ sequence may compute is the KV manager's answer (`computable`, after `land_loads
 running one over what its loads brought), and whether a waiting sequence still waits for its
 loads too (`load_wait`). A sequence that reaches blocks still being read waits for them unless
 computing them is faster, behind the prefill the GPU was given and has not finished (the loop
-runs ahead of the GPU through steps that sample nothing: `launched_prefill`).
+runs ahead of the GPU through steps that sample nothing: `LaunchedPrefill`).
 
 After the forward pass, `update(batch, sampled_tokens)` advances the scheduled sequences,
 commits their new full blocks, appends the sampled tokens and retires finished sequences (in
@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, LoadWait
 from tieredkv.config import SchedulerConfig
+from tieredkv.launched_prefill import LaunchedPrefill
 from tieredkv.load_planning import LoadPlanner
 from tieredkv.logprobs import TokenLogprobs
 from tieredkv.policy import TierPolicy
@@ -79,14 +79,14 @@ class Scheduler:
     """Owns the waiting, running and swapped queues and every sequence's progress."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: TierPolicy,
-                 launched_prefill: Callable[[], int] = lambda: 0) -> None:
+                 launched: LaunchedPrefill | None = None) -> None:
         """`policy`: the cost model's choices (swap or recompute, load or compute); the load
         planner holds it, and learns the lower tier's rate over it unless the config pins one.
-        `launched_prefill()`: the prefill tokens the GPU was given and has not finished
-        (`tieredkv.launched_prefill`), ahead of whatever a sequence computes now."""
+        `launched`: the prefill the GPU was given and has not finished, ahead of whatever a
+        sequence computes now, and the loop's launch time (none: the loop waits for each step)."""
         self.config = config
         self.kv = kv
-        self.launched_prefill = launched_prefill
+        self.launched = launched
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -225,7 +225,7 @@ class Scheduler:
         n = self.kv.computable(seq, budget)
         # its turn came before its reads landed: it computes their blocks if that is faster,
         # behind the chunks before them that the GPU may still be computing
-        if n == 0 and self.loads.give_up_late(seq, self.launched_prefill()):
+        if n == 0 and self.loads.give_up_late(seq, *self._gpu_queue(budget)):
             return self._next_chunk(seq, budget)  # it jumps over those that did, and computes on
         return n
 
@@ -285,6 +285,13 @@ class Scheduler:
             slots += seq.width
         return False
 
+    def _gpu_queue(self, launching: int) -> tuple[int, float]:
+        """The prefill tokens the GPU was given and has not finished, and the loop's time to
+        launch a chunk of `launching` tokens."""
+        if self.launched is None:
+            return 0, 0.0
+        return self.launched.tokens(), self.launched.launch_s(launching)
+
     def _slots_taken(self) -> int:
         """Sequence slots the running sequences hold: a request not forked yet holds its width."""
         return sum(seq.width for seq in self.running)
@@ -294,8 +301,10 @@ class Scheduler:
         waits for them (it is not matched again until they have, or until computing their
         blocks behind the `backlog` of prefill is faster); a step waited is counted."""
         wait = self.kv.load_wait(seq)
-        if wait is LoadWait.ARRIVING and self.loads.give_up_late(seq, backlog + self.launched_prefill()):
-            wait = self.kv.load_wait(seq)  # landed: matched again
+        if wait is LoadWait.ARRIVING:
+            in_flight, launch_s = self._gpu_queue(self.config.max_num_batched_tokens)
+            if self.loads.give_up_late(seq, backlog + in_flight, launch_s):
+                wait = self.kv.load_wait(seq)  # landed: matched again
         if wait is LoadWait.ARRIVING:
             self._wait_for_loads(seq)
         return wait
