@@ -361,6 +361,35 @@ def test_a_prompt_that_reaches_its_loads_while_the_gpu_computes_before_them_wait
     run_until_done(sched, sim)
 
 
+def test_prefills_ranked_after_a_sequence_that_waits_for_its_reads_wait_while_the_gpu_is_busy(tmp_path):
+    """Under `ttft` the short prompt, ranked first, reaches its late read while the GPU still
+    computes 10 s of prefill, and waits for it: a longer prompt ranked after it launches no
+    chunk meanwhile (its chunks would run ahead of the short one's on the GPU). Once the GPU
+    is done, it goes on."""
+    cost = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 3.5e-3)
+    disk, sim, long_seq, short_seq = long_and_short_on_a_held_disk(str(tmp_path))
+    other = make_seq("other", [5000 + j for j in range(200)], max_tokens=2)
+    gpu = Queued(10_000)
+    try:
+        sched = make_scheduler(sim, "recompute", cost, scheduling_policy="ttft")
+        sched.launched = gpu
+        for seq in (long_seq, short_seq, other):
+            sched.add(seq)
+        run_step(sched, sim)
+        started = other.num_computed_tokens
+        assert 0 < started < 200 and 0 < short_seq.num_computed_tokens < 9
+        for _ in range(5):
+            run_step(sched, sim)
+        assert other.num_computed_tokens == started and sched.load_waits > 0
+        gpu.queued = 0
+        for _ in range(5):
+            run_step(sched, sim)
+        assert other.num_computed_tokens > started
+    finally:
+        disk.release()
+    run_until_done(sched, sim)
+
+
 @pytest.mark.parametrize("policy, queued", [("fcfs", 22), ("ttft", 2)])
 def test_loads_are_planned_in_the_order_the_prompts_are_to_run(tmp_path, policy, queued):
     """Under `ttft` the short prompt, added after the long one, runs first: its loads are

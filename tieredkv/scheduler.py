@@ -22,7 +22,9 @@ sequence may compute is the KV manager's answer (`computable`, after `land_loads
 running one over what its loads brought), and whether a waiting sequence still waits for its
 loads too (`load_wait`). A sequence that reaches blocks still being read waits for them unless
 computing them is faster, behind the prefill the GPU was given and has not finished (the loop
-runs ahead of the GPU through steps that sample nothing: `LaunchedPrefill`).
+runs ahead of the GPU through steps that sample nothing: `LaunchedPrefill`); while it waits
+and the GPU is busy, the prefills ranked after it wait too, so that their chunks do not run
+ahead of its own.
 
 After the forward pass, `update(batch, sampled_tokens)` advances the scheduled sequences,
 commits their new full blocks, appends the sampled tokens and retires finished sequences (in
@@ -285,6 +287,10 @@ class Scheduler:
             slots += seq.width
         return False
 
+    def _gpu_busy(self) -> bool:
+        """Whether the GPU is still computing prefill it was given."""
+        return self.launched is not None and self.launched.tokens() > 0
+
     def _gpu_queue(self, launching: int) -> tuple[int, float]:
         """The prefill tokens the GPU was given and has not finished, and the loop's time to
         launch a chunk of `launching` tokens."""
@@ -364,6 +370,8 @@ class Scheduler:
                     lower = [seqs[j] for j in shares.ranked_after() if j < len(prefilling)]
                     got = self._extend_prefill(out, seq, tokens, lower)
                     admit = admit and not out.preempted
+                    if got == 0 and tokens and self._gpu_busy():
+                        break  # it waits for its KV while the GPU computes: the prefills after it wait too
             elif admit and tokens:
                 if slots + seq.width > self.config.max_num_seqs:
                     got = None  # no slots: none after it is admitted either (it would starve)
