@@ -27,3 +27,13 @@ def test_on_the_gpu_launched_steps_count_until_the_gpu_has_run_them():
     assert launched.launch_s(1000) == pytest.approx(0.01)  # 10 us a token
     torch.cuda.synchronize()
     assert launched.tokens() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_engine_learns_its_launch_time_from_its_prefill_steps():
+    from tieredkv import LLM, SamplingParams
+
+    with LLM(model="tiny-llama", device="cuda", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16) as llm:
+        llm.generate([list(range(1, 60))], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+        assert 0 < llm.stats()["launch_s_per_token"] < 0.01
