@@ -92,7 +92,7 @@ class StepCost:
     kv_read_s: float
     # the loop's time to launch a step, per token of it; None: the loop waits for each step's end.
     # Given, it waits only for steps that sample (as the engine does) and schedules ahead of the
-    # GPU through the others (`Scheduler.launched_prefill` sees the prefill not finished)
+    # GPU through the others (the scheduler sees the prefill not finished: `SimLaunched`)
     host_s_per_token: float | None = None
 
     def seconds(self, chunks: Sequence[tuple[int, int]]) -> float:

@@ -187,7 +187,7 @@ def test_a_loop_ahead_of_the_gpu_waits_for_a_documents_reads_rather_than_compute
     """With the loop's launch time given, the simulated loop schedules ahead of the GPU through
     the chunks that sample nothing, as the engine does: a revisited 16k-token document reaches
     its later blocks, still being read, while the GPU still computes the chunks before them.
-    Weighed behind that queue (`Scheduler.launched_prefill`), the reads are waited for; weighed
+    Weighed behind that queue (`Scheduler.launched`), the reads are waited for; weighed
     behind an empty one, they look late and their blocks are computed, and the revisits gain
     less. (long_docs_revisited_8b with two questions a document.)"""
     doc = read_yaml(Path(bench.__file__).resolve().parents[1] / "configs" / "long_docs_revisited_8b.yaml")
@@ -198,7 +198,7 @@ def test_a_loop_ahead_of_the_gpu_waits_for_a_documents_reads_rather_than_compute
     seen = bench.simulate(engine, requests, cost, disk_bytes_per_s=1.5e9)
 
     class Blind(bench.Scheduler):  # the GPU's queue unseen
-        def __init__(self, config, kv, policy, launched_prefill=None):
+        def __init__(self, config, kv, policy, launched=None):
             super().__init__(config, kv, policy)
 
     monkeypatch.setattr(bench, "Scheduler", Blind)
