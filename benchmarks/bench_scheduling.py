@@ -228,7 +228,6 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
             cost_model = dataclasses.replace(cost_model, disk_read_bytes_per_s=disk_bytes_per_s)
     policy = TierPolicy(preemption, LLAMA_8B_TOKEN_BYTES * cache.block_size, cache.block_size, cost_model)
     gpu = SimLaunched(lambda: now, cost.host_s_per_token) if cost.host_s_per_token is not None else None
-    gpu_free = 0.0  # when the simulated GPU is done with what it was given
     sched = Scheduler(config.scheduler, kv, policy, gpu)
     sched.policy = policy  # pinned: the load rate it would learn is timed on the wall clock
     records, i, host_s, idle = {}, 0, 0.0, 0
@@ -259,11 +258,9 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         if gpu is None:
             now += step_s
         else:  # launched behind the GPU's queue; the loop waits for it only where the step samples
-            launch_s = gpu.launch_s(out.num_tokens)
-            gpu_free = max(now + launch_s, gpu_free) + step_s
-            gpu.ends_at(gpu_free, sum(s.num_new_tokens for s in out.scheduled
-                                      if s.seq.num_computed_tokens < s.seq.num_prompt_tokens))
-            now = gpu_free if out.sampling else now + launch_s
+            end = gpu.launch(out.num_tokens, sum(s.num_new_tokens for s in out.scheduled
+                                                 if s.seq.num_computed_tokens < s.seq.num_prompt_tokens), step_s)
+            now = end if out.sampling else now + gpu.launch_s(out.num_tokens)
         kv.before_forward()
         _book(sched, out, records, now)
     stats = {"loop_schedule_s": host_s, **{f"{kind}_preemptions": n for kind, n in sched.num_preemptions.items()}}
@@ -276,15 +273,19 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
 
 class SimLaunched(LaunchedPrefill):
     """`LaunchedPrefill` on the simulated `clock`: the steps the simulated GPU has not finished
-    (`ends_at`), and a launch of `host_s_per_token` a token."""
+    (`launch`), and a launch of `host_s_per_token` a token."""
 
     def __init__(self, clock: Callable[[], float], host_s_per_token: float) -> None:
         super().__init__(torch.device("cpu"))
         self.clock, self.host_s_per_token = clock, host_s_per_token
         self.ends: deque[tuple[float, int]] = deque()  # when each step ends, its prefill tokens
 
-    def ends_at(self, end: float, prefill_tokens: int) -> None:
+    def launch(self, num_tokens: int, prefill_tokens: int, step_s: float) -> float:
+        """A step launched now, taking `step_s` on the GPU behind the steps before it: when it ends."""
+        launched = self.clock() + self.launch_s(num_tokens)
+        end = max(launched, self.ends[-1][0] if self.ends else launched) + step_s
         self.ends.append((end, prefill_tokens))
+        return end
 
     def next_end(self) -> float | None:
         return self.ends[0][0] if self.tokens() else None
