@@ -415,7 +415,8 @@ class LLMEngine:
             **self._counters,
             **self._loop_s,
             "longest_step_s": self._longest_step_s,
-            "launch_s_per_token": self.launched.launch_s(1),  # learned on a GPU; 0 elsewhere
+            # the loop's launch time, learned on a GPU (0 elsewhere): every step's, and a token's
+            **dict(zip(("launch_s_fixed", "launch_s_per_token"), self.launched.launch_time.fit(), strict=True)),
             "requests_waiting": len(self.scheduler.waiting),
             "requests_running": len(self.scheduler.running),
             **(self.remote.stats() if self.remote is not None else {}),

@@ -10,7 +10,9 @@ launch that waiting puts after the reads (`LoadPlanner.give_up_late`).
   prefill) was queued on the GPU, `host_s` after the loop began it;
 - `tokens()`: the prefill tokens of the launched steps the GPU has not finished;
 - `launch_s(tokens)`: the loop's time to launch a step of that many tokens, as learned from
-  the steps with prefill.
+  the steps with prefill: a time every step takes plus a time a token (`fit`), by least squares
+  over the recent steps (a step of a 64-token question beside decodes takes nearly as long to
+  launch as a chunk of 8,192 tokens, so a time a token alone, learned from both, is wrong for both).
 
 On the CPU (and with ranks in processes of their own, which answer each step) a step is done when
 `execute` returns: nothing is ever in flight, and the launch is not learned (it delays both
@@ -23,21 +25,20 @@ from collections import deque
 
 import torch
 
-LAUNCH_WEIGHT = 0.2  # the latest step's share of the learned launch time per token
+LAUNCH_WEIGHT = 0.05  # the latest step's weight in the launch time's fit (the last ~20 steps count)
 
 
 class LaunchedPrefill:
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._steps: deque[tuple[torch.cuda.Event, int]] = deque()  # in launch order
-        self._launch_s_per_token: float | None = None  # none learned yet
+        self.launch_time = LaunchTime()
 
     def launched(self, prefill_tokens: int, tokens: int, host_s: float) -> None:
         """A step was queued on the device's current stream (after its kernels)."""
         if self._device.type != "cuda" or not prefill_tokens:
             return
-        per_token, learned = host_s / tokens, self._launch_s_per_token
-        self._launch_s_per_token = per_token if learned is None else learned + LAUNCH_WEIGHT * (per_token - learned)
+        self.launch_time.learn(tokens, host_s)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self._device))
         self._steps.append((done, prefill_tokens))
@@ -49,4 +50,35 @@ class LaunchedPrefill:
         return sum(tokens for _, tokens in self._steps)
 
     def launch_s(self, tokens: int) -> float:
-        return (self._launch_s_per_token or 0.0) * tokens
+        return self.launch_time.seconds(tokens)
+
+
+class LaunchTime:
+    """The loop's time to launch a step: a time every step takes plus a time a token, fitted by
+    least squares over the recent steps (`LAUNCH_WEIGHT`)."""
+
+    def __init__(self) -> None:
+        # weighted means of a step's tokens n and launch time t, and of n*n and n*t (none yet)
+        self._means: tuple[float, float, float, float] | None = None
+
+    def learn(self, tokens: int, host_s: float) -> None:
+        step = (tokens, host_s, tokens * tokens, tokens * host_s)
+        learned = self._means or step
+        self._means = tuple(m + LAUNCH_WEIGHT * (x - m) for m, x in zip(learned, step, strict=True))
+
+    def fit(self) -> tuple[float, float]:
+        """The launch time learned: seconds every step takes, seconds a token (0, 0 before any).
+        Steps all of one size teach no time a token: they get their mean."""
+        if self._means is None:
+            return 0.0, 0.0
+        n, t, nn, nt = self._means
+        spread = nn - n * n
+        per_token = max(0.0, (nt - n * t) / spread) if spread > (0.01 * n) ** 2 else 0.0
+        fixed = t - per_token * n
+        if fixed < 0:  # through the origin: all of it a time a token
+            return 0.0, nt / nn
+        return fixed, per_token
+
+    def seconds(self, tokens: int) -> float:
+        fixed, per_token = self.fit()
+        return fixed + per_token * tokens

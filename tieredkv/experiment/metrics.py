@@ -290,8 +290,9 @@ def _loop_row(stats: dict[str, Any]) -> tuple[str, str]:
     if not keys:
         return "engine loop", "n/a"
     longest = f"; longest step {stats['longest_step_s'] * 1e3:,.0f} ms" if "longest_step_s" in stats else ""
-    if stats.get("launch_s_per_token"):  # learned on a GPU, where the loop runs ahead of it
-        longest += f"; launch {stats['launch_s_per_token'] * 1e6:.1f} us a token"
+    if stats.get("launch_s_fixed") or stats.get("launch_s_per_token"):  # learned on a GPU
+        longest += (f"; launch {stats['launch_s_fixed'] * 1e3:.2f} ms"
+                    f" + {stats['launch_s_per_token'] * 1e6:.2f} us a token")
     return (f"engine loop: {' / '.join(k[5:-2] for k in keys)}",
             " / ".join(f"{stats[k]:.2f}" for k in keys) + " s" + longest)
 
