@@ -171,12 +171,15 @@ def test_a_sequence_waits_for_late_reads_unless_computing_their_blocks_is_clearl
     computed in 3.2 ms (+ attention)."""
     disk = CostModel(1e9, 1e9, prefill_s_per_token=2e-4, prefill_s_per_token_sq=1e-8, disk_read_bytes_per_s=1e9)
 
-    def wait(num_blocks, queued_blocks, gpu_queue_tokens=0, cost=disk, launch_s=0.0):
-        return wait_for_late_reads(num_blocks, MIB, 0, 16, cost, queued_blocks * MIB, gpu_queue_tokens, launch_s)
+    def wait(num_blocks, queued_blocks, gpu_queue_tokens=0, cost=disk, launch_s=0.0, num_delayed=0):
+        return wait_for_late_reads(num_blocks, MIB, 0, 16, cost, queued_blocks * MIB, gpu_queue_tokens, launch_s,
+                                   num_delayed)
 
     assert wait(4, 4)  # its own reads only: they land before the GPU would have computed them
     assert not wait(4, 40)  # 36 reads queued ahead of them (someone else's plan): computing wins
     assert wait(4, 40, gpu_queue_tokens=200)  # unless the GPU is as far behind (40 ms against 46)
+    # or computing them (12.8 ms) would delay three other prefills as much (51 ms against 46), not two
+    assert wait(4, 40, num_delayed=3) and not wait(4, 40, num_delayed=2)
     # but the loop launches the next chunk after the reads if it waits, beside the queue if not
     assert not wait(4, 40, gpu_queue_tokens=200, launch_s=0.03)
     assert wait(4, 4, launch_s=0.03)  # with nothing queued on the GPU the launch delays both alike

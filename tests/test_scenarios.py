@@ -326,6 +326,29 @@ def test_a_prompt_that_reaches_its_loads_early_computes_rather_than_wait_behind_
     assert long_seq.output_token_ids and sched.loaded_skipped_tokens > 0
 
 
+def test_a_prompt_whose_reads_are_late_waits_for_them_while_others_wait_for_the_gpu(tmp_path):
+    """The waiting case below, with six short prompts beside it, four of them left waiting for a
+    sequence slot: computing the short prompt's two late blocks (8 ms) would delay each of them
+    by as much, and together that costs more than waiting for the reads queued ahead (44 ms),
+    which costs them nothing. It waits; nothing is given up while the disk holds every read
+    (without counting the others, it computes them: the case below)."""
+    cost = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 2e-3)
+    disk, sim, long_seq, short_seq = long_and_short_on_a_held_disk(str(tmp_path))
+    others = [make_seq(f"other{i}", [6000 + 10 * i + j for j in range(3)], max_tokens=100) for i in range(6)]
+    try:
+        sched = make_scheduler(sim, "recompute", cost, max_num_seqs=3)
+        for seq in (long_seq, short_seq, *others):
+            sched.add(seq)
+        for _ in range(20):
+            run_step(sched, sim)
+        assert sum(s in sched.waiting for s in others) >= 4 and short_seq in sched.waiting
+        assert sim.kv.stats()["nvme_late_loads"] == 0 and sched.load_waits > 0
+    finally:
+        disk.release()
+    run_until_done(sched, sim)
+    assert short_seq.output_token_ids and sched.loaded_skipped_tokens > 0
+
+
 @pytest.mark.parametrize("cost, given_up, where", [
     (CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 3.5e-3), 1, "running"),
     (CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 2e-3), 2, "waiting"),

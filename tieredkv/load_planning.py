@@ -10,8 +10,9 @@ Operations:
   sequences in the order they are to run, so that the reads overlap other work before their turn.
 - `plan(seq, gpu_queue_tokens)`: plan one sequence's lower-tier loads (once per stay in the
   waiting queue; the KV manager keeps the plan).
-- `give_up_late(seq, gpu_queue_tokens, launch_s) -> bool`: a sequence found waiting for its reads
-  computes those tokens instead when that is faster than waiting for the reads still queued.
+- `give_up_late(seq, gpu_queue_tokens, launch_s, num_delayed) -> bool`: a sequence found waiting
+  for its reads computes those tokens instead when that is faster than waiting for the reads
+  still queued, counting the other prefills that computing them delays.
 - `worth_copying(prefix) -> PrefixMatch`: the prefix less the CPU hits not worth copying in;
   `admitted(found, used)` counts the CPU hits recomputed when a sequence is admitted with it.
 - `stats()`: the blocks planned by choice, the late reads given up, the CPU hits recomputed,
@@ -101,19 +102,20 @@ class LoadPlanner:
         self.lower_prefix_blocks["compute"] += plan.num_compute
         self.lower_prefix_blocks["load"] += plan.num_load
 
-    def give_up_late(self, seq: Sequence, gpu_queue_tokens: int, launch_s: float = 0.0) -> bool:
+    def give_up_late(self, seq: Sequence, gpu_queue_tokens: int, launch_s: float = 0.0, num_delayed: int = 0) -> bool:
         """If the sequence waits for reads still in flight (found with nothing to compute before
         they land) and computing their blocks behind `gpu_queue_tokens` of prefill is faster
         than the reads queued up to its last one (and the `launch_s` the loop then takes to
-        launch its next chunk), it stops waiting and computes them; whether it did. A plan made
-        behind a queue it then jumped (ranked ahead), or against a rate the tier no longer reads
-        at, is corrected here."""
+        launch its next chunk), counting the `num_delayed` other sequences with prefill that
+        computing them delays as much, it stops waiting and computes them; whether it did. A
+        plan made behind a queue it then jumped (ranked ahead), or against a rate the tier no
+        longer reads at, is corrected here."""
         late = self.kv.late_reads(seq)
         if late is None:
             return False
         first_token = late.load_from + late.num_landed * self.policy.block_size
         if self.policy.wait_for_reads(late.num_blocks, first_token, late.queued, gpu_queue_tokens, self.observed_loads,
-                                      launch_s):
+                                      launch_s, num_delayed):
             return False
         self.late_requests["waiting" if seq.status is SequenceStatus.WAITING else "running"] += 1
         self.kv.give_up_reads(seq)

@@ -175,7 +175,7 @@ def first_paying_block(num_blocks: int, per_block_load_s: float, first_token: in
 
 def wait_for_late_reads(
     num_blocks: int, block_bytes: int, first_token: int, block_size: int, cost: CostModel | None,
-    queued_bytes: int, gpu_queue_tokens: int = 0, launch_s: float = 0.0,
+    queued_bytes: int, gpu_queue_tokens: int = 0, launch_s: float = 0.0, num_delayed: int = 0,
 ) -> bool:
     """Whether a sequence that reached its prefix blocks being read from the lower tier (the
     `num_blocks` still in flight, from token `first_token` on; `queued_bytes` of reads in
@@ -187,11 +187,13 @@ def wait_for_late_reads(
     loading must when it is planned, so that the two never flip on noise (the reads go on
     either way, and what they bring lands in the CPU tier). The loop takes `launch_s` to launch
     the chunk that follows: after the reads if it waits, beside the GPU's queue if it computes.
-    Without a read rate, wait."""
+    Computing also puts the blocks' prefill before the `num_delayed` other sequences with
+    prefill to compute, each of them as late again, where waiting costs them nothing (they use
+    the GPU meanwhile): it counts once for each. Without a read rate, wait."""
     if cost is None or cost.disk_read_bytes_per_s is None:
         return True
     wait_s = queued_bytes / cost.disk_read_bytes_per_s + num_blocks * block_bytes / cost.h2d_bytes_per_s + launch_s
-    prefill_s = cost.extend_s(first_token, num_blocks * block_size)
+    prefill_s = cost.extend_s(first_token, num_blocks * block_size) * (1 + num_delayed)
     return max(cost.recompute_s(gpu_queue_tokens), launch_s) + (1 + LOAD_MARGIN) * prefill_s >= wait_s
 
 
@@ -303,12 +305,12 @@ class TierPolicy:
 
     def wait_for_reads(
         self, num_blocks: int, first_token: int, queued_blocks: int, gpu_queue_tokens: int = 0,
-        observed: ObservedLoads | None = None, launch_s: float = 0.0,
+        observed: ObservedLoads | None = None, launch_s: float = 0.0, num_delayed: int = 0,
     ) -> bool:
         """`wait_for_late_reads`, at the `observed` read rate where given."""
         return wait_for_late_reads(
             num_blocks, self.block_bytes, first_token, self.block_size, self._cost(observed),
-            queued_blocks * self.block_bytes, gpu_queue_tokens, launch_s,
+            queued_blocks * self.block_bytes, gpu_queue_tokens, launch_s, num_delayed,
         )
 
     def _cost(self, observed: ObservedLoads | None) -> CostModel | None:

@@ -227,7 +227,7 @@ class Scheduler:
         n = self.kv.computable(seq, budget)
         # its turn came before its reads landed: it computes their blocks if that is faster,
         # behind the chunks before them that the GPU may still be computing
-        if n == 0 and self.loads.give_up_late(seq, *self._gpu_queue(budget)):
+        if n == 0 and self.loads.give_up_late(seq, *self._gpu_queue(budget), self._prefills_beside(seq)):
             return self._next_chunk(seq, budget)  # it jumps over those that did, and computes on
         return n
 
@@ -298,6 +298,12 @@ class Scheduler:
             return 0, 0.0
         return self.launched.tokens(), self.launched.launch_s(launching)
 
+    def _prefills_beside(self, seq: Sequence) -> int:
+        """The other sequences with prefill to compute: waiting ones (not held) and running
+        ones not past their prompt."""
+        waiting = sum(1 for s in self.waiting if s is not seq and not s.held)
+        return waiting + sum(1 for s in self.running if s is not seq and s.num_computed_tokens < s.num_prompt_tokens)
+
     def _slots_taken(self) -> int:
         """Sequence slots the running sequences hold: a request not forked yet holds its width."""
         return sum(seq.width for seq in self.running)
@@ -309,7 +315,7 @@ class Scheduler:
         wait = self.kv.load_wait(seq)
         if wait is LoadWait.ARRIVING:
             in_flight, launch_s = self._gpu_queue(self.config.max_num_batched_tokens)
-            if self.loads.give_up_late(seq, backlog + in_flight, launch_s):
+            if self.loads.give_up_late(seq, backlog + in_flight, launch_s, self._prefills_beside(seq)):
                 wait = self.kv.load_wait(seq)  # landed: matched again
         if wait is LoadWait.ARRIVING:
             self._wait_for_loads(seq)
