@@ -413,6 +413,41 @@ def test_prefills_ranked_after_a_sequence_that_waits_for_its_reads_wait_while_th
     run_until_done(sched, sim)
 
 
+def test_under_fcfs_prefills_after_a_sequence_that_waits_for_its_reads_wait_while_the_gpu_is_busy(tmp_path):
+    """The case above in arrival order: the short prompt reaches its late read while the GPU
+    still computes 10 s of prefill and waits for it; the prompt after it, running, launches no
+    chunk meanwhile and the one that arrives then is not admitted, while a decode goes on. Once
+    the GPU is done, they go on."""
+    cost = CostModel(1e15, 1e15, prefill_s_per_token=1e-3, disk_read_bytes_per_s=BLOCK_BYTES / 3.5e-3)
+    disk, sim, long_seq, short_seq = long_and_short_on_a_held_disk(str(tmp_path))
+    other = make_seq("other", [5000 + j for j in range(200)], max_tokens=2)
+    decode = make_seq("decode", [7000 + j for j in range(3)], max_tokens=50)
+    late = make_seq("late", [8000 + j for j in range(20)], max_tokens=2)
+    gpu = Queued(0)
+    try:
+        sched = make_scheduler(sim, "recompute", cost, max_num_batched_tokens=32)
+        for seq in (decode, short_seq, other):
+            sched.add(seq)
+        for _ in range(3):
+            run_step(sched, sim)
+        assert decode.output_token_ids and 0 < other.num_computed_tokens < 200
+        assert short_seq.num_computed_tokens < 9 and sched.load_waits > 0  # it waits for its reads
+        gpu.queued, sched.launched = 10_000, gpu
+        sched.add(late)
+        started, decoded = other.num_computed_tokens, len(decode.output_token_ids)
+        for _ in range(5):
+            run_step(sched, sim)
+        assert other.num_computed_tokens == started and late.num_computed_tokens == 0
+        assert len(decode.output_token_ids) == decoded + 5
+        gpu.queued = 0
+        for _ in range(5):
+            run_step(sched, sim)
+        assert other.num_computed_tokens > started and late.num_computed_tokens > 0
+    finally:
+        disk.release()
+    run_until_done(sched, sim)
+
+
 @pytest.mark.parametrize("policy, queued", [("fcfs", 22), ("ttft", 2)])
 def test_loads_are_planned_in_the_order_the_prompts_are_to_run(tmp_path, policy, queued):
     """Under `ttft` the short prompt, added after the long one, runs first: its loads are

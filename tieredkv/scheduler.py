@@ -22,9 +22,10 @@ sequence may compute is the KV manager's answer (`computable`, after `land_loads
 running one over what its loads brought), and whether a waiting sequence still waits for its
 loads too (`load_wait`). A sequence that reaches blocks still being read waits for them unless
 computing them is faster, behind the prefill the GPU was given and has not finished (the loop
-runs ahead of the GPU through steps that sample nothing: `LaunchedPrefill`); while it waits
-and the GPU is busy, the prefills ranked after it wait too, so that their chunks do not run
-ahead of its own.
+runs ahead of the GPU through steps that sample nothing: `LaunchedPrefill`), and counting the
+other prefills that computing them would delay; while a running one waits and the GPU is busy,
+the prefills after it (ranked after it, or under `fcfs` running or admitted after it) wait too,
+so that their chunks do not run ahead of its own.
 
 After the forward pass, `update(batch, sampled_tokens)` advances the scheduled sequences,
 commits their new full blocks, appends the sampled tokens and retires finished sequences (in
@@ -125,14 +126,14 @@ class Scheduler:
         if self.waiting and not ranked:  # (ranked: in the ranking's order, `_schedule_prefills`)
             self.loads.prefetch(self.waiting, self._prefill_backlog(), self.ranking.to_compute)
         prefilling: list[Sequence] | None = [] if ranked else None  # decodes first, prefills later
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
+        budget, held = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
         blocked = False
         if prefilling is not None:  # swapped sequences take their turn in the policy's order
             blocked = self._schedule_prefills(out, budget, prefilling)
         else:
             if not out.preempted:
                 budget, blocked = self._resume_swapped(out, budget)
-            if not out.preempted and not self._swapped_ready():
+            if not out.preempted and not held and not self._swapped_ready():
                 blocked = self._admit_waiting(out, budget)
         if blocked and not out.scheduled and not out.preempted:
             self._preempt_held(out)
@@ -185,20 +186,26 @@ class Scheduler:
         """`seq` computed all its tokens and its next one waits for its group (a beam)."""
         seq.held = True
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, prefilling: list[Sequence] | None = None) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          prefilling: list[Sequence] | None = None) -> tuple[int, bool]:
         """Schedule the running sequences, oldest first; with `prefilling`, only the decodes,
         collecting the prefills there (those the loop reaches: with no budget left they would
-        get nothing)."""
-        i = 0
+        get nothing). The budget left, and whether a prefill waits for its KV while the GPU
+        still computes prefill: the prefills after it then wait too (their chunks would run
+        ahead of its own on the GPU), decodes go on."""
+        i, held = 0, False
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if prefilling is not None and seq.num_tokens - seq.num_computed_tokens > 1:
+            prefill = seq.num_tokens - seq.num_computed_tokens > 1
+            if prefill and prefilling is not None:  # scheduled later, in the policy's order
                 prefilling.append(seq)
+            if prefill and (prefilling is not None or held):  # held: after one that waits for its KV
                 i += 1
                 continue
             n = self._next_chunk(seq, budget)
             if n == 0:  # waiting for its lower-tier blocks, or they are landing
                 self._wait_for_loads(seq)
+                held = held or self._gpu_busy()
                 i += 1
                 continue
             while self.kv.allocate(seq, n) is None:
@@ -206,11 +213,11 @@ class Scheduler:
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
-                    return budget
+                    return budget, held
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        return budget
+        return budget, held
 
     def _next_chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens a running sequence computes this step, after jumping over the prefix tokens
