@@ -34,6 +34,9 @@ Two clocks:
         --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme --json docs.json  # documents revisited (returning TTFT in the json)
     python benchmarks/bench_scheduling.py configs/long_docs_revisited_8b.yaml --sim --step-ms 9 --disk-gbps 1.36 \
         --host-us-per-token 11 --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme   # the loop ahead of the GPU
+    python benchmarks/bench_scheduling.py configs/multi_turn_8b.yaml --sim --step-ms 9 --disk-gbps 1.42 \
+        --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme --arrivals RUN/multi_turn_8b/gpu+cpu8GiB/result.json
+                                                  # a closed-loop run's turns, replayed open-loop
     python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
 """
 
@@ -44,6 +47,7 @@ import dataclasses
 import gc
 import itertools
 import json
+import random
 import statistics
 import sys
 import time
@@ -63,7 +67,13 @@ from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
 from tieredkv.experiment.replay import ReplayWorkload
 from tieredkv.experiment.spec import variants
 from tieredkv.experiment.traces import prompt_token_ids
-from tieredkv.experiment.workloads import LongContextWorkload, LongDocQAWorkload, make_workload
+from tieredkv.experiment.workloads import (
+    LongContextWorkload,
+    LongDocQAWorkload,
+    MultiTurnWorkload,
+    describe_workload,
+    make_workload,
+)
 from tieredkv.launched_prefill import LaunchedPrefill
 from tieredkv.policy import CostModel, TierPolicy, needs_cost_model
 from tieredkv.sampling import SamplingParams
@@ -408,6 +418,38 @@ def plan_of(workload: Planned) -> list[Request]:
             for r in workload.requests]
 
 
+def plan_of_run(doc: dict, path: str, speed: float | None) -> list[Request]:
+    """The requests of a `tieredkv run` of the config's `multi_turn` workload (its result.json at
+    `path`), open-loop: each turn sent when it was in that run (its time from the start divided
+    by `speed`), its prompt the conversation so far with the answers the run gave. A closed loop
+    sends a turn once the last one is answered; replayed, a slower variant meets the same
+    arrivals (the simulated clock runs no closed loop)."""
+    workload = make_workload(doc.get("workload") or {})
+    if not isinstance(workload, MultiTurnWorkload):
+        kind = describe_workload(workload)["kind"]
+        raise SystemExit(f"--arrivals replays a multi_turn run; the config's workload is {kind!r}")
+    try:
+        run = json.loads(Path(path).read_text())
+        recorded = {r["tag"]: r for r in run["requests"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--arrivals {path}: not a result.json of `tieredkv run` ({e})") from None
+    if run.get("workload") != describe_workload(workload):
+        raise SystemExit(f"--arrivals {path}: its workload {run.get('workload')} is not the config's")
+    system, messages = workload.messages(random.Random(workload.seed), VOCAB)
+    requests = []
+    for u, turns in enumerate(messages):
+        history = list(system)
+        for t, message in enumerate(turns):
+            history += message
+            r = recorded.get(f"user{u}/turn{t}")
+            if r is None or not r.get("finished"):
+                raise SystemExit(f"--arrivals {path}: user{u}/turn{t} did not finish in that run")
+            requests.append((r["arrival"] / (speed or 1.0), f"user{u}/turn{t}", list(history), t > 0,
+                             workload.max_tokens))
+            history += r["output_token_ids"]
+    return sorted(requests, key=lambda r: r[0])
+
+
 def engines_of(doc: dict, names: str | None, vary: str | None, policies: str | None,
                settings: Sequence[str]) -> list[tuple[str, dict]]:
     """(name, engine config) of each variant to run: the config's (those in `names`), or with
@@ -480,19 +522,22 @@ HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'I
 
 
 def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str | None, bound: bool = False,
-              sim_cost: StepCost = H200_LLAMA_8B, disk_bytes_per_s: float | None = None,
+              sim_cost: StepCost = H200_LLAMA_8B, disk_bytes_per_s: float | None = None, arrivals: str | None = None,
               **keys: float | None) -> list[tuple[Summary, RequestRecord]]:
-    """Every variant on one workload (one rate, one seed); prints a table (and with `bound`,
-    `print_bound`), returns the summaries and each variant's slowest request. With `sim`, steps
-    take `sim_cost`'s time and a store's disk moves `disk_bytes_per_s` each way."""
-    workload = workload_of(doc, trace, **keys)
-    requests = plan_of(workload)
+    """Every variant on one workload (one rate, one seed; or with `arrivals`, a multi_turn run's
+    requests: `plan_of_run`); prints a table (and with `bound`, `print_bound`), returns the
+    summaries and each variant's slowest request. With `sim`, steps take `sim_cost`'s time and a
+    store's disk moves `disk_bytes_per_s` each way."""
+    if arrivals is not None:
+        requests, source = plan_of_run(doc, arrivals, keys.get("speed")), f"the turns of {arrivals}"
+    else:
+        workload = workload_of(doc, trace, **keys)
+        requests, source = plan_of(workload), f"seed {workload.seed}, rate {workload.rate}/s"
     tokens = sum(len(r[2]) for r in requests)
     outputs = sum(r[4] for r in requests)
-    print(f"\n{len(requests)} requests, seed {workload.seed}, {tokens} prompt tokens (mean "
+    print(f"\n{len(requests)} requests ({source}), {tokens} prompt tokens (mean "
           f"{tokens / len(requests):.0f}, max {max(len(r[2]) for r in requests)}), {outputs} output tokens, "
-          f"arrivals over {requests[-1][0]:.0f} s (rate {workload.rate}/s); "
-          f"{'simulated H200 clock' if sim else 'engine, wall clock'}")
+          f"arrivals over {requests[-1][0]:.0f} s; {'simulated H200 clock' if sim else 'engine, wall clock'}")
     print(HEADER, flush=True)
     summaries, runs = [], []
     for name, engine_doc in engines:
@@ -587,6 +632,9 @@ def main() -> None:
                         help="with --sim: scale each step's fixed time by these factors, each a run (e.g. "
                              "1,1.001,1.002): how far a figure moves under a change too small to matter, and "
                              "the variants' ratios averaged over it (BENCHMARKS.md)")
+    parser.add_argument("--arrivals", metavar="RESULT_JSON",
+                        help="a multi_turn config: replay that `tieredkv run`'s turns open-loop, at the times "
+                             "they were sent (divided by --speed), with the answers it gave")
     parser.add_argument("--json", help="write every summary here")
     args = parser.parse_args()
     try:
@@ -618,7 +666,7 @@ def main() -> None:
     window = {"fraction": args.fraction, "start_s": args.start_s, "duration_s": args.duration_s}
     results = []
     for rate in [float(r) for r in args.rates.split(",")] if args.rates else [None]:
-        points = [run_point(doc, engines, args.sim, args.trace, args.bound, sim_cost, disk_bytes_per_s,
+        points = [run_point(doc, engines, args.sim, args.trace, args.bound, sim_cost, disk_bytes_per_s, args.arrivals,
                             rate=rate, requests=args.requests,
                             seed=seed, speed=args.speed, **window)
                   for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])

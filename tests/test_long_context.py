@@ -270,3 +270,35 @@ def test_a_longer_fixed_step_time_slows_the_simulated_clock(bench, tmp_path, mon
     monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, "--sim", "--step-ms", "0"])
     with pytest.raises(SystemExit, match="--step-ms: expected a positive number"):
         bench.main()
+
+
+def test_a_multi_turn_run_replays_open_loop_with_its_answers(bench, tmp_path):
+    """`--arrivals`: each turn of a multi_turn run is sent when it was (its time divided by the
+    speed), its prompt the conversation so far with the answers the run gave; a run of another
+    workload, or one with a turn that did not finish, is refused."""
+    from tieredkv.experiment.workloads import describe_workload
+
+    section = {"kind": "multi_turn", "users": 2, "turns": 2, "system_prompt_tokens": 3, "message_tokens": 2,
+               "max_tokens": 2, "rate": 1.0, "seed": 5}
+    workload = make_workload(section)
+    answers = {f"user{u}/turn{t}": [10 * u + t, 99] for u in range(2) for t in range(2)}
+    sent = {"user0/turn0": 0.5, "user0/turn1": 2.0, "user1/turn0": 1.0, "user1/turn1": 1.5}
+    run = {"workload": describe_workload(workload),
+           "requests": [{"tag": tag, "arrival": sent[tag], "finished": True, "output_token_ids": answers[tag]}
+                        for tag in sent]}
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(run))
+    requests = bench.plan_of_run({"workload": section}, str(path), speed=2.0)
+    assert [(r[0], r[1]) for r in requests] == [(0.25, "user0/turn0"), (0.5, "user1/turn0"),
+                                                (0.75, "user1/turn1"), (1.0, "user0/turn1")]
+    first, second = {r[1]: r[2] for r in requests}["user0/turn0"], {r[1]: r[2] for r in requests}["user0/turn1"]
+    assert len(first) == 5 and second[:5] == first and second[5:7] == answers["user0/turn0"] and len(second) == 9
+    assert [r[3] for r in requests] == [False, False, True, True] and {r[4] for r in requests} == {2}
+    with pytest.raises(SystemExit, match="not the config's"):
+        bench.plan_of_run({"workload": {**section, "seed": 6}}, str(path), None)
+    run["requests"][1]["finished"] = False
+    path.write_text(json.dumps(run))
+    with pytest.raises(SystemExit, match="user0/turn1 did not finish"):
+        bench.plan_of_run({"workload": section}, str(path), None)
+    with pytest.raises(SystemExit, match="replays a multi_turn run"):
+        bench.plan_of_run({"workload": SMALL}, str(path), None)

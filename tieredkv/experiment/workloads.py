@@ -58,13 +58,16 @@ class MultiTurnWorkload:
     def num_requests(self) -> int:
         return self.users * self.turns
 
-    async def run(self, client: Client, vocab_size: int) -> None:
-        rng = random.Random(self.seed)
+    def messages(self, rng: random.Random, vocab_size: int) -> tuple[list[int], list[list[list[int]]]]:
+        """The system prompt, and each user's messages turn by turn, drawn from `rng`."""
         system = random_tokens(rng, self.system_prompt_tokens, vocab_size)
         first = self.message_tokens if self.first_message_tokens is None else self.first_message_tokens
-        messages = [[random_tokens(rng, first if t == 0 else self.message_tokens, vocab_size)
-                     for t in range(self.turns)] for _ in range(self.users)]
+        return system, [[random_tokens(rng, first if t == 0 else self.message_tokens, vocab_size)
+                         for t in range(self.turns)] for _ in range(self.users)]
 
+    async def run(self, client: Client, vocab_size: int) -> None:
+        rng = random.Random(self.seed)
+        system, messages = self.messages(rng, vocab_size)
         at = clock()
         arrivals = arrival_times(rng, self.rate, self.users)
 
