@@ -199,7 +199,9 @@ class Scheduler:
             prefill = seq.num_tokens - seq.num_computed_tokens > 1
             if prefill and prefilling is not None:  # scheduled later, in the policy's order
                 prefilling.append(seq)
-            if prefill and (prefilling is not None or held):  # held: after one that waits for its KV
+                i += 1
+                continue
+            if prefill and held:  # after one that waits for its KV while the GPU computes
                 i += 1
                 continue
             n = self._next_chunk(seq, budget)
