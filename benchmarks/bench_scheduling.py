@@ -650,6 +650,11 @@ def main() -> None:
     for flag, value in (("--disk-gbps", args.disk_gbps), ("--step-ms", args.step_ms)):
         if value is not None and not value > 0:
             raise SystemExit(f"{flag}: expected a positive number, got {value}")
+    if args.arrivals is not None:  # the run's requests, as they came: nothing draws others
+        drawn = [flag for flag, value in (("--trace", args.trace), ("--rates", args.rates), ("--seeds", args.seeds),
+                                          ("--requests", args.requests)) if value is not None]
+        if drawn:
+            raise SystemExit(f"--arrivals replays a run's own requests: drop {', '.join(drawn)}")
     if args.host_us_per_token is not None and not args.host_us_per_token >= 0:
         raise SystemExit(f"--host-us-per-token: expected a number >= 0, got {args.host_us_per_token}")
     step_s = args.step_ms / 1e3 if args.step_ms else H200_LLAMA_8B.step_s

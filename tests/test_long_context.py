@@ -302,3 +302,11 @@ def test_a_multi_turn_run_replays_open_loop_with_its_answers(bench, tmp_path):
         bench.plan_of_run({"workload": section}, str(path), None)
     with pytest.raises(SystemExit, match="replays a multi_turn run"):
         bench.plan_of_run({"workload": SMALL}, str(path), None)
+
+
+def test_a_replayed_run_takes_no_flag_that_draws_other_requests(bench, monkeypatch):
+    config = str(Path(bench.__file__).resolve().parents[1] / "configs" / "multi_turn_8b.yaml")
+    monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, "--sim", "--arrivals", "result.json",
+                                      "--rates", "1", "--seeds", "0,1"])
+    with pytest.raises(SystemExit, match="--arrivals replays a run's own requests: drop --rates, --seeds"):
+        bench.main()
