@@ -65,6 +65,20 @@ def test_unpinned_the_block_is_taken_where_it_stood():
     assert [b.block_id for b in pool.free_blocks()] == [0, 2]  # still first in line
 
 
+def test_a_block_pinned_while_owned_is_not_free_once_released():
+    pool = BlockPool(3)
+    blocks = pool.allocate(2)
+    pool.cache(blocks[0], 100, 0, (0,))
+    pool.pin(blocks[0])  # written to disk while a sequence still owns it
+    assert pool.num_free == 1
+    pool.release(blocks)
+    assert pool.num_free == 2 and [b.block_id for b in pool.free_blocks()] == [1, 2]
+    pool.uncache(blocks[0])  # forgotten while pinned: an empty block, still not free
+    assert pool.num_free == 2 and pool.allocate(3) is None
+    pool.unpin(blocks[0])
+    assert pool.num_free == 3 and [b.block_id for b in pool.allocate(3)] == [0, 1, 2]
+
+
 def test_uncached_blocks_are_reused_before_cached_ones():
     kv = KVCacheManager(num_blocks=6, block_size=BS, root_hash=7)
     a = make_seq("a", list(range(10)))  # 2 full blocks + 1 partial

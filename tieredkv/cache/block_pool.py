@@ -58,14 +58,15 @@ class BlockPool:
         self._empty: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._free_queue: OrderedDict[int, Block] = OrderedDict()  # cached, nobody owns them
         self._cached: dict[int, Block] = {}
-        self._pinned: dict[int, Block] = {}  # never allocated, wherever they are (a few at a time)
+        self._pinned: dict[int, Block] = {}  # never allocated, wherever they are
+        self._pinned_free = 0  # pinned blocks in the free queues
         self.on_evict = on_evict
         self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (empty, or cached with no owner; not pinned)."""
-        return len(self._empty) + len(self._free_queue) - sum(map(self._in_free_queues, self._pinned.values()))
+        return len(self._empty) + len(self._free_queue) - self._pinned_free
 
     @property
     def num_cached(self) -> int:
@@ -81,7 +82,11 @@ class BlockPool:
         return self._unpinned(self._free_queue)
 
     def _unpinned(self, queue: OrderedDict[int, Block]) -> Iterator[Block]:
-        return (b for b in queue.values() if b.block_id not in self._pinned) if self._pinned else iter(queue.values())
+        # skipped without a Python step a block: the CPU tier's coldest blocks are pinned while
+        # they are written to disk (hundreds), and every demotion asks for the block after them
+        if not self._pinned:
+            return iter(queue.values())
+        return map(queue.__getitem__, itertools.filterfalse(self._pinned.__contains__, queue))
 
     def is_free(self, block: Block) -> bool:
         """Whether the block can be allocated now."""
@@ -102,20 +107,13 @@ class BlockPool:
         if n > self.num_free:
             return None
         taken: list[Block] = []
-        passed: list[tuple[OrderedDict[int, Block], Block]] = []  # pinned: back in front, in order, after
-        while len(taken) < n:
-            queue = self._empty or self._free_queue
-            _, block = queue.popitem(last=False)
-            if block.block_id in self._pinned:
-                passed.append((queue, block))
-                continue
+        while len(taken) < n:  # the next free block is asked for each time: evicting one may free others
+            block = next(self.free_blocks())
+            self._free(block).pop(block.block_id)
             self._evict(block)
             block.ref_count = 1
             block.evict_first = False
             taken.append(block)
-        for queue, block in reversed(passed):
-            queue[block.block_id] = block
-            queue.move_to_end(block.block_id, last=False)
         return taken
 
     def pin(self, block: Block) -> None:
@@ -123,14 +121,17 @@ class BlockPool:
         keeps its place in the free queue, and is found, touched and released as before."""
         assert block.block_id not in self._pinned, f"block {block.block_id} is pinned already"
         self._pinned[block.block_id] = block
+        self._pinned_free += self._in_free_queues(block)
 
     def unpin(self, block: Block) -> None:
         del self._pinned[block.block_id]
+        self._pinned_free -= self._in_free_queues(block)
 
     def touch(self, block: Block) -> None:
         """Add an owner to a block found in the prefix cache."""
         if block.ref_count == 0:
             self._free(block).pop(block.block_id)
+            self._pinned_free -= block.block_id in self._pinned
         block.ref_count += 1
 
     def _free(self, block: Block) -> OrderedDict[int, Block]:
@@ -147,6 +148,7 @@ class BlockPool:
             if block.ref_count == 0:
                 queue = self._empty if block.block_hash is None else self._free_queue
                 queue[block.block_id] = block
+                self._pinned_free += block.block_id in self._pinned
                 if block.evict_first or block.block_hash is None:
                     queue.move_to_end(block.block_id, last=False)
 
