@@ -524,10 +524,10 @@ def test_a_swapped_out_decode_comes_back_at_once_however_long_its_context(policy
     assert len(s.output_token_ids) == 3 and sim.kv.stats()["gpu_blocks_used"] == 0
 
 
-def test_a_waiting_prefix_being_loaded_is_ranked_by_what_it_computes(tmp_path):
+def test_a_waiting_prefix_being_loaded_counts_in_the_gpu_queue_by_what_it_computes(tmp_path):
     """A waiting sequence whose lower-tier loads started ahead of its turn (prefetched while no
-    sequence slot is free) is ranked, and counted in the GPU queue that later loads are planned
-    against, by the tokens it will compute: the prefix being read is not GPU work."""
+    sequence slot is free) is counted in the GPU queue that later loads are planned against by
+    the tokens it will compute: the prefix being read is not GPU work."""
     store_prompts(str(tmp_path))
     sim = make_kv(8, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
     sched = make_scheduler(sim, "recompute", BALANCED, max_num_seqs=1, scheduling_policy="ttft")
@@ -541,10 +541,12 @@ def test_a_waiting_prefix_being_loaded_is_ranked_by_what_it_computes(tmp_path):
     assert q.is_finished and sim.kv.tokens_to_load(q) == 0
 
 
-def test_a_prefix_split_between_computing_and_loading_is_ranked_by_what_it_computes(tmp_path):
+def test_a_prefix_split_between_computing_and_loading_is_ranked_by_all_it_has_left(tmp_path):
     """While q computes its first block and reads its second, it has 1 token to compute (its
-    last), not 5: ranked by its whole rest, a shorter prompt arriving then would take its turn
-    and, with blocks short, its blocks (preempted in the middle of its prefill)."""
+    last): the GPU queue that loads are planned against counts that one. It is ranked by its
+    whole rest, 5 tokens, as it would be without the lower tier: a 3-token prompt arriving then
+    goes first (ranked by the 1 token, q jumped the prompts its reads were planned behind, and
+    they waited while it waited for its reads)."""
     store_prompts(str(tmp_path))
     sim = make_kv(8, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
     sched = make_scheduler(sim, "recompute", BALANCED)
@@ -555,5 +557,8 @@ def test_a_prefix_split_between_computing_and_loading_is_ranked_by_what_it_compu
     assert sim.kv.tokens_to_load(q) == 4  # the second, read
     assert sched.ranking.to_compute(q) == 1
     assert sched._prefill_backlog() == 1  # the queue a load is planned against, too
+    r = make_seq("r", range(60, 63), max_tokens=2)
+    sched.add(r)
+    assert [(q, r)[i] for i in sched.ranking.share([q, r], 16, None).order] == [r, q]
     run_until_done(sched, sim)
-    assert sim.kv.tokens_to_load(q) == 0 and sched.loaded_skipped_tokens == 4
+    assert sim.kv.tokens_to_load(q) == 0 and sched.loaded_skipped_tokens == 4 and r.is_finished

@@ -1,7 +1,10 @@
 """What the scheduler's prefills are ranked by (`scheduling_policy` `ttft`, `hrrn`): how long each
 sequence has waited, counted in tokens of work scheduled since it arrived, and how many tokens
-it has left to compute, a waiting one's resident prefix (GPU and CPU tiers) and any sequence's
-prefix blocks being loaded from the lower tier counting as computed.
+it has left to bring onto the GPU, a waiting one's resident prefix (GPU and CPU tiers) counting as
+computed. Prefix blocks loaded from the lower tier count as left: a sequence is ranked as it would
+be without that tier (ranked by its computing part alone, it jumped the prefills its loads were
+planned behind, then waited for the reads while they waited behind it: BENCHMARKS.md, "Loads do
+not jump the queue"). The GPU queue counts its computing part alone (`to_compute`).
 The policy's maths over those numbers is `tieredkv.scheduling`.
 
 Operations:
@@ -12,8 +15,8 @@ Operations:
   `rematch_oldest(keep)`: forget the oldest resident prefix (not of `keep`), matched again when next
   asked for: one a step, as matching costs.
 - `share(seqs, budget, ride_cost) -> PrefillShares`: the sequences ranked, with their shares of
-  `budget`; `to_compute(seq)`: the tokens it is ranked by (less a waiting one's resident prefix,
-  and its loads).
+  `budget`; `to_compute(seq)`: the tokens it gives the GPU to compute (less a waiting one's
+  resident prefix, and its loads).
 """
 
 from __future__ import annotations
@@ -67,12 +70,12 @@ class PrefillRanking:
         attention, as it says), else None."""
         candidates = []
         for seq in seqs:
-            left = self.to_compute(seq)
             # the tokens before its next chunk (a waiting one's resident prefix); a swapped-out
             # decode is charged as the running ones are, one token (its attention is not a prefill's)
-            computed = 0
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                computed = seq.num_tokens - left if seq.status is SequenceStatus.WAITING else seq.num_computed_tokens
+            computed = self._resident(seq) if seq.status is SequenceStatus.WAITING else seq.num_computed_tokens
+            left = seq.num_tokens - computed
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                computed = 0
             candidates.append(PrefillCandidate(left, self._waited(seq), computed))
         attention = _attention_weight(ride_cost)
         config = self.config
@@ -80,18 +83,22 @@ class PrefillRanking:
                              config.max_prefill_chunk_tokens, attention)
 
     def to_compute(self, seq: Sequence) -> int:
-        """Tokens the sequence has left to compute, less what its lower-tier loads bring (a
-        prefix split between computing and loading is ranked by its computing part, and
-        counted so in the GPU queue that later loads are planned against): for a waiting one,
-        less the prefix found resident (GPU and CPU tiers) when it was last matched too; for a
-        running one, from its computed tokens on."""
+        """Tokens the sequence has left to compute, less what its lower-tier loads bring (the
+        GPU queue that later loads are planned against): for a waiting one, less the prefix
+        found resident (GPU and CPU tiers) when it was last matched too; for a running one, from
+        its computed tokens on."""
         if seq.status is not SequenceStatus.WAITING:
             return seq.num_tokens - seq.num_computed_tokens - self.kv.tokens_to_load(seq)
+        resident = self._resident(seq)
+        # loads that landed in the CPU tier before admission are resident too: counted once
+        return seq.num_tokens - resident - self.kv.tokens_to_load(seq, have=resident)
+
+    def _resident(self, seq: Sequence) -> int:
+        """A waiting sequence's prefix tokens resident in the GPU and CPU tiers, as last matched."""
         resident = self._resident_tokens.get(seq.seq_id)
         if resident is None:
             resident = self._resident_tokens[seq.seq_id] = self.kv.resident_tokens(seq)
-        # loads that landed in the CPU tier before admission are resident too: counted once
-        return seq.num_tokens - resident - self.kv.tokens_to_load(seq, have=resident)
+        return resident
 
     def _waited(self, seq: Sequence) -> int:
         """Tokens scheduled (for anyone) since the sequence arrived."""
