@@ -74,7 +74,6 @@ from tieredkv.experiment.workloads import (
     describe_workload,
     make_workload,
 )
-from tieredkv.launched_prefill import LaunchedPrefill
 from tieredkv.policy import CostModel, TierPolicy, needs_cost_model
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
@@ -281,12 +280,11 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
     return list(records.values()), now, stats
 
 
-class SimLaunched(LaunchedPrefill):
-    """`LaunchedPrefill` on the simulated `clock`: the steps the simulated GPU has not finished
+class SimLaunched:
+    """The GPU's queue (`GpuQueue`) on the simulated `clock`: the steps the simulated GPU has not finished
     (`launch`), and a launch of `host_s_per_token` a token."""
 
     def __init__(self, clock: Callable[[], float], host_s_per_token: float) -> None:
-        super().__init__(torch.device("cpu"))
         self.clock, self.host_s_per_token = clock, host_s_per_token
         self.ends: deque[tuple[float, int]] = deque()  # when each step ends, its prefill tokens
 

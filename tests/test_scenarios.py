@@ -7,11 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from tests.kv_factory import BLOCK_BYTES, make_kv, make_scheduler, make_seq, run_step, run_until_done
 from tests.test_nvme_store import GatedBackend
-from tieredkv.launched_prefill import LaunchedPrefill
 from tieredkv.policy import CostModel
 from tieredkv.tiers.nvme.io_backends import SyncBackend
 
@@ -265,15 +263,17 @@ def test_a_disk_slower_than_calibrated_is_corrected_and_later_plans_compute_more
     assert observed.latency_s + 8 * BLOCK_BYTES / observed.bytes_per_s > 10 * calibrated_s
 
 
-class Queued(LaunchedPrefill):
-    """The GPU still computing `queued` prefill tokens, whatever the time."""
+class Queued:
+    """The GPU still computing `queued` prefill tokens, whatever the time, launched at once (a `GpuQueue`)."""
 
     def __init__(self, queued: int) -> None:
-        super().__init__(torch.device("cpu"))
         self.queued = queued
 
     def tokens(self) -> int:
         return self.queued
+
+    def launch_s(self, tokens: int) -> float:
+        return 0.0
 
 
 def long_and_short_on_a_held_disk(path: str):

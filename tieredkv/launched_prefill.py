@@ -17,15 +17,27 @@ launch that waiting puts after the reads (`LoadPlanner.give_up_late`).
 On the CPU (and with ranks in processes of their own, which answer each step) a step is done when
 `execute` returns: nothing is ever in flight, and the launch is not learned (it delays both
 choices alike).
+
+`GpuQueue` is what the scheduler asks of it (`tokens`, `launch_s`): the benchmark's simulated GPU
+answers the same two questions on its own clock.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 import torch
 
 LAUNCH_WEIGHT = 0.05  # the latest step's weight in the launch time's fit (the last ~20 steps count)
+
+
+class GpuQueue(Protocol):
+    def tokens(self) -> int:
+        """Prefill tokens given to the GPU and not finished."""
+
+    def launch_s(self, tokens: int) -> float:
+        """The loop's time to launch a step of `tokens` tokens."""
 
 
 class LaunchedPrefill:

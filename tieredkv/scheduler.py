@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, LoadWait
 from tieredkv.config import SchedulerConfig
-from tieredkv.launched_prefill import LaunchedPrefill
+from tieredkv.launched_prefill import GpuQueue
 from tieredkv.load_planning import LoadPlanner
 from tieredkv.logprobs import TokenLogprobs
 from tieredkv.policy import TierPolicy
@@ -82,7 +82,7 @@ class Scheduler:
     """Owns the waiting, running and swapped queues and every sequence's progress."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: TierPolicy,
-                 launched: LaunchedPrefill | None = None) -> None:
+                 launched: GpuQueue | None = None) -> None:
         """`policy`: the cost model's choices (swap or recompute, load or compute); the load
         planner holds it, and learns the lower tier's rate over it unless the config pins one.
         `launched`: the prefill the GPU was given and has not finished, ahead of whatever a
