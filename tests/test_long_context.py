@@ -203,7 +203,7 @@ def test_a_loop_ahead_of_the_gpu_waits_for_a_documents_reads_rather_than_compute
 
     monkeypatch.setattr(bench, "Scheduler", Blind)
     blind = bench.simulate(engine, requests, cost, disk_bytes_per_s=1.5e9)
-    assert blind[2]["late_loads"] > 1000 and seen[2]["late_loads"] == 0
+    assert blind[2]["late_loads"] > 1000 and seen[2]["late_loads"] < 0.01 * blind[2]["late_loads"]
     returning = [sorted(r.ttft for r in records if r.returning) for records, _, _ in (seen, blind)]
     assert statistics.median(returning[0]) < 0.95 * statistics.median(returning[1])
 

@@ -524,6 +524,26 @@ def test_a_swapped_out_decode_comes_back_at_once_however_long_its_context(policy
     assert len(s.output_token_ids) == 3 and sim.kv.stats()["gpu_blocks_used"] == 0
 
 
+def test_a_prompt_whose_prefix_is_read_from_disk_is_admitted_only_with_room_for_all_of_it(tmp_path):
+    """q (3 blocks) computes its first block while its second is read; once read, that block is
+    copied in at once and its last follows. With room for its first chunk alone (2 blocks free
+    beside a 6-block prompt) it would then push out sequences ranked after it, or compute what
+    it read: it waits until its whole prompt fits, and then jumps over the block it read."""
+    store_prompts(str(tmp_path))
+    sim = make_kv(8, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
+    sched = make_scheduler(sim, "recompute", BALANCED)
+    other = make_seq("other", range(500, 522), max_tokens=6)  # 22 tokens: 6 blocks
+    sched.add(other)
+    run_step(sched, sim)
+    q = make_seq("q", list(range(9)), max_tokens=2)
+    sched.add(q)
+    run_step(sched, sim)
+    assert queues(sched)[:2] == (["q"], ["other"]) and sim.kv.tokens_to_load(q) == 4
+    run_until_done(sched, sim)
+    assert q.is_finished and other.is_finished and sched.loaded_skipped_tokens == 4
+    assert sched.num_preemptions == {"recompute": 0, "swap": 0}
+
+
 def test_a_waiting_prefix_being_loaded_counts_in_the_gpu_queue_by_what_it_computes(tmp_path):
     """A waiting sequence whose lower-tier loads started ahead of its turn (prefetched while no
     sequence slot is free) is counted in the GPU queue that later loads are planned against by

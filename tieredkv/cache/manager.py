@@ -291,7 +291,13 @@ class KVCacheManager:
         need = self.blocks_needed(prefix.num_tokens(self.block_size) + num_new_tokens) - len(reused)
         # reused blocks with no owner sit in the free queue: taking them shrinks it too
         idle = sum(1 for b in reused if b.ref_count == 0)
-        if need + idle > self.pool.num_free:
+        room = need
+        if self.lower is not None and self.lower.num_planned(seq.seq_id):
+            # what its lower-tier loads bring is copied in at once when they land, and the rest of
+            # its prompt follows: admitted with room for its first chunk alone, it would then push
+            # out the sequences ranked after it (or compute what it read)
+            room = max(need, self.blocks_needed(seq.num_prompt_tokens) - len(reused))
+        if room + idle > self.pool.num_free:
             return None
         for block in promoted:  # hold them: demotions below could otherwise evict them
             self.offload.pool.touch(block)
