@@ -82,8 +82,8 @@ class BlockPool:
         return self._unpinned(self._free_queue)
 
     def _unpinned(self, queue: OrderedDict[int, Block]) -> Iterator[Block]:
-        # skipped without a Python step a block: the CPU tier's coldest blocks are pinned while
-        # they are written to disk (hundreds), and every demotion asks for the block after them
+        # pinned blocks are skipped in C, not a Python step each: the CPU tier's coldest blocks
+        # are pinned while they are written to disk (hundreds), and each demotion asks past them
         if not self._pinned:
             return iter(queue.values())
         return map(queue.__getitem__, itertools.filterfalse(self._pinned.__contains__, queue))

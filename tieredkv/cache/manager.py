@@ -258,7 +258,8 @@ class KVCacheManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> Allocation | None:
         """Blocks for `num_new_tokens` more tokens. A new sequence passes its `prefix`: the
-        result says how many of its tokens the cache already holds."""
+        result says how many of its tokens the cache already holds. One with lower-tier loads
+        planned gets them only while the pool has room for its whole prompt."""
         table = self.tables.blocks(seq.seq_id)
         if table is None:
             return self._allocate_new(seq, num_new_tokens, prefix or PrefixMatch())
