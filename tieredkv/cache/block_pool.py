@@ -50,7 +50,8 @@ class BlockPool:
 
     Free blocks wait in two queues: empty ones (never hashed, or forgotten), taken first, and
     cached ones in LRU order. `on_evict` is called with a cached block just before its hash is
-    dropped, while its KV is still intact: the CPU tier uses it to demote the block.
+    dropped, while its KV is still intact: the CPU tier uses it to demote the block (into its own
+    pool: the callback never changes this one).
     """
 
     def __init__(self, num_blocks: int, on_evict: EvictCallback | None = None) -> None:
@@ -106,14 +107,12 @@ class BlockPool:
     def allocate(self, n: int) -> list[Block] | None:
         if n > self.num_free:
             return None
-        taken: list[Block] = []
-        while len(taken) < n:  # the next free block is asked for each time: evicting one may free others
-            block = next(self.free_blocks())
+        taken = list(itertools.islice(self.free_blocks(), n))
+        for block in taken:
             self._free(block).pop(block.block_id)
             self._evict(block)
             block.ref_count = 1
             block.evict_first = False
-            taken.append(block)
         return taken
 
     def pin(self, block: Block) -> None:
