@@ -405,6 +405,7 @@ class LLMEngine:
         """Blocks per tier, prefix-cache hits, preemptions by kind, NVMe prefix blocks by the cost
         model's choice (load or compute), tokens computed, where the loop's time went
         (`LOOP_STATS`), the remote tier's counters."""
+        launch_fixed_s, launch_per_token_s = self.launched.launch_time.fit()  # learned on a GPU (0 elsewhere)
         stats = {
             **self.kv.stats(),
             "preemptions": dict(self.scheduler.num_preemptions),
@@ -415,8 +416,8 @@ class LLMEngine:
             **self._counters,
             **self._loop_s,
             "longest_step_s": self._longest_step_s,
-            # the loop's launch time, learned on a GPU (0 elsewhere): every step's, and a token's
-            **dict(zip(("launch_s_fixed", "launch_s_per_token"), self.launched.launch_time.fit(), strict=True)),
+            "launch_s_fixed": launch_fixed_s,  # the loop's launch time: every step's, and a token's
+            "launch_s_per_token": launch_per_token_s,
             "requests_waiting": len(self.scheduler.waiting),
             "requests_running": len(self.scheduler.running),
             **(self.remote.stats() if self.remote is not None else {}),
