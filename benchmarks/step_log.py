@@ -1,14 +1,24 @@
-"""`tieredkv` with every engine step recorded: when it started, how long its forward pass and
-sampling took, and what it ran. Written to a JSON list when the command ends.
+"""`tieredkv` with every engine step recorded: when it started, where its time went, and what it
+ran. Written to a JSON object when the command ends.
 
     python benchmarks/step_log.py steps.json -- run configs/mooncake_synthetic_8b.yaml --sweep speed=8 \
         --variants gpu+cpu16 --no-progress
 
-Each step is `[start_s, ms, prefill_tokens, prefill_seqs, decode_seqs, prefill_context_tokens,
-longest_prefill_context, preempted]`: the prefill chunks' tokens, the sequences they belong to,
-the decoding sequences, the tokens the chunks attend to before themselves (summed, and the
-largest), and the sequences preempted to make room. It shows what a mean hides: whether decodes
-ride in steps with prefill chunks, and how long those steps take at each chunk size and depth
+`steps.json` holds `fields` (the names below) and `steps`, one list of them a step that ran a
+forward pass:
+- `start_s`, `ms`: when the step began (the loop's clock) and how long it took;
+- `schedule_ms`, `tiers_ms`: the engine loop's figures of the step (`LOOP_STATS`: the scheduler;
+  the tiers' bookkeeping, this step's and, after the launch, the next one's);
+- `host_ms`: from the step's beginning until its forward pass was queued (what the engine learns
+  as the launch time), and `launch_ms`, the part of it inside the launch itself;
+- `sample_ms`: sampling, which waits for the GPU;
+- `gpu_queue_tokens`: prefill tokens queued on the GPU and not finished when the step launched;
+- `prefill_tokens`, `prefill_seqs`, `decode_seqs`: what it ran; `context_tokens`,
+  `longest_context`: the tokens its prefill chunks attend to before themselves (summed, and the
+  largest); `preempted`: sequences preempted to make room.
+
+It shows what a mean hides: which steps take long to launch and why, whether decodes ride in
+steps with prefill chunks, and how long those steps take at each chunk size and depth
 (BENCHMARKS.md, "One schedule for every variant").
 """
 
@@ -22,11 +32,18 @@ import time
 from tieredkv.cli import main
 from tieredkv.engine import LLMEngine
 
+FIELDS = ("start_s", "ms", "schedule_ms", "tiers_ms", "host_ms", "launch_ms", "sample_ms", "gpu_queue_tokens",
+          "prefill_tokens", "prefill_seqs", "decode_seqs", "context_tokens", "longest_context", "preempted")
 STEPS: list[list[float]] = []
-_forward = LLMEngine._forward
+_step, _launch, _sample = LLMEngine.step, LLMEngine._launch, LLMEngine._sample
+_current: dict[str, float] = {}  # the step being recorded
 
 
-def _logged_forward(self: LLMEngine, batch, tables):
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def _logged_launch(self: LLMEngine, batch, tables, begun):
     prefill = seqs = decodes = context = longest = 0
     for item in batch.scheduled:
         seq = item.seq
@@ -35,19 +52,42 @@ def _logged_forward(self: LLMEngine, batch, tables):
         else:
             prefill, seqs = prefill + item.num_new_tokens, seqs + 1
             context, longest = context + seq.num_computed_tokens, max(longest, seq.num_computed_tokens)
+    queued = self.launched.tokens()
     start = time.perf_counter()
-    news = _forward(self, batch, tables)
-    STEPS.append([round(start, 4), round((time.perf_counter() - start) * 1e3, 2), prefill, seqs, decodes,
-                  context, longest, len(batch.preempted)])
+    result = _launch(self, batch, tables, begun)
+    now = time.perf_counter()
+    _current.update(host_ms=_ms(now - begun), launch_ms=_ms(now - start), gpu_queue_tokens=queued,
+                    prefill_tokens=prefill, prefill_seqs=seqs, decode_seqs=decodes, context_tokens=context,
+                    longest_context=longest, preempted=len(batch.preempted))
+    return result
+
+
+def _logged_sample(self: LLMEngine, batch, result):
+    start = time.perf_counter()
+    news = _sample(self, batch, result)
+    _current["sample_ms"] = _ms(time.perf_counter() - start)
     return news
+
+
+def _logged_step(self: LLMEngine):
+    _current.clear()
+    loop_before = dict(self._loop_s)
+    start = time.perf_counter()
+    outputs = _step(self)
+    if "host_ms" in _current:  # a forward pass ran
+        _current.update(start_s=round(start, 4), ms=_ms(time.perf_counter() - start),
+                        schedule_ms=_ms(self._loop_s["loop_schedule_s"] - loop_before["loop_schedule_s"]),
+                        tiers_ms=_ms(self._loop_s["loop_tiers_s"] - loop_before["loop_tiers_s"]))
+        STEPS.append([_current[name] for name in FIELDS])
+    return outputs
 
 
 if __name__ == "__main__":
     if "--" not in sys.argv[2:]:
         raise SystemExit("usage: step_log.py OUT.json -- <tieredkv arguments>")
     out = sys.argv[1]
-    LLMEngine._forward = _logged_forward
-    atexit.register(lambda: json.dump(STEPS, open(out, "w")))
+    LLMEngine.step, LLMEngine._launch, LLMEngine._sample = _logged_step, _logged_launch, _logged_sample
+    atexit.register(lambda: json.dump({"fields": FIELDS, "steps": STEPS}, open(out, "w")))
     args = sys.argv[sys.argv.index("--") + 1:]
     if args[:1] == ["run"] and "--in-process" not in args:
         args.insert(1, "--in-process")  # the engine this process patched, not one in a process of its own
