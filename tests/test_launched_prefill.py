@@ -63,3 +63,28 @@ def test_the_engine_learns_its_launch_time_from_its_prefill_steps():
         llm.generate([list(range(1, 60))], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
         stats = llm.stats()
         assert 0 < stats["launch_s_fixed"] + 100 * stats["launch_s_per_token"] < 1.0
+
+
+def test_the_loop_time_learned_ends_where_the_launch_begins(monkeypatch):
+    """The launch call waits for the GPU once its queue of kernels is full: that wait is the
+    GPU's queue, not the loop's time, and is not learned as the loop's."""
+    import time
+
+    from tieredkv import LLMEngine, SamplingParams
+    from tieredkv.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model="tiny-llama", block_size=4, num_gpu_blocks=64,
+                                                max_num_batched_tokens=16))
+    learned: list[float] = []
+    monkeypatch.setattr(engine.launched, "launched", lambda prefill, tokens, host_s: learned.append(host_s))
+    execute = engine.runner.execute
+
+    def launch_behind_a_full_queue(*args, **kwargs):
+        time.sleep(0.2)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", launch_behind_a_full_queue)
+    engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(learned) >= 3 and max(learned) < 0.1

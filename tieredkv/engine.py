@@ -343,12 +343,15 @@ class LLMEngine:
         running them on return; the step was `begun` then, on the loop's clock) and move the
         scheduled sequences on; the logits, or the tokens the tensor-parallel ranks drew."""
         self.runner.copy_blocks(self.kv.take_block_copies())  # copy-on-write, before the writes
+        # the loop's own time before the GPU is given the step: once the GPU's queue of kernels is
+        # full, the launch below waits for the GPU, and that wait is the GPU's time, not the loop's
+        host_s = time.perf_counter() - begun
         if isinstance(self.runner, Workers):  # rank 0 draws where the logits are, as the decoder would
             result = self.runner.execute(batch.scheduled, tables, batch.sampling, self.decoder.draws(batch.sampling))
         else:
             result = self.runner.execute(batch.scheduled, tables)
         prefill = self._count(batch)  # before `advance` moves the sequences on
-        self.launched.launched(prefill, batch.num_tokens, time.perf_counter() - begun)
+        self.launched.launched(prefill, batch.num_tokens, host_s)
         self.scheduler.advance(batch)
         return result
 

@@ -1,18 +1,23 @@
-"""The prefill tokens launched on the GPU and not finished, and how long the loop takes to launch
-a step: the GPU queue the engine loop does not see. The loop waits for the GPU only where a step
+"""The prefill tokens launched on the GPU and not finished, and the loop's own time to make a
+step: the GPU queue the engine loop does not see. The loop waits for the GPU only where a step
 samples; through the steps that sample nothing (chunks in the middle of long prompts) it
 schedules ahead of the GPU, and a sequence can reach blocks planned to arrive from the lower
 tier while the GPU is still computing the chunks before them. Whether it waits for those reads
 or computes their blocks depends on how much of the GPU's queue is still ahead, and on the
-launch that waiting puts after the reads (`LoadPlanner.give_up_late`).
+loop's time to make the step that follows the reads (`LoadPlanner.give_up_late`).
 
 - `launched(prefill_tokens, tokens, host_s)`: a step of `tokens` (`prefill_tokens` of them
-  prefill) was queued on the GPU, `host_s` after the loop began it;
+  prefill) was queued on the GPU; the loop took `host_s` from the step's beginning to its
+  launch (scheduling, the tiers' bookkeeping, the block tables);
 - `tokens()`: the prefill tokens of the launched steps the GPU has not finished;
-- `launch_s(tokens)`: the loop's time to launch a step of that many tokens, as learned from
-  the steps with prefill: a time every step takes plus a time a token (`fit`), by least squares
-  over the recent steps (a step of a 64-token question beside decodes takes nearly as long to
-  launch as a chunk of 8,192 tokens, so a time a token alone, learned from both, is wrong for both).
+- `launch_s(tokens)`: the loop's time to make a step of that many tokens, as learned from the
+  steps with prefill: a time every step takes plus a time a token (`fit`), by least squares over
+  the recent steps.
+
+The launch call itself is not the loop's time: once the GPU's queue of kernels is full it waits
+for the GPU (on an H200 a chunk of 4-8k tokens blocked its launch for ~40 ms with nothing queued
+before it, and ~90 ms behind another chunk), and that wait is the GPU's queue, counted by
+`tokens()` already.
 
 On the CPU (and with ranks in processes of their own, which answer each step) a step is done when
 `execute` returns: nothing is ever in flight, and the launch is not learned (it delays both
@@ -37,7 +42,7 @@ class GpuQueue(Protocol):
         """Prefill tokens given to the GPU and not finished."""
 
     def launch_s(self, tokens: int) -> float:
-        """The loop's time to launch a step of `tokens` tokens."""
+        """The loop's time to make a step of `tokens` tokens, up to its launch."""
 
 
 class LaunchedPrefill:
@@ -66,7 +71,7 @@ class LaunchedPrefill:
 
 
 class LaunchTime:
-    """The loop's time to launch a step: a time every step takes plus a time a token, fitted by
+    """The loop's time to make a step: a time every step takes plus a time a token, fitted by
     least squares over the recent steps (`LAUNCH_WEIGHT`)."""
 
     def __init__(self) -> None:

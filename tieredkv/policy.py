@@ -185,7 +185,7 @@ def wait_for_late_reads(
     late. Waiting costs the queue's reads (part of which may be done) and the copy in,
     computing the blocks' prefill; computing must save `LOAD_MARGIN` of that prefill, as
     loading must when it is planned, so that the two never flip on noise (the reads go on
-    either way, and what they bring lands in the CPU tier). The loop takes `launch_s` to launch
+    either way, and what they bring lands in the CPU tier). The loop takes `launch_s` to make
     the chunk that follows: after the reads if it waits, beside the GPU's queue if it computes.
     Computing also puts the blocks' prefill before the `num_delayed` other sequences with
     prefill to compute, each of them as late again, where waiting costs them nothing (they use

@@ -302,7 +302,7 @@ class Scheduler:
 
     def _gpu_queue(self, launching: int) -> tuple[int, float]:
         """The prefill tokens the GPU was given and has not finished, and the loop's time to
-        launch a chunk of `launching` tokens."""
+        make a chunk of `launching` tokens, up to its launch."""
         if self.launched is None:
             return 0, 0.0
         return self.launched.tokens(), self.launched.launch_s(launching)
