@@ -12,7 +12,7 @@ Two clocks:
   a cost model pinned from H200 measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`).
   The loop waits for each step to end, unless `--host-us-per-token` gives its launch time: then
   it waits only for steps that sample and schedules ahead of the GPU through the others, as the
-  engine's loop does.
+  engine's loop does, as far as the GPU's queue of kernels lets it (`--launch-waits`).
   It shows what the policy does to the order of the work, and the scheduler's own host time
   (wall clock, not on the simulated one); the engine run says whether the cost model holds.
 - without `--sim` (CUDA): `LLMEngine` with the config's model, wall clock, after a warm-up.
@@ -34,6 +34,8 @@ Two clocks:
         --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme --json docs.json  # documents revisited (returning TTFT in the json)
     python benchmarks/bench_scheduling.py configs/long_docs_revisited_8b.yaml --sim --step-ms 9 --disk-gbps 1.36 \
         --host-us-per-token 11 --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme   # the loop ahead of the GPU
+    python benchmarks/bench_scheduling.py configs/long_docs_revisited_8b.yaml --sim --step-ms 9 --disk-gbps 1.56 \
+        --host-us-per-token 1 --launch-waits 0.3 --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme  # and a full kernel queue
     python benchmarks/bench_scheduling.py configs/multi_turn_8b.yaml --sim --step-ms 9 --disk-gbps 1.42 \
         --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme --arrivals RUN/multi_turn_8b/gpu+cpu8GiB/result.json
                                                   # a closed-loop run's turns, replayed open-loop
@@ -103,6 +105,10 @@ class StepCost:
     # Given, it waits only for steps that sample (as the engine does) and schedules ahead of the
     # GPU through the others (the scheduler sees the prefill not finished: `SimLaunched`)
     host_s_per_token: float | None = None
+    # the share of a step with prefill that its launch call waits to see run: the GPU's queue of
+    # kernels holds the rest (an H200 running llama-3-8b: ~0.3, BENCHMARKS.md "Where the launch
+    # time goes"); 0: the queue never fills. Decode steps, one graph each, never wait
+    launch_waits: float = 0.0
 
     def seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
         """The step's time for chunks of (tokens computed before, new tokens)."""
@@ -236,7 +242,8 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         if disk is not None:
             cost_model = dataclasses.replace(cost_model, disk_read_bytes_per_s=disk_bytes_per_s)
     policy = TierPolicy(preemption, LLAMA_8B_TOKEN_BYTES * cache.block_size, cache.block_size, cost_model)
-    gpu = SimLaunched(lambda: now, cost.host_s_per_token) if cost.host_s_per_token is not None else None
+    gpu = SimLaunched(lambda: now, cost.host_s_per_token, cost.launch_waits) if cost.host_s_per_token is not None \
+        else None
     sched = Scheduler(config.scheduler, kv, policy, gpu)
     sched.policy = policy  # pinned: the load rate it would learn is timed on the wall clock
     records, i, host_s, idle = {}, 0, 0.0, 0
@@ -267,9 +274,10 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         if gpu is None:
             now += step_s
         else:  # launched behind the GPU's queue; the loop waits for it only where the step samples
-            end = gpu.launch(out.num_tokens, sum(s.num_new_tokens for s in out.scheduled
-                                                 if s.seq.num_computed_tokens < s.seq.num_prompt_tokens), step_s)
-            now = end if out.sampling else now + gpu.launch_s(out.num_tokens)
+            prefill = sum(s.num_new_tokens for s in out.scheduled
+                          if s.seq.num_computed_tokens < s.seq.num_prompt_tokens)
+            end, returned = gpu.launch(out.num_tokens, prefill, step_s)
+            now = end if out.sampling else returned
         kv.before_forward()
         _book(sched, out, records, now)
     stats = {"loop_schedule_s": host_s, **{f"{kind}_preemptions": n for kind, n in sched.num_preemptions.items()}}
@@ -282,18 +290,21 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
 
 class SimLaunched:
     """The GPU's queue (`GpuQueue`) on the simulated `clock`: the steps the simulated GPU has not finished
-    (`launch`), and a launch of `host_s_per_token` a token."""
+    (`launch`), a launch of `host_s_per_token` a token, and a launch call that waits for the
+    GPU to run `launch_waits` of a step with prefill (the GPU's queue of kernels is full)."""
 
-    def __init__(self, clock: Callable[[], float], host_s_per_token: float) -> None:
-        self.clock, self.host_s_per_token = clock, host_s_per_token
+    def __init__(self, clock: Callable[[], float], host_s_per_token: float, launch_waits: float = 0.0) -> None:
+        self.clock, self.host_s_per_token, self.launch_waits = clock, host_s_per_token, launch_waits
         self.ends: deque[tuple[float, int]] = deque()  # when each step ends, its prefill tokens
 
-    def launch(self, num_tokens: int, prefill_tokens: int, step_s: float) -> float:
-        """A step launched now, taking `step_s` on the GPU behind the steps before it: when it ends."""
+    def launch(self, num_tokens: int, prefill_tokens: int, step_s: float) -> tuple[float, float]:
+        """A step launched now, taking `step_s` on the GPU behind the steps before it: when it
+        ends, and when the launch call returns to the loop."""
         launched = self.clock() + self.launch_s(num_tokens)
-        end = max(launched, self.ends[-1][0] if self.ends else launched) + step_s
-        self.ends.append((end, prefill_tokens))
-        return end
+        start = max(launched, self.ends[-1][0] if self.ends else launched)
+        self.ends.append((start + step_s, prefill_tokens))
+        returned = max(launched, start + self.launch_waits * step_s) if prefill_tokens else launched
+        return start + step_s, returned
 
     def next_end(self) -> float | None:
         return self.ends[0][0] if self.tokens() else None
@@ -626,6 +637,10 @@ def main() -> None:
                         help="with --sim: the loop's time to launch a step, in us per token of it; the loop then "
                              "waits only for steps that sample and schedules ahead of the GPU through the others "
                              "(default: it waits for every step)")
+    parser.add_argument("--launch-waits", type=float, default=0.0,
+                        help="with --host-us-per-token: the share of a step with prefill its launch call waits "
+                             "to see run on the GPU, whose queue of kernels holds the rest (~0.3 measured on an "
+                             "H200; default 0: the queue never fills)")
     parser.add_argument("--perturb", default="1",
                         help="with --sim: scale each step's fixed time by these factors, each a run (e.g. "
                              "1,1.001,1.002): how far a figure moves under a change too small to matter, and "
@@ -655,9 +670,14 @@ def main() -> None:
             raise SystemExit(f"--arrivals replays a run's own requests: drop {', '.join(drawn)}")
     if args.host_us_per_token is not None and not args.host_us_per_token >= 0:
         raise SystemExit(f"--host-us-per-token: expected a number >= 0, got {args.host_us_per_token}")
+    if args.launch_waits and args.host_us_per_token is None:
+        raise SystemExit("--launch-waits takes the loop ahead of the GPU: add --host-us-per-token")
+    if not 0 <= args.launch_waits <= 1:
+        raise SystemExit(f"--launch-waits: expected a share from 0 to 1, got {args.launch_waits}")
     step_s = args.step_ms / 1e3 if args.step_ms else H200_LLAMA_8B.step_s
     host_s = args.host_us_per_token / 1e6 if args.host_us_per_token is not None else None
-    sim_costs = [dataclasses.replace(H200_LLAMA_8B, step_s=step_s * f, host_s_per_token=host_s) for f in factors]
+    sim_costs = [dataclasses.replace(H200_LLAMA_8B, step_s=step_s * f, host_s_per_token=host_s,
+                                     launch_waits=args.launch_waits) for f in factors]
     disk_bytes_per_s = args.disk_gbps * 1e9 if args.disk_gbps else None
     doc = read_yaml(args.config)
     workload = doc.get("workload") or {}

@@ -217,6 +217,32 @@ def test_the_launch_time_takes_the_simulated_clock_and_a_number(bench, monkeypat
             bench.main()
 
 
+def test_a_full_kernel_queue_holds_the_loop_until_the_gpu_has_run_part_of_the_step(bench):
+    """On the GPU a launch call returns once the queue of kernels has room: with nothing queued,
+    after the share `launch_waits` of its step has run; behind another step, after that one and
+    the same share of its own. A decode step (one graph) never waits."""
+    now = [0.0]
+    gpu = bench.SimLaunched(lambda: now[0], host_s_per_token=1e-6, launch_waits=0.3)
+    end, returned = gpu.launch(1000, 1000, 0.1)  # launched at 1 ms
+    assert end == pytest.approx(0.101) and returned == pytest.approx(0.031)
+    now[0] = returned
+    end, returned = gpu.launch(1000, 1000, 0.1)  # behind the first, which ends at 101 ms
+    assert end == pytest.approx(0.201) and returned == pytest.approx(0.131)
+    assert gpu.launch(8, 0, 0.01)[1] == pytest.approx(0.031 + 8e-6)
+    never_full = bench.SimLaunched(lambda: 0.0, host_s_per_token=1e-6)
+    assert never_full.launch(1000, 1000, 0.1)[1] == pytest.approx(0.001)
+
+
+def test_the_launch_wait_takes_a_loop_ahead_of_the_gpu_and_a_share(bench, monkeypatch):
+    config = str(Path(bench.__file__).resolve().parents[1] / "configs" / "long_context_8b.yaml")
+    for argv, error in ((["--sim", "--launch-waits", "0.3"], "add --host-us-per-token"),
+                        (["--sim", "--host-us-per-token", "1", "--launch-waits", "1.5"],
+                         "--launch-waits: expected a share from 0 to 1")):
+        monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, *argv])
+        with pytest.raises(SystemExit, match=error):
+            bench.main()
+
+
 def test_the_simulated_disk_reads_beside_its_writes(bench):
     """A read submitted while writes are moving finishes one block's time later, as on the GPU
     machine's disk (a read behind 1 to 8 writes took 14.9-16.3 ms against 17.2 alone); the
