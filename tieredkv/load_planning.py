@@ -106,7 +106,7 @@ class LoadPlanner:
         """If the sequence waits for reads still in flight (found with nothing to compute before
         they land) and computing their blocks behind `gpu_queue_tokens` of prefill is faster
         than the reads queued up to its last one (and the `launch_s` the loop then takes to
-        launch its next chunk), counting the `num_delayed` other sequences with prefill that
+        make its next chunk), counting the `num_delayed` other sequences with prefill that
         computing them delays as much, it stops waiting and computes them; whether it did. A
         plan made behind a queue it then jumped (ranked ahead), or against a rate the tier no
         longer reads at, is corrected here."""
