@@ -80,11 +80,11 @@ def test_the_loop_time_learned_ends_where_the_launch_begins(monkeypatch):
     execute = engine.runner.execute
 
     def launch_behind_a_full_queue(*args, **kwargs):
-        time.sleep(0.2)
+        time.sleep(0.5)
         return execute(*args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "execute", launch_behind_a_full_queue)
     engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=2, temperature=0.0))
     while engine.has_unfinished():
         engine.step()
-    assert len(learned) >= 3 and max(learned) < 0.1
+    assert len(learned) >= 3 and max(learned) < 0.25
