@@ -9,8 +9,9 @@ forward pass:
 - `start_s`, `ms`: when the step began (the loop's clock) and how long it took;
 - `schedule_ms`, `tiers_ms`: the engine loop's figures of the step (`LOOP_STATS`: the scheduler;
   the tiers' bookkeeping, this step's and, after the launch, the next one's);
-- `host_ms`: from the step's beginning until its forward pass was queued (what the engine learns
-  as the launch time), and `launch_ms`, the part of it inside the launch itself;
+- `host_ms`: from the step's beginning until its launch returned, and `launch_ms`, the part of it
+  inside the launch (`LLMEngine._launch`), which waits for the GPU once the GPU's queue of
+  kernels is full; the engine learns the rest as the loop's time (`LaunchedPrefill`);
 - `sample_ms`: sampling, which waits for the GPU;
 - `gpu_queue_tokens`: prefill tokens queued on the GPU and not finished when the step launched;
 - `prefill_tokens`, `prefill_seqs`, `decode_seqs`: what it ran; `context_tokens`,
