@@ -247,12 +247,16 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
     sched = Scheduler(config.scheduler, kv, policy, gpu)
     sched.policy = policy  # pinned: the load rate it would learn is timed on the wall clock
     records, i, host_s, idle = {}, 0, 0.0, 0
+    gpu_tokens = cache.num_gpu_blocks * cache.block_size
     while i < len(requests) or sched.has_unfinished():
         while i < len(requests) and requests[i][0] <= now:
             arrival, tag, prompt, returning, max_tokens = requests[i]
-            sched.add(Seq(tag, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
             records[tag] = RequestRecord(tag, arrival, returning, prompt_tokens=len(prompt))
             i += 1
+            if len(prompt) + max_tokens > gpu_tokens:  # refused, as the engine refuses it (`RequestLimits`)
+                records[tag].error, records[tag].finished = "longer than the GPU tier", True
+                continue
+            sched.add(Seq(tag, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
         if not sched.has_unfinished():  # idle: the disk works on (the engine tends its tiers) until the next arrival
             wake = disk.next_finish() if disk is not None else None
             now = wake if wake is not None and wake < requests[i][0] else requests[i][0]
@@ -280,7 +284,8 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
             now = end if out.sampling else returned
         kv.before_forward()
         _book(sched, out, records, now)
-    stats = {"loop_schedule_s": host_s, **{f"{kind}_preemptions": n for kind, n in sched.num_preemptions.items()}}
+    stats = {"loop_schedule_s": host_s, **{f"{kind}_preemptions": n for kind, n in sched.num_preemptions.items()},
+             "refused": sum(r.error is not None for r in records.values())}
     if disk is not None:
         tiers = kv.stats()
         stats |= {"disk_reads": disk.reads, "late_loads": tiers["nvme_late_loads"],
@@ -562,7 +567,9 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
             print(f"{'':<28} the scheduler's host time: {stats['loop_schedule_s']:.2f} s; preemptions: "
                   f"{stats['swap_preemptions']} swapped, {stats['recompute_preemptions']} recomputed"
                   + (f"; the disk: {stats['disk_reads']} reads, {stats['loaded_blocks']} blocks loaded, "
-                     f"{stats['late_loads']} given up late" if "disk_reads" in stats else ""), flush=True)
+                     f"{stats['late_loads']} given up late" if "disk_reads" in stats else "")
+                  + (f"; {stats['refused']} refused (longer than the GPU tier)" if stats["refused"] else ""),
+                  flush=True)
         runs.append(records)
     if bound:
         print_bound(runs, sim_cost)
@@ -579,7 +586,7 @@ def print_bound(runs: list[list[RequestRecord]], cost: StepCost) -> None:
     for r in (r for records in runs for r in records):
         cached[r.tag] = max(cached.get(r.tag, 0), r.cached_tokens)
     jobs = [(r.arrival, cost.token_s * (r.prompt_tokens - cached[r.tag])
-             + cost.pair_s * (r.prompt_tokens**2 - cached[r.tag] ** 2)) for r in runs[0]]
+             + cost.pair_s * (r.prompt_tokens**2 - cached[r.tag] ** 2)) for r in runs[0] if r.error is None]
     exceptions = exceptions_of(len(jobs))
     if exceptions > 1:
         print(f"bound: p99 of {len(jobs)} requests leaves {exceptions} above it; --bound takes one at most")

@@ -217,6 +217,20 @@ def test_the_launch_time_takes_the_simulated_clock_and_a_number(bench, monkeypat
             bench.main()
 
 
+def test_the_simulation_refuses_a_request_longer_than_the_gpu_tier_and_serves_the_rest(bench):
+    """As the engine refuses it (`RequestLimits`): admitted, it could never run, and every
+    request behind it would wait for ever (a slice of the synthetic trace has 191k-token prompts
+    against a 131k-token GPU tier)."""
+    doc = read_yaml(Path(bench.__file__).resolve().parents[1] / "configs" / "multi_turn_8b.yaml")
+    [(_, engine)] = bench.engines_of(doc, "gpu+cpu8GiB", None, None, [])
+    gpu_tokens = engine["cache"]["num_gpu_blocks"] * engine["cache"]["block_size"]
+    requests = [(0.0, "long", [1] * gpu_tokens, False, 16), (0.0, "short", list(range(1, 100)), False, 4)]
+    records, _, stats = bench.simulate(engine, requests, bench.H200_LLAMA_8B)
+    by_tag = {r.tag: r for r in records}
+    assert by_tag["long"].error and not by_tag["long"].token_times and stats["refused"] == 1
+    assert by_tag["short"].error is None and len(by_tag["short"].token_times) == 4
+
+
 def test_a_full_kernel_queue_holds_the_loop_until_the_gpu_has_run_part_of_the_step(bench):
     """On the GPU a launch call returns once the queue of kernels has room: with nothing queued,
     after the share `launch_waits` of its step has run; behind another step, after that one and
