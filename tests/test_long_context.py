@@ -211,7 +211,10 @@ def test_a_loop_ahead_of_the_gpu_waits_for_a_documents_reads_rather_than_compute
 def test_the_launch_time_takes_the_simulated_clock_and_a_number(bench, monkeypatch):
     config = str(Path(bench.__file__).resolve().parents[1] / "configs" / "long_context_8b.yaml")
     for argv, error in ((["--host-us-per-token", "2"], "add --sim"),
-                        (["--sim", "--host-us-per-token", "-1"], "--host-us-per-token: expected a number >= 0")):
+                        (["--sim", "--host-us-per-token", "-1"], "--host-us-per-token: expected a number >= 0"),
+                        (["--sim", "--launch-waits", "0.3"], "add --host-us-per-token"),
+                        (["--sim", "--host-us-per-token", "1", "--launch-waits", "1.5"],
+                         "--launch-waits: expected a share from 0 to 1")):
         monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, *argv])
         with pytest.raises(SystemExit, match=error):
             bench.main()
@@ -245,16 +248,6 @@ def test_a_full_kernel_queue_holds_the_loop_until_the_gpu_has_run_part_of_the_st
     assert gpu.launch(8, 0, 0.01)[1] == pytest.approx(0.031 + 8e-6)
     never_full = bench.SimLaunched(lambda: 0.0, host_s_per_token=1e-6)
     assert never_full.launch(1000, 1000, 0.1)[1] == pytest.approx(0.001)
-
-
-def test_the_launch_wait_takes_a_loop_ahead_of_the_gpu_and_a_share(bench, monkeypatch):
-    config = str(Path(bench.__file__).resolve().parents[1] / "configs" / "long_context_8b.yaml")
-    for argv, error in ((["--sim", "--launch-waits", "0.3"], "add --host-us-per-token"),
-                        (["--sim", "--host-us-per-token", "1", "--launch-waits", "1.5"],
-                         "--launch-waits: expected a share from 0 to 1")):
-        monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, *argv])
-        with pytest.raises(SystemExit, match=error):
-            bench.main()
 
 
 def test_the_simulated_disk_reads_beside_its_writes(bench):
