@@ -582,3 +582,50 @@ def test_a_prefix_split_between_computing_and_loading_is_ranked_by_all_it_has_le
     assert [(q, r)[i] for i in sched.ranking.share([q, r], 16, None).order] == [r, q]
     run_until_done(sched, sim)
     assert sim.kv.tokens_to_load(q) == 0 and sched.loaded_skipped_tokens == 4 and r.is_finished
+
+
+@pytest.mark.parametrize("decoding", [True, False])
+def test_a_prompt_whose_loads_land_without_room_for_its_rest_waits_for_it_while_another_decodes(
+    tmp_path, decoding,
+):
+    """q (10 tokens, 3 blocks) was admitted with room for its whole prompt and computes its
+    first block while its second is read; r, ranked after it, is admitted meanwhile and takes
+    that room. When q's read lands, one block is free for q's two. While d decodes (its blocks
+    come back when it finishes), q waits for the room, its read block kept in the CPU tier: r
+    finishes in the room, and q jumps over its block. Before q waited for room, r took the free
+    block and q computed what it read. With nothing decoding, no block comes back unasked,
+    and q does not wait: it computes the block it read, as before."""
+    store_prompts(str(tmp_path))
+    disk = GatedBackend()
+    # a restart on the same store; d's blocks (2) and r's first chunk (4) leave one free
+    sim = make_kv(8 if decoding else 6, num_cpu_blocks=8, nvme_path=str(tmp_path), backend=disk)
+    disk.gate.clear()
+    sched = make_scheduler(sim, "recompute", BALANCED, max_num_batched_tokens=16, scheduling_policy="ttft")
+    d = make_seq("d", range(700, 704), max_tokens=12)
+    q = make_seq("q", [*range(9), 99], max_tokens=2)
+    r = make_seq("r", range(800, 820), max_tokens=1)
+    try:
+        if decoding:
+            sched.add(d)
+            run_step(sched, sim)
+        sched.add(q)
+        run_step(sched, sim)
+        assert q.num_computed_tokens == 4 and sim.kv.tokens_to_load(q) == 4
+        sched.add(r)
+        run_step(sched, sim)
+        assert queues(sched)[1] == ["d", "q", "r"][1 - decoding:] and r.num_computed_tokens > 0
+        assert sim.kv.stats()["gpu_blocks_used"] == sim.kv.stats()["gpu_blocks_total"] - 1
+    finally:
+        disk.release()
+    deadline = time.monotonic() + 10
+    while sim.kv.lower_reads_in_flight() and time.monotonic() < deadline:
+        sim.kv.retire()  # books the finished read, as a step begins by doing
+        time.sleep(0.001)
+    assert not sim.kv.lower_reads_in_flight()
+    run_step(sched, sim)
+    if decoding:
+        assert q.num_computed_tokens == 4 and r.is_finished and not d.is_finished
+    run_until_done(sched, sim)
+    assert all(s.is_finished for s in (d, q, r)[1 - decoding:])
+    assert sched.loaded_skipped_tokens == (4 if decoding else 0)
+    assert sched.num_preemptions == {"recompute": 0, "swap": 0}

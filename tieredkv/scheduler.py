@@ -19,8 +19,9 @@ remote; as much as the policy says, behind the prefill ahead of them), so the re
 work and the computation of the earlier part: what to load and what to compute is
 `LoadPlanner`'s choice (`tieredkv.load_planning`). The load state is the lower tier's: how far a
 sequence may compute is the KV manager's answer (`computable`, after `land_loads` has jumped a
-running one over what its loads brought), and whether a waiting sequence still waits for its
-loads too (`load_wait`). A sequence that reaches blocks still being read waits for them unless
+running one over what its loads brought; while another sequence decodes, one whose loads are in
+waits for room for the rest of its prompt rather than push out the prefills ranked after it),
+and whether a waiting sequence still waits for its loads too (`load_wait`). A sequence that reaches blocks still being read waits for them unless
 computing them is faster, behind the prefill the GPU was given and has not finished (the loop
 runs ahead of the GPU through steps that sample nothing: `LaunchedPrefill`), and counting the
 other prefills that computing them would delay; while a running one waits and the GPU is busy,
@@ -100,6 +101,7 @@ class Scheduler:
         self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
         self.loaded_skipped_tokens = 0  # prefill tokens jumped over: their KV came from the lower tier
         self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed
+        self._decoding = False  # this step: a running sequence is past its prompt
         self.ranking = PrefillRanking(config, kv)  # `ttft`, `hrrn`: waits and prefixes left
         self.phases = PhaseMarks()  # this step's phase marks for the TTFT split
 
@@ -126,6 +128,8 @@ class Scheduler:
         if self.waiting and not ranked:  # (ranked: in the ranking's order, `_schedule_prefills`)
             self.loads.prefetch(self.waiting, self._prefill_backlog(), self.ranking.to_compute)
         prefilling: list[Sequence] | None = [] if ranked else None  # decodes first, prefills later
+        # a running sequence past its prompt gives its blocks back when it finishes, unasked
+        self._decoding = any(s.num_computed_tokens >= s.num_prompt_tokens for s in self.running)
         budget, held = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
         blocked = False
         if prefilling is not None:  # swapped sequences take their turn in the policy's order
@@ -205,7 +209,7 @@ class Scheduler:
                 i += 1
                 continue
             n = self._next_chunk(seq, budget)
-            if n == 0:  # waiting for its lower-tier blocks, or they are landing
+            if n == 0:  # waiting for its lower-tier blocks, for them to land, or for room for them
                 self._wait_for_loads(seq)
                 held = held or self._gpu_busy()
                 i += 1
@@ -224,8 +228,12 @@ class Scheduler:
     def _next_chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens a running sequence computes this step, after jumping over the prefix tokens
         its lower-tier loads brought (0 while their copy to the GPU lands, or while they are
-        read, unless computing them is faster: `LoadPlanner.give_up_late`)."""
-        skipped, landing = self.kv.land_loads(seq)
+        read, unless computing them is faster: `LoadPlanner.give_up_late`). Once they are in,
+        it waits (0) for room for the rest of its prompt while another sequence decodes (its
+        blocks come back then), rather than push out the prefills ranked after it."""
+        skipped, landing, short = self.kv.land_loads(seq, wait_for_room=self._decoding)
+        if short:
+            return 0
         if skipped:
             seq.num_computed_tokens += skipped
             self.loaded_skipped_tokens += skipped
@@ -426,7 +434,7 @@ class Scheduler:
         if share == 0:
             return 0
         n = self._next_chunk(seq, share)
-        if n == 0:  # waiting for its lower-tier blocks, or they are landing
+        if n == 0:  # waiting for its lower-tier blocks, for them to land, or for room for them
             self._wait_for_loads(seq)
             return 0
         while self.kv.allocate(seq, n) is None:

@@ -12,8 +12,9 @@ Operations:
   the policy, says how many of the earlier ones to compute instead).
 - `lower_reads_in_flight()`: the lower tier's queue; `h2d_queue_blocks()`: the PCIe queue of
   copies in; `landed_loads()`: how long the loads that landed took.
-- `land_loads(seq) -> Landed`: once a running sequence's loads have all arrived, copy the
-  blocks they brought into its next GPU blocks: the prefix tokens it jumps over.
+- `land_loads(seq, wait_for_room) -> Landed`: once a running sequence's loads have all arrived,
+  copy the blocks they brought into its next GPU blocks: the prefix tokens it jumps over (or
+  that it waits for room for the rest of its prompt).
 - `computable(seq, budget, prefix) -> int`: the one question about those loads: how many
   tokens the sequence may compute now (0: wait for its loads); `load_wait(seq) -> LoadWait`:
   whether a sequence found with nothing to compute before its loads land still waits for them;
@@ -80,10 +81,13 @@ class KVLost(NamedTuple):
 
 class Landed(NamedTuple):
     """Prefix tokens whose KV, loaded from the lower tier, a sequence jumps over, and whether
-    its copy to the GPU is still landing (the sequence computes nothing until it has)."""
+    its copy to the GPU is still landing (the sequence computes nothing until it has).
+    `short`: the loads are all in, but the GPU pool has no room for the rest of its prompt; the
+    loaded blocks wait in the CPU tier."""
 
     num_skipped_tokens: int = 0
     landing: bool = False
+    short: bool = False
 
 
 class LoadPlan(NamedTuple):
@@ -215,11 +219,14 @@ class KVCacheManager:
             return 0
         return n  # landed before admission: `allocate` promotes them as CPU hits
 
-    def land_loads(self, seq: Sequence) -> Landed:
+    def land_loads(self, seq: Sequence, wait_for_room: bool = False) -> Landed:
         """For a running sequence that reached its lower-tier prefix blocks and whose reads have
         all finished: copy the blocks that arrived intact from the CPU tier into its next GPU
-        blocks (none if the GPU pool is short); the tokens it jumps over. Its load plan is done
-        then. Nothing happens before, or for a sequence without loads."""
+        blocks, and takes the blocks for the rest of its prompt with them; the tokens it jumps
+        over. Its load plan is done then. If the GPU pool has no room for the rest of its
+        prompt, it waits for that room (`short`) while `wait_for_room` says blocks are coming
+        back; else it copies its loaded blocks alone if they fit, or none (and computes them).
+        Nothing happens before, or for a sequence without loads."""
         load_from = self.lower.load_from(seq.seq_id) if self.lower is not None else None
         if load_from is None or seq.num_computed_tokens < load_from or self.lower.arriving(seq.seq_id):
             return Landed()
@@ -229,13 +236,20 @@ class KVCacheManager:
             found = []
         else:
             found = self.keys.found_run(seq, self.keys.hit_candidates(seq), self.offload.pool, start)
-        skipped = self._copy_loaded(seq, start, found) if found else 0
+        rest = self.blocks_needed(seq.num_prompt_tokens) - len(self.tables.blocks(seq.seq_id))
+        if found and rest > self.pool.num_free:
+            if wait_for_room:
+                return Landed(short=True)
+            rest = 0  # the blocks its loads brought alone, if they fit
+        skipped = self._copy_loaded(seq, start, found, rest) if found else 0
         self.lower.landed(seq.seq_id)
         return Landed(skipped * bs, skipped > 0)
 
-    def _copy_loaded(self, seq: Sequence, start: int, cpu_blocks: list[Block]) -> int:
+    def _copy_loaded(self, seq: Sequence, start: int, cpu_blocks: list[Block], reserve: int) -> int:
+        """Copy `cpu_blocks` into the sequence's GPU blocks from `start` on, taking at least
+        `reserve` new ones (the rest of its prompt); the blocks copied (0: the pool is short)."""
         table = self.tables.blocks(seq.seq_id)
-        need = start + len(cpu_blocks) - len(table)
+        need = max(start + len(cpu_blocks) - len(table), reserve)
         if need > self.pool.num_free:
             return 0
         for block in cpu_blocks:
