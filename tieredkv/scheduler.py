@@ -21,12 +21,13 @@ work and the computation of the earlier part: what to load and what to compute i
 sequence may compute is the KV manager's answer (`computable`, after `land_loads` has jumped a
 running one over what its loads brought; while another sequence decodes, one whose loads are in
 waits for room for the rest of its prompt rather than push out the prefills ranked after it),
-and whether a waiting sequence still waits for its loads too (`load_wait`). A sequence that reaches blocks still being read waits for them unless
-computing them is faster, behind the prefill the GPU was given and has not finished (the loop
-runs ahead of the GPU through steps that sample nothing: `LaunchedPrefill`), and counting the
-other prefills that computing them would delay; while a running one waits and the GPU is busy,
-the prefills after it (ranked after it, or under `fcfs` running or admitted after it) wait too,
-so that their chunks do not run ahead of its own.
+and whether a waiting sequence still waits for its loads too (`load_wait`). A sequence that
+reaches blocks still being read waits for them unless computing them is faster, behind the
+prefill the GPU was given and has not finished (the loop runs ahead of the GPU through steps
+that sample nothing: `LaunchedPrefill`), and counting the other prefills that computing them
+would delay; while a running one waits and the GPU is busy, the prefills after it (ranked after
+it, or under `fcfs` running or admitted after it) wait too, so that their chunks do not run
+ahead of its own.
 
 After the forward pass, `update(batch, sampled_tokens)` advances the scheduled sequences,
 commits their new full blocks, appends the sampled tokens and retires finished sequences (in
@@ -100,7 +101,7 @@ class Scheduler:
         self.loads = LoadPlanner(kv, policy, learn_rate=config.cost_model is None)
         self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
         self.loaded_skipped_tokens = 0  # prefill tokens jumped over: their KV came from the lower tier
-        self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed
+        self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed, or fit
         self._decoding = False  # this step: a running sequence is past its prompt
         self.ranking = PrefillRanking(config, kv)  # `ttft`, `hrrn`: waits and prefixes left
         self.phases = PhaseMarks()  # this step's phase marks for the TTFT split
