@@ -10,6 +10,7 @@ import pytest
 
 from tests.kv_factory import BLOCK_BYTES, make_kv, make_scheduler, make_seq, run_step, run_until_done
 from tests.test_nvme_store import GatedBackend
+from tieredkv.cache.manager import Landed
 from tieredkv.policy import CostModel
 from tieredkv.tiers.nvme.io_backends import SyncBackend
 
@@ -629,3 +630,30 @@ def test_a_prompt_whose_loads_land_without_room_for_its_rest_waits_for_it_while_
     assert all(s.is_finished for s in (d, q, r)[1 - decoding:])
     assert sched.loaded_skipped_tokens == (4 if decoding else 0)
     assert sched.num_preemptions == {"recompute": 0, "swap": 0}
+
+
+@pytest.mark.parametrize("policy", ["ttft", "fcfs"])
+def test_no_prompt_is_admitted_after_one_whose_loads_wait_for_room(policy):
+    """While a running prompt's loads wait for room for the rest of it (`Landed.short`, as the
+    manager answers above), a prompt ranked after it (or, under `fcfs`, arriving after it) is
+    not admitted, though it fits: it would take the blocks coming back, and under a stream of
+    such prompts the first would starve. Once the room is there, they go on."""
+    sim = make_kv(16, num_cpu_blocks=8)
+    sched = make_scheduler(sim, "recompute", max_num_batched_tokens=8, scheduling_policy=policy)
+    d, q = make_seq("d", range(700, 703), max_tokens=20), make_seq("q", range(100, 112), max_tokens=2)
+    sched.add(d)
+    run_step(sched, sim)
+    sched.add(q)
+    run_step(sched, sim)
+    assert 0 < q.num_computed_tokens < 12 and d.output_token_ids
+    m = make_seq("m", range(300, 316), max_tokens=2)  # ranked after q, and after it in arrival
+    sched.add(m)
+    land = sim.kv.land_loads
+    sim.kv.land_loads = lambda seq, wait_for_room=False: Landed(short=True) if seq is q else land(seq, wait_for_room)
+    computed = q.num_computed_tokens
+    for _ in range(3):
+        run_step(sched, sim)
+    assert q.num_computed_tokens == computed and m in sched.waiting and m.num_computed_tokens == 0
+    sim.kv.land_loads = land
+    run_until_done(sched, sim)
+    assert q.is_finished and m.is_finished

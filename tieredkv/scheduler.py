@@ -103,6 +103,7 @@ class Scheduler:
         self.loaded_skipped_tokens = 0  # prefill tokens jumped over: their KV came from the lower tier
         self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed, or fit
         self._decoding = False  # this step: a running sequence is past its prompt
+        self._room_waits: set[str] = set()  # this step: sequences whose loads are in, waiting for room for them
         self.ranking = PrefillRanking(config, kv)  # `ttft`, `hrrn`: waits and prefixes left
         self.phases = PhaseMarks()  # this step's phase marks for the TTFT split
 
@@ -131,6 +132,7 @@ class Scheduler:
         prefilling: list[Sequence] | None = [] if ranked else None  # decodes first, prefills later
         # a running sequence past its prompt gives its blocks back when it finishes, unasked
         self._decoding = any(s.num_computed_tokens >= s.num_prompt_tokens for s in self.running)
+        self._room_waits.clear()
         budget, held = self._schedule_running(out, self.config.max_num_batched_tokens, prefilling)
         blocked = False
         if prefilling is not None:  # swapped sequences take their turn in the policy's order
@@ -212,7 +214,7 @@ class Scheduler:
             n = self._next_chunk(seq, budget)
             if n == 0:  # waiting for its lower-tier blocks, for them to land, or for room for them
                 self._wait_for_loads(seq)
-                held = held or self._gpu_busy()
+                held = held or self._gpu_busy() or seq.seq_id in self._room_waits
                 i += 1
                 continue
             while self.kv.allocate(seq, n) is None:
@@ -231,9 +233,11 @@ class Scheduler:
         its lower-tier loads brought (0 while their copy to the GPU lands, or while they are
         read, unless computing them is faster: `LoadPlanner.give_up_late`). Once they are in,
         it waits (0) for room for the rest of its prompt while another sequence decodes (its
-        blocks come back then), rather than push out the prefills ranked after it."""
+        blocks come back then), rather than push out the prefills ranked after it; none after
+        it is admitted meanwhile (`_room_waits`)."""
         skipped, landing, short = self.kv.land_loads(seq, wait_for_room=self._decoding)
         if short:
+            self._room_waits.add(seq.seq_id)
             return 0
         if skipped:
             seq.num_computed_tokens += skipped
@@ -393,7 +397,8 @@ class Scheduler:
                 if seq.status is SequenceStatus.RUNNING:  # not preempted for a sequence ahead
                     lower = [seqs[j] for j in shares.ranked_after() if j < len(prefilling)]
                     got = self._extend_prefill(out, seq, tokens, lower)
-                    admit = admit and not out.preempted
+                    # none is admitted after one waiting for room for its loads: it would starve
+                    admit = admit and not out.preempted and seq.seq_id not in self._room_waits
                     if got == 0 and tokens and self._gpu_busy():
                         break  # it waits for its KV while the GPU computes: the prefills after it wait too
             elif admit and tokens:
