@@ -39,6 +39,8 @@ Two clocks:
     python benchmarks/bench_scheduling.py configs/multi_turn_8b.yaml --sim --step-ms 9 --disk-gbps 1.42 \
         --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme --arrivals RUN/multi_turn_8b/gpu+cpu8GiB/result.json
                                                   # a closed-loop run's turns, replayed open-loop
+    python benchmarks/bench_scheduling.py configs/mooncake_synthetic_8b.yaml --sim --speed 8 --step-ms 9 \
+        --variants gpu+cpu16 --replay-policies   # the replacement policies on the stream the CPU tier serves
     python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
 """
 
@@ -57,6 +59,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -64,6 +67,7 @@ import yaml
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.cache.spill import write_bound
+from tieredkv.cache.trace import BlockTrace, replay_all
 from tieredkv.config import CacheConfig, EngineConfig, read_yaml
 from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
 from tieredkv.experiment.replay import ReplayWorkload
@@ -221,11 +225,13 @@ class SimDisk(BlockStore):
 
 
 def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_bytes_per_s: float | None = None,
-             ) -> tuple[list, float, dict[str, float]]:
+             replay_policies: bool = False) -> tuple[list, float, dict[str, Any]]:
     """Serve `requests` with the config's scheduler on a simulated clock, its store's disk (if
     any) moving `disk_bytes_per_s` each way (default `SIM_DISK_BYTES_PER_S`); the clients' records,
     the seconds until the last token and the scheduler's figures: its host seconds (wall
-    clock, `loop_schedule_s`) and its preemptions by kind."""
+    clock, `loop_schedule_s`) and its preemptions by kind. With `replay_policies`, also the CPU
+    tier's block trace replayed under every replacement policy (`cpu_tier_replay`: the stream
+    the tier served, as `tieredkv run` logs it)."""
     config = EngineConfig.from_dict(engine_doc)
     if config.cache.num_gpu_blocks is None:
         raise SystemExit("--sim needs cache.num_gpu_blocks in the config (the GPU tier the engine would have)")
@@ -233,6 +239,8 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
     now = 0.0
     disk_bytes_per_s = disk_bytes_per_s or SIM_DISK_BYTES_PER_S
     offload = sim_cpu_tier(cache, lambda: now, disk_bytes_per_s)
+    if replay_policies and offload is not None:
+        offload.trace = BlockTrace()
     disk = offload.lower.store if offload is not None and offload.lower is not None else None
     kv = KVCacheManager(cache.num_gpu_blocks, cache.block_size, root_hash=1, offload=offload)
     preemption = config.scheduler.preemption if offload is not None else "recompute"
@@ -290,6 +298,8 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         tiers = kv.stats()
         stats |= {"disk_reads": disk.reads, "late_loads": tiers["nvme_late_loads"],
                   "loaded_blocks": tiers["nvme_loaded_blocks"]}
+    if offload is not None and offload.trace is not None:
+        stats["cpu_tier_replay"] = replay_all(offload.trace, offload.tier.num_blocks)
     return list(records.values()), now, stats
 
 
@@ -537,11 +547,12 @@ HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'I
 
 def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str | None, bound: bool = False,
               sim_cost: StepCost = H200_LLAMA_8B, disk_bytes_per_s: float | None = None, arrivals: str | None = None,
-              **keys: float | None) -> list[tuple[Summary, RequestRecord]]:
+              replay_policies: bool = False, **keys: float | None) -> list[tuple[Summary, RequestRecord]]:
     """Every variant on one workload (one rate, one seed; or with `arrivals`, a multi_turn run's
     requests: `plan_of_run`); prints a table (and with `bound`, `print_bound`), returns the
     summaries and each variant's slowest request. With `sim`, steps take `sim_cost`'s time and a
-    store's disk moves `disk_bytes_per_s` each way."""
+    store's disk moves `disk_bytes_per_s` each way; with `replay_policies` too, each variant's CPU
+    tier trace is replayed under every policy (`simulate`)."""
     if arrivals is not None:
         requests, source = plan_of_run(doc, arrivals, keys.get("speed")), f"the turns of {arrivals}"
     else:
@@ -557,7 +568,7 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
     for name, engine_doc in engines:
         stats = {}
         if sim:
-            records, elapsed, stats = simulate(engine_doc, requests, sim_cost, disk_bytes_per_s)
+            records, elapsed, stats = simulate(engine_doc, requests, sim_cost, disk_bytes_per_s, replay_policies)
         else:
             records, elapsed = serve(engine_doc, requests)
         assert all(r.finished for r in records), f"{name}: a request did not finish"
@@ -570,6 +581,10 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
                      f"{stats['late_loads']} given up late" if "disk_reads" in stats else "")
                   + (f"; {stats['refused']} refused (longer than the GPU tier)" if stats["refused"] else ""),
                   flush=True)
+            if "cpu_tier_replay" in stats:
+                rates = stats["cpu_tier_replay"]["hit_rate"]
+                print(f"{'':<28} the CPU tier's trace replayed: "
+                      + ", ".join(f"{policy} {rate:.1%}" for policy, rate in rates.items()), flush=True)
         runs.append(records)
     if bound:
         print_bound(runs, sim_cost)
@@ -655,6 +670,9 @@ def main() -> None:
     parser.add_argument("--arrivals", metavar="RESULT_JSON",
                         help="a multi_turn config: replay that `tieredkv run`'s turns open-loop, at the times "
                              "they were sent (divided by --speed), with the answers it gave")
+    parser.add_argument("--replay-policies", action="store_true",
+                        help="with --sim: also replay each variant's CPU tier block trace (the stream it served) "
+                             "under every replacement policy, with Belady's, and print the hit rates")
     parser.add_argument("--json", help="write every summary here")
     args = parser.parse_args()
     try:
@@ -664,9 +682,9 @@ def main() -> None:
     if not all(f > 0 for f in factors):
         raise SystemExit(f"--perturb: expected positive factors, got {args.perturb!r}")
     if (args.bound or args.disk_gbps or args.step_ms or args.host_us_per_token is not None
-            or factors != [1.0]) and not args.sim:
-        raise SystemExit("--bound, --disk-gbps, --step-ms, --host-us-per-token and --perturb take the simulated "
-                         "clock: add --sim")
+            or factors != [1.0] or args.replay_policies) and not args.sim:
+        raise SystemExit("--bound, --disk-gbps, --step-ms, --host-us-per-token, --perturb and --replay-policies "
+                         "take the simulated clock: add --sim")
     for flag, value in (("--disk-gbps", args.disk_gbps), ("--step-ms", args.step_ms)):
         if value is not None and not value > 0:
             raise SystemExit(f"{flag}: expected a positive number, got {value}")
@@ -697,6 +715,7 @@ def main() -> None:
     results = []
     for rate in [float(r) for r in args.rates.split(",")] if args.rates else [None]:
         points = [run_point(doc, engines, args.sim, args.trace, args.bound, sim_cost, disk_bytes_per_s, args.arrivals,
+                            args.replay_policies,
                             rate=rate, requests=args.requests,
                             seed=seed, speed=args.speed, **window)
                   for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])

@@ -154,6 +154,34 @@ def test_the_simulated_benchmark_reads_back_from_a_simulated_disk(bench):
     assert again.cached_tokens >= 16 * stats["loaded_blocks"] >= 1500  # read back before its turn: its prefix
 
 
+def test_the_simulated_benchmark_replays_the_stream_its_cpu_tier_served_under_every_policy(bench, monkeypatch):
+    """`--replay-policies`: the CPU tier's block trace of a simulated run, replayed under every
+    replacement policy. A 2k-token prompt pushed out of the GPU by three others stays in the
+    1 GiB LRU CPU tier and hits there when it comes again: the replay finds that hit."""
+    engine = {"model": "llama-3-8b", "cache": {"block_size": 16, "num_gpu_blocks": 256, "cpu_cache_bytes": "1GiB",
+                                               "cpu_policy": "lru"},
+              "scheduler": {"max_num_batched_tokens": 8192}}
+    prompt = list(range(1, 2001))
+    requests = [(0.0, "first", prompt, False, 4)]
+    requests += [(1.0 + i, f"other{i}", [10_000 * (i + 1) + j for j in range(2000)], False, 4) for i in range(3)]
+    requests += [(20.0, "again", [*prompt, 7], False, 4)]
+    records, _, stats = bench.simulate(engine, requests, bench.H200_LLAMA_8B)
+    assert "cpu_tier_replay" not in stats
+    records, _, stats = bench.simulate(engine, requests, bench.H200_LLAMA_8B, replay_policies=True)
+    again = next(r for r in records if r.tag == "again")
+    assert again.cached_tokens >= 1984  # its 124 full blocks, from the CPU tier
+    replayed = stats["cpu_tier_replay"]
+    assert replayed["capacity_blocks"] == 512
+    rates = replayed["hit_rate"]
+    assert set(rates) == {"lru", "tinylfu", "adaptive", "arc", "wtinylfu", "belady"}
+    assert replayed["requested_blocks"] * rates["lru"] >= 124  # the tier served that hit; the replay finds it
+    assert rates["belady"] == max(rates.values())
+    config = str(Path(bench.__file__).resolve().parents[1] / "configs" / "long_context_8b.yaml")
+    monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, "--replay-policies"])
+    with pytest.raises(SystemExit, match="add --sim"):
+        bench.main()
+
+
 def test_the_simulated_benchmark_plans_the_questions_about_documents(bench):
     """A `long_doc_qa` workload on the simulated clock: its requests, as `run` sends them."""
     doc = {"workload": {"kind": "long_doc_qa", "documents": 2, "document_tokens": 32, "questions": 2, "rate": 1.0}}
