@@ -67,7 +67,7 @@ import yaml
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.offload import CPUOffload
 from tieredkv.cache.spill import write_bound
-from tieredkv.cache.trace import BlockTrace, replay_all
+from tieredkv.cache.trace import BlockTrace
 from tieredkv.config import CacheConfig, EngineConfig, read_yaml
 from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
 from tieredkv.experiment.replay import ReplayWorkload
@@ -298,8 +298,9 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         tiers = kv.stats()
         stats |= {"disk_reads": disk.reads, "late_loads": tiers["nvme_late_loads"],
                   "loaded_blocks": tiers["nvme_loaded_blocks"]}
-    if offload is not None and offload.trace is not None:
-        stats["cpu_tier_replay"] = replay_all(offload.trace, offload.tier.num_blocks)
+    replayed = offload.replay() if offload is not None else None
+    if replayed is not None:
+        stats["cpu_tier_replay"] = replayed
     return list(records.values()), now, stats
 
 

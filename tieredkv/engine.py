@@ -33,7 +33,7 @@ from tieredkv.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from tieredkv.cache.hashing import model_fingerprint
 from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.tier_chain import OneRankStores, build_tiers
-from tieredkv.cache.trace import BlockTrace, replay_all
+from tieredkv.cache.trace import BlockTrace
 from tieredkv.calibrate import DiskProbe, calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, RESULTS_VAR, EngineConfig, read_yaml, resolve_paths
 from tieredkv.decode import Decoder
@@ -278,10 +278,7 @@ class LLMEngine:
     def cpu_tier_replay(self) -> dict[str, object] | None:
         """The CPU tier's trace since `trace_cpu_tier`, replayed at the tier's size under every
         replay policy (`cache.trace.replay_all`); None if nothing was traced."""
-        offload = self.kv.offload
-        if offload is None or offload.trace is None:
-            return None
-        return replay_all(offload.trace, offload.tier.num_blocks)
+        return self.kv.offload.replay() if self.kv.offload is not None else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -24,7 +24,7 @@ from collections.abc import Collection
 
 from tieredkv.cache.block_pool import Block, BlockPool
 from tieredkv.cache.lower_tier import LowerTier
-from tieredkv.cache.trace import BlockTrace
+from tieredkv.cache.trace import BlockTrace, replay_all
 from tieredkv.replacement import ReplacementPolicy, make_admission
 from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.cpu import CPUTier
@@ -115,6 +115,11 @@ class CPUOffload:
             self._demotions[index] = (gpu_block.block_id, staging)
         self._staging[staging.block_id] = ref
         self._staged_unflushed.append(index)
+
+    def replay(self) -> dict[str, object] | None:
+        """The `trace` replayed at the tier's size under every replay policy
+        (`cache.trace.replay_all`); None if nothing was traced."""
+        return None if self.trace is None else replay_all(self.trace, self.tier.num_blocks)
 
     def requested(self, block_hashes: list[int], num_gpu_hits: int) -> None:
         self.admission.record(block_hashes, num_gpu_hits)
