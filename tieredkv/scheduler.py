@@ -101,7 +101,7 @@ class Scheduler:
         self.loads = LoadPlanner(kv, policy, learn_rate=config.cost_model is None)
         self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
         self.loaded_skipped_tokens = 0  # prefill tokens jumped over: their KV came from the lower tier
-        self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed, or fit
+        self.load_waits = 0  # steps a sequence had nothing to compute before its loads landed, or had room
         self._decoding = False  # this step: a running sequence is past its prompt
         self._room_waits: set[str] = set()  # this step: sequences whose loads are in, waiting for room for them
         self.ranking = PrefillRanking(config, kv)  # `ttft`, `hrrn`: waits and prefixes left
