@@ -293,7 +293,7 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         kv.before_forward()
         _book(sched, out, records, now)
     stats = {"loop_schedule_s": host_s, **{f"{kind}_preemptions": n for kind, n in sched.num_preemptions.items()},
-             "refused": sum(r.error is not None for r in records.values())}
+             "refused": sum(r.error is not None for r in records.values()), "held_back": dict(sched.held_back)}
     if disk is not None:
         tiers = kv.stats()
         stats |= {"disk_reads": disk.reads, "late_loads": tiers["nvme_late_loads"],
@@ -580,7 +580,8 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
                   f"{stats['swap_preemptions']} swapped, {stats['recompute_preemptions']} recomputed"
                   + (f"; the disk: {stats['disk_reads']} reads, {stats['loaded_blocks']} blocks loaded, "
                      f"{stats['late_loads']} given up late" if "disk_reads" in stats else "")
-                  + (f"; {stats['refused']} refused (longer than the GPU tier)" if stats["refused"] else ""),
+                  + (f"; {stats['refused']} refused (longer than the GPU tier)" if stats["refused"] else "")
+                  + (f"; prompts held back (sequence steps): {stats['held_back']}" if stats["held_back"] else ""),
                   flush=True)
             if "cpu_tier_replay" in stats:
                 rates = stats["cpu_tier_replay"]["hit_rate"]

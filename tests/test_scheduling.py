@@ -260,3 +260,45 @@ def test_a_fork_of_a_waiting_request_keeps_its_arrival():
     while sched.has_unfinished():
         started += [s.seq for s in run_step(sched, sim).scheduled if s.seq not in started]
     assert started == [r, child, q]
+
+
+def test_each_step_counts_what_held_a_waiting_prompt_back():
+    """`held_back`: a prompt waiting for a sequence slot counts a `slots` step; one waiting for GPU
+    blocks held by a long decode counts a `blocks` step each step until the decode ends."""
+    sim = make_kv(64)
+    sched = make_scheduler(sim, max_num_seqs=1, scheduling_policy="ttft")
+    for seq in (make_seq("long", range(40), max_tokens=3), make_seq("short", range(100, 120), max_tokens=1)):
+        sched.add(seq)
+    for _ in range(6):
+        run_step(sched, sim)
+    assert sched.held_back == {"slots": 1}  # the short one ranks first; the long one waited a step
+
+    sim = make_kv(32)  # 128 tokens: the decode (100 + 20 tokens) leaves no room for 60 more
+    sched = make_scheduler(sim, scheduling_policy="ttft")
+    decoding, waiting = make_seq("decoding", range(100), max_tokens=20), make_seq("waiting", range(1000, 1060), 1)
+    sched.add(decoding)
+    run_step(sched, sim)
+    run_step(sched, sim)
+    sched.add(waiting)
+    for _ in range(24):
+        run_step(sched, sim)
+    assert decoding.num_output_tokens == 20 and waiting.num_output_tokens == 1
+    assert sched.held_back == {"blocks": 19}  # each of the decode's 19 steps left
+
+
+@pytest.mark.parametrize("cpu_blocks, kinds, for_room", [(0, ("recompute", 64), 0), (4, ("recompute", 64), 1),
+                                                          (64, ("swap", 64), 0)])
+def test_preemptions_count_the_tokens_they_held_and_the_swaps_the_cpu_tier_had_no_room_for(cpu_blocks, kinds,
+                                                                                           for_room):
+    """Two decodes outgrow 32 GPU blocks: the newer is preempted with 64 computed tokens (16
+    blocks), swapped out where the CPU tier has room for them, recomputed where it has none
+    (counted as a swap the tier had no room for) or where there is no CPU tier."""
+    sim = make_kv(32, num_cpu_blocks=cpu_blocks)
+    sched = make_scheduler(sim, preemption="swap" if cpu_blocks else "recompute", max_num_batched_tokens=128)
+    for rid, first in (("a", 0), ("b", 1000)):
+        sched.add(make_seq(rid, range(first, first + 50), max_tokens=40))
+    for _ in range(60):
+        run_step(sched, sim)
+    kind, tokens = kinds
+    assert sched.num_preemptions[kind] == 1 and sched.preempted_tokens == {"recompute": 0, "swap": 0} | {kind: tokens}
+    assert sched.recomputed_for_cpu_room == for_room

@@ -409,6 +409,9 @@ class LLMEngine:
         stats = {
             **self.kv.stats(),
             "preemptions": dict(self.scheduler.num_preemptions),
+            "preempted_tokens": dict(self.scheduler.preempted_tokens),
+            "recomputed_for_cpu_room": self.scheduler.recomputed_for_cpu_room,
+            "held_back": dict(self.scheduler.held_back),
             "swap_fallbacks": self.scheduler.num_swap_fallbacks,
             **self.scheduler.loads.stats(),
             "nvme_skipped_tokens": self.scheduler.loaded_skipped_tokens,

@@ -51,7 +51,7 @@ The scheduler talks to blocks only through `KVCacheManager`.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from tieredkv.cache.manager import Allocation, KVCacheManager, KVLost, LoadWait
@@ -64,6 +64,12 @@ from tieredkv.prefill_ranking import PrefillRanking
 from tieredkv.sampling import FailedSample
 from tieredkv.sequence import ScheduledSeq, Sequence, SequenceStatus
 from tieredkv.ttft_phases import PhaseMarks
+
+# what holds a waiting or swapped-out sequence back in a step of `ttft`, `hrrn` (`Scheduler.held_back`):
+# the step's token budget went to the prefills ranked ahead of it; one ahead could not get GPU blocks
+# or a sequence slot; a sequence was preempted this step; one ahead waits for room for the rest of its
+# prompt, its loads in; one ahead waits for its loads to land while the GPU computes prefill
+HELD_BACK = ("budget", "blocks", "slots", "preempted", "room_for_loads", "loads_landing")
 
 
 @dataclass
@@ -96,7 +102,12 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
+        self.preempted_tokens: dict[str, int] = {"recompute": 0, "swap": 0}  # computed tokens they held
+        self.recomputed_for_cpu_room = 0  # preemptions that would have swapped but the CPU tier had no room
         self.num_swap_fallbacks = 0
+        # `ttft`, `hrrn`: waiting or swapped-out sequences a step left where they were, by what held
+        # them back (`HELD_BACK`), summed over steps
+        self.held_back: Counter[str] = Counter()
         # what new sequences load and compute; a cost model pinned in the config stays as pinned
         self.loads = LoadPlanner(kv, policy, learn_rate=config.cost_model is None)
         self._last_scheduled: set[str] = set()  # the sequences that computed in the last step
@@ -378,14 +389,14 @@ class Scheduler:
         (`chunk_cost`) where the cost model says what that is; a swapped sequence's KV copied
         back counts as computed. Whether a sequence could not run for want of blocks or
         sequence slots (none ranked after it is admitted then)."""
-        admit = not out.preempted
-        backlog = self._prefill_backlog() if admit else 0
-        waiting = self._prefill_candidates(backlog) if admit else []
+        hold = "preempted" if out.preempted else None  # what stops admissions this step, if anything
+        backlog = self._prefill_backlog() if hold is None else 0
+        waiting = self._prefill_candidates(backlog) if hold is None else []
         seqs = prefilling + waiting
         if not seqs:
             return False
         shares = self.ranking.share(seqs, max(budget, 0), ride_cost=self.policy.cost if out.scheduled else None)
-        if admit:  # loads planned behind the prefills ranked ahead of them, which run first
+        if hold is None:  # loads planned behind the prefills ranked ahead of them, which run first
             self.loads.prefetch((seqs[i] for i in shares.order), 0, self.ranking.to_compute)
         if budget <= 0:
             return False
@@ -398,10 +409,12 @@ class Scheduler:
                     lower = [seqs[j] for j in shares.ranked_after() if j < len(prefilling)]
                     got = self._extend_prefill(out, seq, tokens, lower)
                     # none is admitted after one waiting for room for its loads: it would starve
-                    admit = admit and not out.preempted and seq.seq_id not in self._room_waits
+                    if hold is None and (out.preempted or seq.seq_id in self._room_waits):
+                        hold = "preempted" if out.preempted else "room_for_loads"
                     if got == 0 and tokens and self._gpu_busy():
+                        hold = hold or "loads_landing"
                         break  # it waits for its KV while the GPU computes: the prefills after it wait too
-            elif admit and tokens:
+            elif hold is None and tokens:
                 if slots + seq.width > self.config.max_num_seqs:
                     got = None  # no slots: none after it is admitted either (it would starve)
                 elif seq.status is SequenceStatus.SWAPPED:
@@ -409,10 +422,19 @@ class Scheduler:
                 else:
                     got = self._admit(out, seq, tokens, backlog)
                 slots += seq.width if got is not None else 0
-                admit = got is not None
+                if got is None:
+                    hold = "slots" if slots + seq.width > self.config.max_num_seqs else "blocks"
             blocked = blocked or got is None
             shares.took(got or 0)
+        self._count_held_back(waiting, hold or "budget")
         return blocked
+
+    def _count_held_back(self, candidates: list[Sequence], hold: str) -> None:
+        """Count the candidates (waiting, swapped out) this step left where they were, as held by
+        `hold` (`HELD_BACK`)."""
+        left = sum(1 for s in candidates if s.status is not SequenceStatus.RUNNING)
+        if left:
+            self.held_back[hold] += left
 
     def _prefill_candidates(self, backlog: int) -> list[Sequence]:
         """`ttft`, `hrrn`: the swapped-out sequences that may come back (not held), then the
@@ -472,7 +494,11 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         num_blocks = self.kv.blocks_needed(seq.num_computed_tokens)
-        kind = self.policy.preemption(seq.num_computed_tokens, num_blocks, self.kv.cpu_free_blocks())
+        cpu_free = self.kv.cpu_free_blocks()
+        kind = self.policy.preemption(seq.num_computed_tokens, num_blocks, cpu_free)
+        if kind == "recompute" and num_blocks > cpu_free \
+                and self.policy.preemption(seq.num_computed_tokens, num_blocks, num_blocks) == "swap":
+            self.recomputed_for_cpu_room += 1  # it would have swapped, had the CPU tier had room
         if kind == "swap" and self.kv.swap_out(seq):
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
@@ -480,8 +506,10 @@ class Scheduler:
             self.num_swap_fallbacks += kind == "swap"
             kind = "recompute"
             self.kv.free(seq)
-            self._requeue(seq)
         self.num_preemptions[kind] += 1
+        self.preempted_tokens[kind] += seq.num_computed_tokens
+        if kind == "recompute":
+            self._requeue(seq)
 
     def _preempt_held(self, out: SchedulerOutput) -> None:
         """Nothing could run: make room by preempting the newest held running sequence, if any
