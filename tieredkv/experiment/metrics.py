@@ -230,6 +230,8 @@ def format_summary(s: Summary) -> str:
     preempt = s.stats.get("preemptions", {})
     nvme_choice = s.stats.get("nvme_prefix_blocks", {})
     late = s.stats.get("nvme_late_requests", {})
+    tokens = s.stats.get("preempted_tokens", {})  # the computed tokens each kind of preemption held
+    held = s.stats.get("held_back", {})
     hit = "n/a" if s.prefix_hit_rate is None else f"{s.prefix_hit_rate:.1%} ({s.cached_tokens} tokens)"
     rows = [
         ("requests", f"{s.requests} ({s.errors} errors), {s.requests_per_s:.2f} req/s"
@@ -246,7 +248,10 @@ def format_summary(s: Summary) -> str:
         ("prefix hit rate", hit),
         ("  from GPU / CPU tier", f"{s.stats.get('gpu_hit_blocks', 0)} / {s.stats.get('cpu_hit_blocks', 0)} blocks "
                                   f"({s.stats.get('nvme_loaded_blocks', 0)} read into the CPU tier from below)"),
-        ("preemptions", ", ".join(f"{k} {v}" for k, v in preempt.items())),
+        ("preemptions", ", ".join(f"{k} {v}" for k, v in preempt.items())
+         + (f" ({' / '.join(f'{k} {v}' for k, v in tokens.items())} tokens"
+            f"; {s.stats.get('recomputed_for_cpu_room', 0)} recomputed for want of CPU room)" if tokens else "")),
+        ("prompts held back (sequence steps)", ", ".join(f"{k} {v}" for k, v in held.items()) or "none"),
         ("GPU blocks evicted", str(s.stats.get("gpu_evictions", 0))),
         ("moved D2H / H2D",
          f"{s.stats.get('bytes_d2h', 0) / 2**20:.1f} / {s.stats.get('bytes_h2d', 0) / 2**20:.1f} MiB"),
