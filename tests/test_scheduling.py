@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tests.kv_factory import make_kv, make_scheduler, make_seq, run_step
 from tieredkv.config import EngineConfig
 from tieredkv.policy import CostModel
+from tieredkv.scheduler import HELD_BACK
 from tieredkv.scheduling import (
     PrefillCandidate,
     chunk_cost,
@@ -284,6 +285,7 @@ def test_each_step_counts_what_held_a_waiting_prompt_back():
         run_step(sched, sim)
     assert decoding.num_output_tokens == 20 and waiting.num_output_tokens == 1
     assert sched.held_back == {"blocks": 19}  # each of the decode's 19 steps left
+    assert set(sched.held_back) <= set(HELD_BACK)
 
 
 @pytest.mark.parametrize("cpu_blocks, kinds, for_room", [(0, ("recompute", 64), 0), (4, ("recompute", 64), 1),
