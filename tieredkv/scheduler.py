@@ -392,13 +392,18 @@ class Scheduler:
         hold = "preempted" if out.preempted else None  # what stops admissions this step, if anything
         backlog = self._prefill_backlog() if hold is None else 0
         waiting = self._prefill_candidates(backlog) if hold is None else []
+        # what the step may leave where it is (`held_back`): the candidates; after a preemption,
+        # every waiting and swapped-out sequence not held
+        left = waiting if hold is None else [s for s in itertools.chain(self.swapped, self.waiting) if not s.held]
         seqs = prefilling + waiting
         if not seqs:
+            self._count_held_back(left, hold or "budget")
             return False
         shares = self.ranking.share(seqs, max(budget, 0), ride_cost=self.policy.cost if out.scheduled else None)
         if hold is None:  # loads planned behind the prefills ranked ahead of them, which run first
             self.loads.prefetch((seqs[i] for i in shares.order), 0, self.ranking.to_compute)
         if budget <= 0:
+            self._count_held_back(left, hold or "budget")
             return False
         slots = self._slots_taken()  # an upper bound once a preemption frees some
         blocked = False
@@ -416,17 +421,18 @@ class Scheduler:
                         break  # it waits for its KV while the GPU computes: the prefills after it wait too
             elif hold is None and tokens:
                 if slots + seq.width > self.config.max_num_seqs:
-                    got = None  # no slots: none after it is admitted either (it would starve)
+                    got, hold = None, "slots"  # none after it is admitted either (it would starve)
                 elif seq.status is SequenceStatus.SWAPPED:
                     got = self._swap_in(out, seq, tokens)
                 else:
                     got = self._admit(out, seq, tokens, backlog)
-                slots += seq.width if got is not None else 0
                 if got is None:
-                    hold = "slots" if slots + seq.width > self.config.max_num_seqs else "blocks"
+                    hold = hold or "blocks"
+                else:
+                    slots += seq.width
             blocked = blocked or got is None
             shares.took(got or 0)
-        self._count_held_back(waiting, hold or "budget")
+        self._count_held_back(left, hold or "budget")
         return blocked
 
     def _count_held_back(self, candidates: list[Sequence], hold: str) -> None:
