@@ -265,7 +265,8 @@ def test_a_fork_of_a_waiting_request_keeps_its_arrival():
 
 def test_each_step_counts_what_held_a_waiting_prompt_back():
     """`held_back`: a prompt waiting for a sequence slot counts a `slots` step; one waiting for GPU
-    blocks held by a long decode counts a `blocks` step each step until the decode ends."""
+    blocks held by a long decode counts a `blocks` step each step until the decode ends; a
+    sequence preempted back to the queue counts a `preempted` step for the step that did it."""
     sim = make_kv(64)
     sched = make_scheduler(sim, max_num_seqs=1, scheduling_policy="ttft")
     for seq in (make_seq("long", range(40), max_tokens=3), make_seq("short", range(100, 120), max_tokens=1)):
@@ -286,6 +287,15 @@ def test_each_step_counts_what_held_a_waiting_prompt_back():
     assert decoding.num_output_tokens == 20 and waiting.num_output_tokens == 1
     assert sched.held_back == {"blocks": 19}  # each of the decode's 19 steps left
     assert set(sched.held_back) <= set(HELD_BACK)
+
+    sim = make_kv(32)  # two decodes outgrow it: the newer is preempted (recomputed) in step 16
+    sched = make_scheduler(sim, max_num_batched_tokens=128, scheduling_policy="ttft")
+    for rid, first in (("a", 0), ("b", 1000)):
+        sched.add(make_seq(rid, range(first, first + 50), max_tokens=40))
+    for _ in range(60):
+        run_step(sched, sim)
+    # the step that preempted it admits nothing; then it waits for the blocks the other decode holds
+    assert sched.held_back == {"preempted": 1, "blocks": 24}
 
 
 @pytest.mark.parametrize("cpu_blocks, kinds, for_room", [(0, ("recompute", 64), 0), (4, ("recompute", 64), 1),
