@@ -12,6 +12,7 @@ from tests.kv_factory import BLOCK_BYTES, make_kv, make_scheduler, make_seq, run
 from tests.test_nvme_store import GatedBackend
 from tieredkv.cache.manager import Landed
 from tieredkv.policy import CostModel
+from tieredkv.sequence import SequenceStatus
 from tieredkv.tiers.nvme.io_backends import SyncBackend
 
 SWAP_WINS = CostModel(d2h_bytes_per_s=1e15, h2d_bytes_per_s=1e15, prefill_s_per_token=1.0)
@@ -529,7 +530,8 @@ def test_a_prompt_whose_prefix_is_read_from_disk_is_admitted_only_with_room_for_
     """q (3 blocks) computes its first block while its second is read; once read, that block is
     copied in at once and its last follows. With room for its first chunk alone (2 blocks free
     beside a 6-block prompt) it would then push out sequences ranked after it, or compute what
-    it read: it waits until its whole prompt fits, and then jumps over the block it read."""
+    it read: it waits until its whole prompt fits. Meanwhile the disk is idle: it reads its first
+    block too (a read-ahead), and is admitted with both as CPU hits."""
     store_prompts(str(tmp_path))
     sim = make_kv(8, num_cpu_blocks=8, nvme_path=str(tmp_path))  # a restart on the same store
     sched = make_scheduler(sim, "recompute", BALANCED)
@@ -540,9 +542,62 @@ def test_a_prompt_whose_prefix_is_read_from_disk_is_admitted_only_with_room_for_
     sched.add(q)
     run_step(sched, sim)
     assert queues(sched)[:2] == (["q"], ["other"]) and sim.kv.tokens_to_load(q) == 4
+    while sim.kv.offload.lower.busy:  # its read lands while it still waits
+        sim.kv.retire()
+        time.sleep(0.001)
     run_until_done(sched, sim)
-    assert q.is_finished and other.is_finished and sched.loaded_skipped_tokens == 4
+    assert q.is_finished and other.is_finished and sched.loads.read_ahead_blocks == 1
+    assert q.num_cached_tokens == 8 and sched.loaded_skipped_tokens == 0
     assert sched.num_preemptions == {"recompute": 0, "swap": 0}
+
+
+def stored_document(path: str, num_blocks: int) -> list[int]:
+    """A prompt of `num_blocks` full blocks and a token, computed by an engine whose LRU CPU tier
+    took all of its blocks when a prompt as long pushed them out, then closed (written down)."""
+    doc = [1000 + i for i in range(num_blocks * 4 + 1)]
+    first = make_kv(num_blocks + 1, num_cpu_blocks=num_blocks + 4, nvme_path=path, cpu_policy="lru")
+    sched = make_scheduler(first, "recompute")
+    for i, prompt in enumerate([doc, [5000 + t for t in doc]]):
+        sched.add(make_seq(f"p{i}", prompt, max_tokens=1))
+        run_until_done(sched, first)
+    first.kv.close()
+    return doc
+
+
+@pytest.mark.parametrize("num_cpu_blocks, read_aheads, loaded", [(64, [4, 1, 0], 12), (12, [2, 1, 0], 10)])
+def test_a_prompt_kept_waiting_reads_ahead_what_it_planned_to_compute(tmp_path, num_cpu_blocks, read_aheads, loaded):
+    """q's plan computes its first 5 blocks while its last 7 are read. The one sequence slot is
+    taken, so q waits: never while a read is in flight, but each time the disk is idle, it
+    splits what it was to compute again (behind an idle disk, the later blocks are read) until
+    loading pays no more, and is admitted with its whole prefix read. In a small CPU tier each
+    read-ahead takes half of the free blocks at most, the last blocks first, so what it loads
+    stays one run: it computes its first two blocks and jumps over the other ten."""
+    doc = stored_document(str(tmp_path), 12)
+    disk = GatedBackend()
+    sim = make_kv(32, num_cpu_blocks=num_cpu_blocks, nvme_path=str(tmp_path), backend=disk)
+    sched = make_scheduler(sim, "recompute", BALANCED, max_num_seqs=1)
+    sched.add(make_seq("other", range(500, 503), max_tokens=40))
+    run_step(sched, sim)
+    q = make_seq("q", doc, max_tokens=2)
+    sched.add(q)
+    disk.gate.clear()
+    run_step(sched, sim)
+    assert sim.kv.tokens_to_load(q) == 7 * 4
+    run_step(sched, sim)  # its reads held: no read-ahead
+    assert sched.loads.read_ahead_blocks == 0
+    disk.release()
+    lower, seen = sim.kv.offload.lower, []
+    for _ in read_aheads:
+        while lower.busy:
+            sim.kv.retire()
+            time.sleep(0.001)
+        before = sched.loads.read_ahead_blocks
+        run_step(sched, sim)
+        seen.append(sched.loads.read_ahead_blocks - before)
+    assert seen == read_aheads and q.status is SequenceStatus.WAITING
+    assert sim.kv.tokens_to_load(q) == loaded * 4
+    run_until_done(sched, sim)  # check_kv in every step: q's KV exact
+    assert q.num_cached_tokens == loaded * 4 and sim.kv.stats()["nvme_loaded_blocks"] == loaded
 
 
 def test_a_waiting_prefix_being_loaded_counts_in_the_gpu_queue_by_what_it_computes(tmp_path):

@@ -7,7 +7,9 @@ Operations:
 - `pin(policy)`: plan by another policy, its cost model as given (nothing learned over it).
 - `learn(computed_last_step)`: teach the observed load rate how long the loads that landed took.
 - `prefetch(in_turn, backlog, to_compute)`: start the lower-tier loads of the first waiting
-  sequences in the order they are to run, so that the reads overlap other work before their turn.
+  sequences in the order they are to run, so that the reads overlap other work before their turn;
+  on an idle tier, the first of them whose loads landed reads ahead into what it was to compute
+  (its plan was made against queues it has waited longer behind).
 - `plan(seq, gpu_queue_tokens)`: plan one sequence's lower-tier loads (once per stay in the
   waiting queue; the KV manager keeps the plan).
 - `give_up_late(seq, gpu_queue_tokens, launch_s, num_delayed) -> bool`: a sequence found waiting
@@ -24,12 +26,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from tieredkv.cache.manager import KVCacheManager
+from tieredkv.cache.manager import KVCacheManager, SplitPolicy
 from tieredkv.cache.prefix import PrefixMatch
 from tieredkv.policy import ObservedLoads, TierPolicy
 from tieredkv.sequence import Sequence, SequenceStatus
 
 PREFETCH_DEPTH = 8  # waiting sequences whose lower-tier prefix loads start ahead of their turn
+READ_AHEAD_S = 0.25  # the most disk time a read-ahead takes: a newcomer's reads wait behind it
 
 
 class LoadPlanner:
@@ -48,6 +51,7 @@ class LoadPlanner:
         # `compute_for_queues`: computed only because of the lower tier's and the GPU's queues
         self.lower_prefix_blocks: dict[str, int] = {"load": 0, "compute": 0, "compute_for_queues": 0}
         self.cpu_hits_recomputed = 0  # CPU prefix blocks recomputed: copying them in was slower
+        self.read_ahead_blocks = 0  # planned to compute, loaded by a read-ahead instead
         # sequences that gave up their late reads, by where they waited: in the waiting queue, or running
         self.late_requests: dict[str, int] = {"waiting": 0, "running": 0}
 
@@ -75,24 +79,45 @@ class LoadPlanner:
         a load is not planned where computing would have been faster once its turn came."""
         ahead: list[Sequence] = []
         planned = 0
+        read_ahead = self._read_ahead_blocks()
         for seq in in_turn:
             if planned == PREFETCH_DEPTH:
                 return
             if seq.status is SequenceStatus.WAITING:
-                self._plan(seq, lambda ahead=tuple(ahead): backlog + sum(map(to_compute, ahead)))
+                def queue(ahead: tuple[Sequence, ...] = tuple(ahead)) -> int:
+                    return backlog + sum(map(to_compute, ahead))
+
+                self._plan(seq, queue)
+                if read_ahead:  # the first in turn whose loads landed, while the tier is idle
+                    self.read_ahead_blocks += self.kv.read_ahead(seq, self._split(queue), read_ahead)
                 planned += 1
             ahead.append(seq)
+
+    def _read_ahead_blocks(self) -> int:
+        """The blocks the lower tier reads in `READ_AHEAD_S` (0: no read rate, loads are not split)."""
+        cost, observed = self.policy.cost, self.observed_loads
+        rate = observed.bytes_per_s if observed is not None else cost and cost.disk_read_bytes_per_s
+        return int(READ_AHEAD_S * rate / self.policy.block_bytes) if rate else 0
 
     def plan(self, seq: Sequence, gpu_queue_tokens: int) -> None:
         """Plan the sequence's lower-tier prefix loads against the tier's and the GPU's queues:
         the reads already in flight, and `gpu_queue_tokens` of prefill ahead of it."""
         self._plan(seq, lambda: gpu_queue_tokens)
 
-    def _plan(self, seq: Sequence, gpu_queue_tokens: Callable[[], int]) -> None:
-        def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
+    def _split(self, gpu_queue_tokens: Callable[[], int]) -> SplitPolicy:
+        """The policy's split of a lower-tier run behind the tier's reads in flight and
+        `gpu_queue_tokens()` of prefill (asked only when a split is made)."""
+        def split(num_blocks: int, first_token: int) -> int:
             queued, plan = self.kv.lower_reads_in_flight(), self.policy.lower_blocks_to_compute
-            compute = plan(num_blocks, first_token, queued, gpu_queue_tokens(), self.observed_loads)
-            idle = plan(num_blocks, first_token, observed=self.observed_loads)
+            return plan(num_blocks, first_token, queued, gpu_queue_tokens(), self.observed_loads)
+        return split
+
+    def _plan(self, seq: Sequence, gpu_queue_tokens: Callable[[], int]) -> None:
+        behind_queues = self._split(gpu_queue_tokens)
+
+        def split(num_blocks: int, first_token: int) -> int:  # called only when a plan is made
+            compute = behind_queues(num_blocks, first_token)
+            idle = self.policy.lower_blocks_to_compute(num_blocks, first_token, observed=self.observed_loads)
             self.lower_prefix_blocks["compute_for_queues"] += max(0, compute - idle)
             return compute
 
@@ -137,13 +162,15 @@ class LoadPlanner:
         self.cpu_hits_recomputed += len(found.cpu_blocks) - len(used.cpu_blocks)
 
     def stats(self) -> dict[str, object]:
-        """`nvme_prefix_blocks` (by choice), `nvme_late_requests` (the sequences that computed
-        their late reads' blocks, by where they waited), `cpu_hits_recomputed`, and the lower
+        """`nvme_prefix_blocks` (by choice), `nvme_read_ahead_blocks` (planned to compute, then
+        loaded), `nvme_late_requests` (the sequences that computed their late reads' blocks, by
+        where they waited), `cpu_hits_recomputed`, and the lower
         tier's learned read rate (`disk_read_bytes_per_s`) when it is followed."""
         stats: dict[str, object] = {
             "nvme_prefix_blocks": dict(self.lower_prefix_blocks),
             "nvme_late_requests": dict(self.late_requests),
             "cpu_hits_recomputed": self.cpu_hits_recomputed,
+            "nvme_read_ahead_blocks": self.read_ahead_blocks,
         }
         if self.observed_loads is not None:
             stats["disk_read_bytes_per_s"] = self.observed_loads.bytes_per_s

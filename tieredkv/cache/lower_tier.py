@@ -9,7 +9,8 @@ Operations:
   held for the request (its reads go to the store in one `submit_reads`); `load_from(request_id)`
   (the first token being read), `num_planned`, `arriving`, `wait_state` (`LoadWait`), `admitted`
   (its CPU hits are its own now; the loaded blocks stay held until it reaches them), `landed` (the
-  sequence jumps over the loaded blocks), `forget` (the sequence was freed); `landed_loads()`: how
+  sequence jumps over the loaded blocks), `forget` (the sequence was freed); `read_ahead(request_id,
+  refs)`: once its loads landed, read the blocks before them too (the tier idle); `landed_loads()`: how
   long the loads that landed took, from submission; `late(request_id)` (a waiting request's
   reads still in flight, and the queue up to its last one), `give_up(request_id)` (it stops
   waiting for them and computes those tokens);
@@ -67,6 +68,15 @@ class LoadWait(Enum):
     LANDED = "landed"  # they landed since it was last asked about (told once)
 
 
+class _Plan(NamedTuple):
+    """A request's loads: `num_blocks` prefix blocks from token `load_from` on, of which the first
+    `num_reading` were submitted last (their reads land in order; those after them landed)."""
+
+    load_from: int
+    num_blocks: int
+    num_reading: int
+
+
 class LateReads(NamedTuple):
     """A request waiting for its reads: of the blocks its plan loads from token `load_from`
     on, the first `num_landed` are in, the next `num_blocks` in flight; `queued` reads are in
@@ -100,10 +110,9 @@ class LowerTier:
         self.cpu_blocks = cpu_blocks
         self.admission = admission
         self.spill = Spill(store, cpu_pool, self.cpu_blocks)
-        # request -> (first token of its prefix blocks being read, how many blocks) (None:
-        # nothing to read); a request is here once its loads were planned, until it jumps over
-        # them or is freed
-        self._load_from: dict[str, tuple[int, int] | None] = {}
+        # request -> its loads (maybe none); a request is here once its loads were planned, until
+        # it jumps over them or is freed
+        self._load_from: dict[str, _Plan] = {}
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
         self._hits: dict[str, list[Block]] = {}  # request -> its CPU hits, held until it is admitted
         self._reads: dict[int, _Read] = {}  # read job -> what it fills, in submission order
@@ -165,20 +174,49 @@ class LowerTier:
         would otherwise evict them. How many blocks the plan brings (none: nothing is loaded,
         nothing held)."""
         queued = len(self._reads)
-        if not refs:
-            self._load_from[request_id] = None
-            return 0
         for block in hits:  # before its own reads take CPU blocks
             self.cpu_pool.touch(block)
-        brought = self._start(request_id, refs)
-        self._load_from[request_id] = (load_from, brought) if brought else None
+        brought = self._start(request_id, refs) if refs else 0
+        self._load_from[request_id] = _Plan(load_from, brought, brought)
         if brought:
             self._hits[request_id] = list(hits)
         else:
             self.cpu_pool.release(hits)
+        self._start_clock(request_id, queued)
+        return brought
+
+    def read_ahead(self, request_id: str, refs: Sequence[BlockRef], hits: Sequence[Block] = ()) -> int:
+        """Read `refs` too: the prefix blocks just before those the request's plan loads (all
+        landed), which it was to compute. Only the last of them that fit in half of the CPU
+        tier's free blocks (the rest stays for others' loads and swaps), so that what it loads
+        stays one run; how many it brings (0: none, as when the store lost one since it was
+        asked: the run would break there). Its CPU-tier `hits` are held from then on, as for a plan."""
+        planned = self._load_from[request_id]
+        assert not self.arriving(request_id), "read ahead only once the loads landed"
+        refs = refs[max(0, len(refs) - self.cpu_pool.num_free // 2):]
+        if not refs:
+            return 0
+        if request_id not in self._hits:
+            for block in hits:
+                self.cpu_pool.touch(block)
+            self._hits[request_id] = list(hits)
+        queued = len(self._reads)
+        brought = self._start(request_id, refs)
+        if brought < len(refs):  # the blocks it read would not reach its plan's: let them land unheld
+            for job, read in list(self._reads.items()):
+                if read.request_id == request_id:
+                    self._stop_waiting(job, read)
+            return 0
+        block_size = len(refs[0].token_ids)  # a ref holds one block's tokens
+        self._load_from[request_id] = _Plan(planned.load_from - brought * block_size,
+                                            planned.num_blocks + brought, brought)
+        self._start_clock(request_id, queued)
+        return brought
+
+    def _start_clock(self, request_id: str, queued: int) -> None:
+        """Time the request's reads just submitted, behind `queued` others, until they land."""
         if self.arriving(request_id):
             self._clocks[request_id] = (time.monotonic(), queued + self._reads_left[request_id])
-        return brought
 
     def _start(self, request_id: str, refs: Sequence[BlockRef]) -> int:
         """Hold or read `refs` for the request, in order, up to the first that can be neither
@@ -221,13 +259,19 @@ class LowerTier:
     def load_from(self, request_id: str) -> int | None:
         """The first token of the request's prefix blocks being loaded (None: none)."""
         planned = self._load_from.get(request_id)
-        return planned[0] if planned is not None else None
+        return planned.load_from if planned is not None and planned.num_blocks else None
+
+    def ahead_of_loads(self, request_id: str) -> int | None:
+        """The token a read-ahead reads up to: the first of the blocks the request's plan loads,
+        or where they would have started when it loads none (None: not planned)."""
+        planned = self._load_from.get(request_id)
+        return planned.load_from if planned is not None else None
 
     def num_planned(self, request_id: str) -> int:
         """Prefix blocks the request's plan reads from `load_from` on (0 once it jumped over
         them, or with no plan)."""
         planned = self._load_from.get(request_id)
-        return planned[1] if planned is not None else 0
+        return planned.num_blocks if planned is not None else 0
 
     def arriving(self, request_id: str) -> bool:
         """Whether reads for the request are in flight."""
@@ -355,8 +399,7 @@ class LowerTier:
         planned = self._load_from.get(request_id)
         if not left or planned is None or request_id not in self._waiting:
             return None
-        load_from, num_blocks = planned
-        return LateReads(load_from, num_blocks - left, left, self._queue_ends()[request_id])
+        return LateReads(planned.load_from, planned.num_reading - left, left, self._queue_ends()[request_id])
 
     def _queue_ends(self) -> dict[str, int]:
         """Each request's reads in flight up to its last one waited for (in submission order),

@@ -9,7 +9,8 @@ Operations:
   lookup).
 - `plan_loads(seq, split) -> LoadPlan | None`: once per stay in the waiting queue, start
   reading the later part of the sequence's lower-tier prefix blocks into the CPU tier (`split`,
-  the policy, says how many of the earlier ones to compute instead).
+  the policy, says how many of the earlier ones to compute instead); `read_ahead(seq, split,
+  max_blocks)`: once they landed, on an idle lower tier, read more of what it was to compute.
 - `lower_reads_in_flight()`: the lower tier's queue; `h2d_queue_blocks()`: the PCIe queue of
   copies in; `landed_loads()`: how long the loads that landed took.
 - `land_loads(seq, wait_for_room) -> Landed`: once a running sequence's loads have all arrived,
@@ -166,6 +167,27 @@ class KVCacheManager:
         if not prefix.num_lower:
             return None
         return LoadPlan(compute, prefix.num_lower - compute)
+
+    def read_ahead(self, seq: Sequence, split: SplitPolicy, max_blocks: int) -> int:
+        """A waiting sequence whose loads landed, while the lower tier is idle: read the blocks
+        before them too that `split` (at its queue now) no longer computes, the last first, up to
+        `max_blocks` (a chunk the disk finishes before a newcomer's reads would wait long behind
+        it); how many it brings."""
+        lower = self.lower
+        if lower is None or lower.busy or lower.arriving(seq.seq_id):
+            return 0
+        load_from = lower.ahead_of_loads(seq.seq_id)
+        if load_from is None:
+            return 0
+        resident = find_prefix(seq, self.keys, self.pool, self.offload, lower=False)
+        first = resident.num_tokens(self.block_size)
+        start, stop = first // self.block_size, load_from // self.block_size
+        if start >= stop:
+            return 0
+        compute = max(split(stop - start, first), stop - start - max_blocks)
+        if compute >= stop - start or lower.held_run(self.keys.hit_candidates(seq), start + compute) < stop:
+            return 0
+        return lower.read_ahead(seq.seq_id, tuple(self.keys.refs(seq, start + compute, stop)), resident.cpu_blocks)
 
     def tokens_to_load(self, seq: Sequence, have: int | None = None) -> int:
         """Prompt tokens the sequence's lower-tier loads bring past the first `have` (default:
