@@ -17,7 +17,8 @@ The first waiting sequences in the order they are to run (the queue's for `fcfs`
 ranking's) start reading the later part of their prefix blocks found in the lower tier (disk,
 remote; as much as the policy says, behind the prefill ahead of them), so the reads overlap other
 work and the computation of the earlier part: what to load and what to compute is
-`LoadPlanner`'s choice (`tieredkv.load_planning`). The load state is the lower tier's: how far a
+`LoadPlanner`'s choice (`tieredkv.load_planning`), made again for one kept waiting once the tier
+is idle (a read-ahead). The load state is the lower tier's: how far a
 sequence may compute is the KV manager's answer (`computable`, after `land_loads` has jumped a
 running one over what its loads brought; while another sequence decodes, one whose loads are in
 waits for room for the rest of its prompt rather than push out the prefills ranked after it),
