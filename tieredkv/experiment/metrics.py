@@ -310,8 +310,10 @@ def _restart_rows(s: Summary) -> list[tuple[str, str]]:
         return [("restart", f"none: the workload ended before {r['after_s']:g} s")]
     p50 = {k: r[f"returning_ttft_{k}_s"]["p50"] for k in ("before", "after", "after_all")}
     return [
-        ("restart", f"at {r['began_s']:.1f} s, store {r['store']}: engine down {r['downtime_s']:.2f} s, "
-                    f"{r['drained_requests']} requests drained, {r['waited_requests']} waited"),
+        ("restart", f"at {r['began_s']:.1f} s, store {r['store']}: engine down {r['downtime_s']:.2f} s (closing "
+                    f"{r['closed_s'] - r['began_s']:.2f}, emptying the store {r['opening_s'] - r['closed_s']:.2f}, "
+                    f"opening {r['ready_s'] - r['opening_s']:.2f}), {r['drained_requests']} requests drained, "
+                    f"{r['waited_requests']} waited"),
         ("  returning TTFT p50 before", f"{_ms({'p50': p50['before']})} ({r['returning_before']} requests)"),
         ("  first return after", f"{_ms({'p50': p50['after']})} ({r['returning_after']} conversations)"),
         ("  every return after", f"{_ms({'p50': p50['after_all']})} ({r['returning_after_all']} requests)"),

@@ -17,8 +17,11 @@ Operations:
 
 After the restart, what a kept store is worth shows on the first return of each conversation
 (the history the old engine saw; the tag up to its last `/`, e.g. `user3` of `user3/turn5`): its
-TTFT runs from the later of its sending and `ready`, so that the engine's downtime, the same
-whatever became of the store, is reported apart (`downtime_s`) and not mixed into it.
+TTFT runs from the later of its sending and `ready`, so that the engine's downtime is reported
+apart (`downtime_s`: closing, emptying the store, opening the new engine) and not mixed into it.
+It is not the same whatever became of the store (a kept one is scanned, an emptied one
+removed), and the requests sent during it queue up for the new engine: a longer downtime makes
+a longer queue at `ready`.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class RestartRecord:
 
     began: float  # no request let in from here
     closed: float  # the old engine closed (the store synced and unlocked)
+    opening: float  # the store emptied (if asked): the new engine's build starts
     ready: float  # the new engine takes requests
     drained: int  # requests in flight at `began`: finished on the old engine
     waited: int  # requests sent between `began` and `ready`: run on the new engine
@@ -142,9 +146,10 @@ class EngineSlot:
         _free_memory()  # the new engine sizes its tiers from the memory left
         closed = time.monotonic()
         removed = _empty_store(config.cache.nvme_path) if restart.store == "empty" else None
+        opening = time.monotonic()
         self.llm = await _open_engine(config, old_process)
         ready = time.monotonic()
-        self.record = RestartRecord(began, closed, ready, drained, self._waited, removed, self._last_stats)
+        self.record = RestartRecord(began, closed, opening, ready, drained, self._waited, removed, self._last_stats)
         self._open.set()
         return self.record
 
@@ -213,7 +218,8 @@ def restart_figures(restart: Restart, record: RestartRecord | None, records: lis
         first.setdefault(conversation(r), r)
     after = [_ttft_from_ready(r, record.ready) for r in first.values()]
     doc.update(
-        began_s=record.began - start, closed_s=record.closed - start, ready_s=record.ready - start,
+        began_s=record.began - start, closed_s=record.closed - start, opening_s=record.opening - start,
+        ready_s=record.ready - start,
         downtime_s=record.ready - record.began, drained_requests=record.drained, waited_requests=record.waited,
         store_removed_bytes=record.store_removed_bytes,
         returning_before=len(before), returning_ttft_before_s=percentiles(before),
