@@ -600,6 +600,34 @@ def test_a_prompt_kept_waiting_reads_ahead_what_it_planned_to_compute(tmp_path, 
     assert q.num_cached_tokens == loaded * 4 and sim.kv.stats()["nvme_loaded_blocks"] == loaded
 
 
+
+def test_a_read_ahead_from_a_spoiled_store_costs_a_recompute(tmp_path):
+    """The store's slots are spoiled after q's planned loads landed: its read-ahead reads fail
+    their checksums. The blocks after them are of no use then (its loaded blocks are one run
+    from the first it read ahead); q computes them, with exactly its own KV."""
+    from tests.test_tier_faults import overwrite_slots
+
+    doc = stored_document(str(tmp_path), 12)
+    sim = make_kv(32, num_cpu_blocks=64, nvme_path=str(tmp_path))
+    sched = make_scheduler(sim, "recompute", BALANCED, max_num_seqs=1)
+    sched.add(make_seq("other", range(500, 503), max_tokens=40))
+    run_step(sched, sim)
+    q = make_seq("q", doc, max_tokens=2)
+    sched.add(q)
+    run_step(sched, sim)
+    lower = sim.kv.offload.lower
+    while lower.busy:
+        sim.kv.retire()
+        time.sleep(0.001)
+    overwrite_slots(lower.store, "garbage")
+    run_step(sched, sim)
+    assert sched.loads.read_ahead_blocks == 4
+    run_until_done(sched, sim)  # check_kv in every step: q's KV exact
+    stats = sim.kv.stats()
+    assert q.is_finished and stats["nvme_loaded_blocks"] == 7  # the plan's, before the damage
+    assert stats["nvme_failed_loads"] == sched.loads.read_ahead_blocks == 5  # every read ahead (4, then 1)
+    assert q.num_cached_tokens + sched.loaded_skipped_tokens == 0
+
 def test_a_waiting_prefix_being_loaded_counts_in_the_gpu_queue_by_what_it_computes(tmp_path):
     """A waiting sequence whose lower-tier loads started ahead of its turn (prefetched while no
     sequence slot is free) is counted in the GPU queue that later loads are planned against by
