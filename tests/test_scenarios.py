@@ -628,6 +628,30 @@ def test_a_read_ahead_from_a_spoiled_store_costs_a_recompute(tmp_path):
     assert stats["nvme_failed_loads"] == sched.loads.read_ahead_blocks == 5  # every read ahead (4, then 1)
     assert q.num_cached_tokens + sched.loaded_skipped_tokens == 0
 
+
+def test_a_read_ahead_the_store_misses_leaves_reads_given_up_before_alone(tmp_path):
+    """q gave its planned reads up while they were still in flight. A read-ahead whose second
+    block the store lacks lets its first read land unheld; the reads given up before are not
+    stopped a second time (each counts once in what q waits for), and q runs with exact KV."""
+    doc = stored_document(str(tmp_path), 12)
+    disk = GatedBackend()
+    sim = make_kv(32, num_cpu_blocks=64, nvme_path=str(tmp_path), backend=disk)
+    sched = make_scheduler(sim, "recompute", BALANCED, max_num_seqs=1)
+    sched.add(make_seq("other", range(500, 503), max_tokens=40))
+    run_step(sched, sim)
+    q = make_seq("q", doc, max_tokens=2)
+    sched.add(q)
+    disk.gate.clear()
+    run_step(sched, sim)
+    lower = sim.kv.offload.lower
+    lower.give_up(q.seq_id)  # its 7 reads still in flight, given up
+    first, lost = sim.kv.keys.refs(q, 3, 5)
+    assert lower.read_ahead(q.seq_id, (first, lost._replace(block_hash=1))) == 0
+    assert not lower.arriving(q.seq_id) and lower.late_loads == 7
+    disk.release()
+    run_until_done(sched, sim)  # check_kv in every step: q's KV exact
+    assert q.is_finished and lower.reads_in_flight == 0
+
 def test_a_waiting_prefix_being_loaded_counts_in_the_gpu_queue_by_what_it_computes(tmp_path):
     """A waiting sequence whose lower-tier loads started ahead of its turn (prefetched while no
     sequence slot is free) is counted in the GPU queue that later loads are planned against by

@@ -203,9 +203,7 @@ class LowerTier:
         queued = len(self._reads)
         brought = self._start(request_id, refs)
         if brought < len(refs):  # the blocks it read would not reach its plan's: let them land unheld
-            for job, read in list(self._reads.items()):
-                if read.request_id == request_id:
-                    self._stop_waiting(job, read)
+            self._stop_waiting_for(request_id)
             return 0
         block_size = len(refs[0].token_ids)  # a ref holds one block's tokens
         self._load_from[request_id] = _Plan(planned.load_from - brought * block_size,
@@ -416,10 +414,16 @@ class LowerTier:
         still land in the CPU tier): `wait_state` says it landed, and a running sequence jumps
         over the blocks that did."""
         self._clocks.pop(request_id, None)  # how long its loads take is not seen
+        self.late_loads += self._stop_waiting_for(request_id)
+
+    def _stop_waiting_for(self, request_id: str) -> int:
+        """The request no longer waits for any of its reads in flight; how many it waited for."""
+        stopped = 0
         for job, read in list(self._reads.items()):
             if read.request_id == request_id and job not in self._given_up:
                 self._stop_waiting(job, read)
-                self.late_loads += 1
+                stopped += 1
+        return stopped
 
     def _stop_clock(self, request_id: str) -> None:
         clock = self._clocks.pop(request_id, None)
