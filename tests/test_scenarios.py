@@ -159,6 +159,24 @@ def test_spill_writes_each_block_once_and_never_evicts_one_being_written(tmp_pat
     assert stats["cpu_blocks_staging"] == 1 and stats["cpu_blocks_used"] == 0  # an 8-block tier: one staging block
 
 
+def test_a_swap_the_cpu_tier_has_room_for_only_with_its_staging_block_takes_it(tmp_path):
+    """Two decodes outgrow 32 GPU blocks: the newer is preempted with 16 blocks of KV. A 16-block
+    CPU tier with a store below keeps one of them to stage spills; the swap takes that block
+    rather than be recomputed, and the spill takes it back once the sequence is back."""
+    sim = make_kv(32, num_cpu_blocks=16, nvme_path=str(tmp_path))
+    sched = make_scheduler(sim, "swap", max_num_batched_tokens=128)
+    for rid, first in (("a", 0), ("b", 1000)):
+        sched.add(make_seq(rid, range(first, first + 50), max_tokens=40))
+    run_until_done(sched, sim)
+    assert sched.num_preemptions == {"recompute": 0, "swap": 1} and sched.recomputed_for_cpu_room == 0
+    assert sim.kv.offload.lower.store.sync()  # the spill's writes have finished: none holds a block
+    sim.kv.retire()
+    stats = sim.kv.stats()
+    assert stats["nvme_staging_lent"] == 1
+    assert stats["cpu_blocks_staging"] == 1 and stats["cpu_blocks_used"] == 0  # taken back
+    assert sched.preempted_tokens["swap"] == 64
+
+
 def store_prompts(path: str) -> None:
     """Four 9-token prompts (p0: tokens 0-8) computed by an engine whose LRU CPU tier writes
     every block to a store at `path`, then closed: a later engine there finds their blocks."""

@@ -345,6 +345,35 @@ def test_staged_copies_wait_for_the_disk_newest_first_and_the_oldest_make_way():
     assert spill.stage(reads_in_flight=0) is not None and spill.held_blocks == 8
 
 
+def test_a_swap_out_takes_idle_staging_blocks_and_the_spill_takes_them_back_once_free():
+    """Staging blocks not in use are lent to a swap-out: free ones first, then those of the
+    oldest copies waiting for the disk (dropped); a copy being written is kept. The spill takes
+    them back between steps, from blocks the CPU tier has free again."""
+    store = BehindStore()
+    pool = cached_pool(128, 0)  # 8 staging blocks
+    spill = Spill(store, pool, torch.zeros((128, *BLOCK_SHAPE)))
+    staged = [spill.stage(reads_in_flight=1) for _ in range(6)]
+    spill.write_staged(staged[0], ref(100), reads_in_flight=0)  # being written
+    for i, block in enumerate(staged[1:]):
+        spill.write_staged(block, ref(101 + i), reads_in_flight=1)  # five wait for the disk
+    assert spill.lendable == 7  # two free, five waiting
+    swap = pool.allocate(pool.num_free)  # a swap-out takes every free block of the tier ...
+    assert spill.lend(3) == 3 and spill.dropped == 1  # ... and three staging blocks, one with a copy
+    swap += pool.allocate(3)
+    assert spill.held_blocks == 5 and spill.lendable == 4
+    spill.spill_ahead(reads_in_flight=1)
+    assert spill.held_blocks == 5  # nothing free to take back
+    pool.release(swap[:2])  # the sequence swapped in again
+    spill.spill_ahead(reads_in_flight=1)
+    assert spill.held_blocks == 7 and spill.lendable == 6
+    assert spill.lent_blocks == 3
+    spill.write_staged(spill.stage(reads_in_flight=1), ref(200), reads_in_flight=1)
+    store.release()
+    spill.poll()
+    spill.spill_ahead(reads_in_flight=0)  # the waiting copies go down, newest first
+    assert store.writes == [100, 200, 105, 104, 103, 102]  # 101, the oldest, was dropped
+
+
 class KeepsWhatItHas(AdmitAll):
     """An admission policy that turns every demotion down once the tier is full."""
 

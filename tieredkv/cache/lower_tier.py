@@ -14,9 +14,10 @@ Operations:
   long the loads that landed took, from submission; `late(request_id)` (a waiting request's
   reads still in flight, and the queue up to its last one), `give_up(request_id)` (it stops
   waiting for them and computes those tokens);
-- spills (`cache/spill.py`, `Spill`), for the CPU tier: `stage()`,
-  `write_staged(block, ref)`, `unstage(block)`; `retire()` books finished reads and writes and
-  spills ahead; `close()` first writes the CPU tier's cached blocks down (`persist`).
+- spills (`cache/spill.py`, `Spill`), for the CPU tier: `stage()`, `write_staged(block, ref)`,
+  `unstage(block)`; `lend(n)`: staging blocks for a swap-out the CPU tier has no other room for
+  (`lendable`), taken back later; `retire()` books finished reads and writes and spills ahead;
+  `close()` first writes the CPU tier's cached blocks down (`persist`).
 
 Reads come first: while any is in flight, no write is submitted (`Spill.behind`): spills are
 dropped or wait in CPU staging blocks, never queued on the disk.
@@ -443,6 +444,14 @@ class LowerTier:
 
     def unstage(self, block: Block) -> None:
         self.spill.unstage(block)
+
+    @property
+    def lendable(self) -> int:
+        """Staging blocks a swap-out may take (`Spill.lend`)."""
+        return self.spill.lendable
+
+    def lend(self, n: int) -> int:
+        return self.spill.lend(n)
 
     @property
     def busy(self) -> bool:

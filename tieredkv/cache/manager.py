@@ -138,7 +138,8 @@ class KVCacheManager:
         return self.tables.ids(seq.seq_id)
 
     def cpu_free_blocks(self) -> int:
-        return self.offload.num_free if self.offload else 0
+        """CPU blocks a swap-out may take (`CPUOffload.swap_room`)."""
+        return self.offload.swap_room if self.offload else 0
 
     # ------------------------------------------------------------------ prefix hits
 

@@ -16,6 +16,10 @@ BENCHMARKS.md, "The spill gate"):
   spill-ahead) once no read is in flight, and with every staging block taken the oldest
   waiting copy makes way for a new one: a chain is evicted tail first, so what is written
   first, and kept longest, is the head every later hit needs;
+- `lend(n) -> int` / `lendable`: a swap-out the CPU tier has no other room for takes staging
+  blocks not in use (a waiting copy in one is dropped, counted): a swapped sequence comes back
+  for certain, a copy on its way to disk only maybe; they are taken back between steps, from
+  blocks the CPU tier has free again (`spill_ahead`);
 - `persist()`: at shutdown, every cached CPU block, so that a restart finds them on disk.
 
 Writes never wait and never crowd out reads: while reads are in flight, or `max_writes` writes
@@ -85,6 +89,7 @@ class Spill:
         self.num_staging = staging_blocks(len(cpu_pool.blocks))
         self.max_writes = write_bound(_nbytes(cpu_blocks[0]))
         self._staging = cpu_pool.allocate(self.num_staging) or []
+        self._lent = 0  # staging blocks a swap-out took, to be taken back
         # staged copies that landed while the disk was behind, oldest first: written newest first,
         # before spill-ahead; the oldest gives its block up to a new copy when none is free
         self._waiting: deque[tuple[Block, BlockRef]] = deque()
@@ -103,6 +108,7 @@ class Spill:
         self.staging_full = 0  # demotions dropped before their copy: every staging block busy
         self.staged_waited = 0  # staged copies that waited in their staging block for the disk
         self.dropped = 0  # demotions bound for disk dropped: before their copy, or waiting copies replaced
+        self.lent_blocks = 0  # staging blocks lent to swap-outs
 
     def behind(self, reads_in_flight: int) -> bool:
         """True when a write now would queue: reads are in flight (they come first), the write
@@ -151,7 +157,34 @@ class Spill:
         """The staging block's copy never arrived: it is free again."""
         self._staging.append(block)
 
+    @property
+    def lendable(self) -> int:
+        """Staging blocks a swap-out may take: free, or holding a copy that waits for the disk."""
+        return len(self._staging) + len(self._waiting)
+
+    def lend(self, n: int) -> int:
+        """Give up to `n` staging blocks back to the CPU tier for a swap-out, free ones first,
+        then those of the oldest waiting copies (dropped, counted); how many."""
+        blocks = []
+        while len(blocks) < n and self._staging:
+            blocks.append(self._staging.pop())
+        while len(blocks) < n and self._waiting:
+            self.dropped += 1
+            blocks.append(self._waiting.popleft()[0])
+        self.cpu_pool.release(blocks)
+        self._lent += len(blocks)
+        self.lent_blocks += len(blocks)
+        return len(blocks)
+
+    def _take_back(self) -> None:
+        """Take back lent staging blocks from those the CPU tier has free."""
+        blocks = self.cpu_pool.allocate(min(self._lent, self.cpu_pool.num_free)) if self._lent else None
+        if blocks:
+            self._staging.extend(blocks)
+            self._lent -= len(blocks)
+
     def spill_ahead(self, reads_in_flight: int) -> None:
+        self._take_back()
         self._write_waiting(reads_in_flight)
         if not self.behind(reads_in_flight):
             self._spill(itertools.islice(self.cpu_pool.cold_blocks(), self.window), closing=False)
@@ -268,7 +301,7 @@ class Spill:
     @property
     def held_blocks(self) -> int:
         """CPU blocks the spill holds: the staging blocks, and cached blocks being written (pinned)."""
-        return self.num_staging + sum(not staged for _, _, staged in self._writes.values())
+        return self.num_staging - self._lent + sum(not staged for _, _, staged in self._writes.values())
 
     def poll(self) -> list[tuple[int, bool]]:
         """Finished reads; finished writes are booked here."""
@@ -295,6 +328,7 @@ class Spill:
             "nvme_staging_full": self.staging_full,
             "nvme_staged_waited": self.staged_waited,
             "nvme_spills_dropped": self.dropped,
+            "nvme_staging_lent": self.lent_blocks,
             "nvme_write_backlog": self.backlog,
             "nvme_bytes_written": store["bytes_written"],
             "nvme_bytes_read": store["bytes_read"],

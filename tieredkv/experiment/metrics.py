@@ -232,6 +232,7 @@ def format_summary(s: Summary) -> str:
     late = s.stats.get("nvme_late_requests", {})
     tokens = s.stats.get("preempted_tokens", {})  # the computed tokens each kind of preemption held
     held = s.stats.get("held_back", {})
+    lent = f"; {s.stats['nvme_staging_lent']} staging blocks lent to swaps" if "nvme_staging_lent" in s.stats else ""
     hit = "n/a" if s.prefix_hit_rate is None else f"{s.prefix_hit_rate:.1%} ({s.cached_tokens} tokens)"
     rows = [
         ("requests", f"{s.requests} ({s.errors} errors), {s.requests_per_s:.2f} req/s"
@@ -250,7 +251,7 @@ def format_summary(s: Summary) -> str:
                                   f"({s.stats.get('nvme_loaded_blocks', 0)} read into the CPU tier from below)"),
         ("preemptions", ", ".join(f"{k} {v}" for k, v in preempt.items())
          + (f" ({' / '.join(f'{k} {v}' for k, v in tokens.items())} tokens"
-            f"; {s.stats.get('recomputed_for_cpu_room', 0)} recomputed for want of CPU room)" if tokens else "")),
+            f"; {s.stats.get('recomputed_for_cpu_room', 0)} recomputed for want of CPU room{lent})" if tokens else "")),
         ("prompts held back (sequence steps)", ", ".join(f"{k} {v}" for k, v in held.items()) or "none"),
         ("GPU blocks evicted", str(s.stats.get("gpu_evictions", 0))),
         ("moved D2H / H2D",
