@@ -544,6 +544,13 @@ def test_a_swapped_out_decode_comes_back_at_once_however_long_its_context(policy
     assert len(s.output_token_ids) == 3 and sim.kv.stats()["gpu_blocks_used"] == 0
 
 
+def wait_until_idle(sim) -> None:
+    """Book the lower tier's I/O until none is in flight (no read, write or staged copy)."""
+    while sim.kv.offload.lower.busy:
+        sim.kv.retire()
+        time.sleep(0.001)
+
+
 def test_a_prompt_whose_prefix_is_read_from_disk_is_admitted_only_with_room_for_all_of_it(tmp_path):
     """q (3 blocks) computes its first block while its second is read; once read, that block is
     copied in at once and its last follows. With room for its first chunk alone (2 blocks free
@@ -560,9 +567,7 @@ def test_a_prompt_whose_prefix_is_read_from_disk_is_admitted_only_with_room_for_
     sched.add(q)
     run_step(sched, sim)
     assert queues(sched)[:2] == (["q"], ["other"]) and sim.kv.tokens_to_load(q) == 4
-    while sim.kv.offload.lower.busy:  # its read lands while it still waits
-        sim.kv.retire()
-        time.sleep(0.001)
+    wait_until_idle(sim)  # its read lands while it still waits
     run_until_done(sched, sim)
     assert q.is_finished and other.is_finished and sched.loads.read_ahead_blocks == 1
     assert q.num_cached_tokens == 8 and sched.loaded_skipped_tokens == 0
@@ -582,6 +587,23 @@ def stored_document(path: str, num_blocks: int) -> list[int]:
     return doc
 
 
+def kept_waiting(path: str, num_cpu_blocks: int, disk: GatedBackend | None = None):
+    """q, a 12-block prompt stored at `path`, planned (its first 5 blocks computed, its last 7
+    read) while "other" takes the one sequence slot, so q waits; with `disk`, its reads are
+    held there. The simulated KV, the scheduler and q."""
+    doc = stored_document(path, 12)
+    sim = make_kv(32, num_cpu_blocks=num_cpu_blocks, nvme_path=path, backend=disk or "sync")
+    sched = make_scheduler(sim, "recompute", BALANCED, max_num_seqs=1)
+    sched.add(make_seq("other", range(500, 503), max_tokens=40))
+    run_step(sched, sim)
+    q = make_seq("q", doc, max_tokens=2)
+    sched.add(q)
+    if disk is not None:
+        disk.gate.clear()
+    run_step(sched, sim)
+    return sim, sched, q
+
+
 @pytest.mark.parametrize("num_cpu_blocks, read_aheads, loaded", [(64, [4, 1, 0], 12), (12, [2, 1, 0], 10)])
 def test_a_prompt_kept_waiting_reads_ahead_what_it_planned_to_compute(tmp_path, num_cpu_blocks, read_aheads, loaded):
     """q's plan computes its first 5 blocks while its last 7 are read. The one sequence slot is
@@ -590,25 +612,15 @@ def test_a_prompt_kept_waiting_reads_ahead_what_it_planned_to_compute(tmp_path, 
     loading pays no more, and is admitted with its whole prefix read. In a small CPU tier each
     read-ahead takes half of the free blocks at most, the last blocks first, so what it loads
     stays one run: it computes its first two blocks and jumps over the other ten."""
-    doc = stored_document(str(tmp_path), 12)
     disk = GatedBackend()
-    sim = make_kv(32, num_cpu_blocks=num_cpu_blocks, nvme_path=str(tmp_path), backend=disk)
-    sched = make_scheduler(sim, "recompute", BALANCED, max_num_seqs=1)
-    sched.add(make_seq("other", range(500, 503), max_tokens=40))
-    run_step(sched, sim)
-    q = make_seq("q", doc, max_tokens=2)
-    sched.add(q)
-    disk.gate.clear()
-    run_step(sched, sim)
+    sim, sched, q = kept_waiting(str(tmp_path), num_cpu_blocks, disk)
     assert sim.kv.tokens_to_load(q) == 7 * 4
     run_step(sched, sim)  # its reads held: no read-ahead
     assert sched.loads.read_ahead_blocks == 0
     disk.release()
-    lower, seen = sim.kv.offload.lower, []
+    seen = []
     for _ in read_aheads:
-        while lower.busy:
-            sim.kv.retire()
-            time.sleep(0.001)
+        wait_until_idle(sim)
         before = sched.loads.read_ahead_blocks
         run_step(sched, sim)
         seen.append(sched.loads.read_ahead_blocks - before)
@@ -625,19 +637,9 @@ def test_a_read_ahead_from_a_spoiled_store_costs_a_recompute(tmp_path):
     from the first it read ahead); q computes them, with exactly its own KV."""
     from tests.test_tier_faults import overwrite_slots
 
-    doc = stored_document(str(tmp_path), 12)
-    sim = make_kv(32, num_cpu_blocks=64, nvme_path=str(tmp_path))
-    sched = make_scheduler(sim, "recompute", BALANCED, max_num_seqs=1)
-    sched.add(make_seq("other", range(500, 503), max_tokens=40))
-    run_step(sched, sim)
-    q = make_seq("q", doc, max_tokens=2)
-    sched.add(q)
-    run_step(sched, sim)
-    lower = sim.kv.offload.lower
-    while lower.busy:
-        sim.kv.retire()
-        time.sleep(0.001)
-    overwrite_slots(lower.store, "garbage")
+    sim, sched, q = kept_waiting(str(tmp_path), 64)
+    wait_until_idle(sim)
+    overwrite_slots(sim.kv.offload.lower.store, "garbage")
     run_step(sched, sim)
     assert sched.loads.read_ahead_blocks == 4
     run_until_done(sched, sim)  # check_kv in every step: q's KV exact
@@ -651,16 +653,8 @@ def test_a_read_ahead_the_store_misses_leaves_reads_given_up_before_alone(tmp_pa
     """q gave its planned reads up while they were still in flight. A read-ahead whose second
     block the store lacks lets its first read land unheld; the reads given up before are not
     stopped a second time (each counts once in what q waits for), and q runs with exact KV."""
-    doc = stored_document(str(tmp_path), 12)
     disk = GatedBackend()
-    sim = make_kv(32, num_cpu_blocks=64, nvme_path=str(tmp_path), backend=disk)
-    sched = make_scheduler(sim, "recompute", BALANCED, max_num_seqs=1)
-    sched.add(make_seq("other", range(500, 503), max_tokens=40))
-    run_step(sched, sim)
-    q = make_seq("q", doc, max_tokens=2)
-    sched.add(q)
-    disk.gate.clear()
-    run_step(sched, sim)
+    sim, sched, q = kept_waiting(str(tmp_path), 64, disk)
     lower = sim.kv.offload.lower
     lower.give_up(q.seq_id)  # its 7 reads still in flight, given up
     first, lost = sim.kv.keys.refs(q, 3, 5)
