@@ -587,13 +587,13 @@ def stored_document(path: str, num_blocks: int) -> list[int]:
     return doc
 
 
-def kept_waiting(path: str, num_cpu_blocks: int, disk: GatedBackend | None = None):
+def kept_waiting(path: str, num_cpu_blocks: int, disk: GatedBackend | None = None, preemption: str = "recompute"):
     """q, a 12-block prompt stored at `path`, planned (its first 5 blocks computed, its last 7
     read) while "other" takes the one sequence slot, so q waits; with `disk`, its reads are
     held there. The simulated KV, the scheduler and q."""
     doc = stored_document(path, 12)
     sim = make_kv(32, num_cpu_blocks=num_cpu_blocks, nvme_path=path, backend=disk or "sync")
-    sched = make_scheduler(sim, "recompute", BALANCED, max_num_seqs=1)
+    sched = make_scheduler(sim, preemption, BALANCED, max_num_seqs=1)
     sched.add(make_seq("other", range(500, 503), max_tokens=40))
     run_step(sched, sim)
     q = make_seq("q", doc, max_tokens=2)
@@ -629,6 +629,29 @@ def test_a_prompt_kept_waiting_reads_ahead_what_it_planned_to_compute(tmp_path, 
     run_until_done(sched, sim)  # check_kv in every step: q's KV exact
     assert q.num_cached_tokens == loaded * 4 and sim.kv.stats()["nvme_loaded_blocks"] == loaded
 
+
+
+def test_a_swap_out_takes_the_blocks_loaded_for_a_prompt_not_admitted_yet(tmp_path):
+    """q waits for the one sequence slot, holding 10 of a 12-block CPU tier's blocks that its
+    loads read; one more stages spills. "other", preempted with 10 blocks of KV, would have to
+    be recomputed for want of room: it takes q's blocks instead (a swapped sequence comes back
+    for certain, a load only maybe). q's plan is dropped; it is planned again when its turn
+    comes, and both run to the end with their exact KV."""
+    sim, sched, q = kept_waiting(str(tmp_path), 12, preemption="swap")
+    lower = sim.kv.offload.lower
+    other = sched.running[0]
+    while other.num_computed_tokens < 40:
+        wait_until_idle(sim)  # q reads ahead while the disk is idle
+        run_step(sched, sim)
+    assert sim.kv.tokens_to_load(q) == 10 * 4 and sim.kv.offload.pool.num_free == 1
+    assert sim.kv.cpu_free_blocks() == 12  # the free block, the staging block, q's ten
+    sched.running.remove(other)
+    sched._preempt(other)  # as a decode's allocation failure would
+    assert queues(sched) == (["q"], [], ["other"]) and sched.recomputed_for_cpu_room == 0
+    assert not lower.planned(q.seq_id) and sim.kv.tokens_to_load(q) == 0
+    assert sim.kv.stats()["nvme_plans_dropped_for_swaps"] == 1
+    run_until_done(sched, sim)  # check_kv in every step: both KVs exact
+    assert q.is_finished and other.is_finished and sched.num_preemptions == {"recompute": 0, "swap": 1}
 
 
 def test_a_read_ahead_from_a_spoiled_store_costs_a_recompute(tmp_path):

@@ -93,6 +93,9 @@ class BlockPool:
         """Whether the block can be allocated now."""
         return self._in_free_queues(block) and block.block_id not in self._pinned
 
+    def is_pinned(self, block: Block) -> bool:
+        return block.block_id in self._pinned
+
     def _in_free_queues(self, block: Block) -> bool:
         return block.block_id in self._empty or block.block_id in self._free_queue
 

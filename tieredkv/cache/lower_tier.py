@@ -15,9 +15,13 @@ Operations:
   reads still in flight, and the queue up to its last one), `give_up(request_id)` (it stops
   waiting for them and computes those tokens);
 - spills (`cache/spill.py`, `Spill`), for the CPU tier: `stage()`, `write_staged(block, ref)`,
-  `unstage(block)`; `lend(n)`: staging blocks for a swap-out the CPU tier has no other room for
-  (`lendable`), taken back later; `retire()` books finished reads and writes and spills ahead;
-  `close()` first writes the CPU tier's cached blocks down (`persist`).
+  `unstage(block)`; `retire()` books finished reads and writes and spills ahead; `close()`
+  first writes the CPU tier's cached blocks down (`persist`);
+- `make_room(n)`: CPU blocks for a swap-out the CPU tier has no other room for (`swap_room`):
+  the spill's idle staging blocks first (`Spill.lend`, taken back later), then the blocks held
+  for requests not admitted yet (their hits, and the blocks their loads brought), newest plan
+  first: a swapped sequence comes back for certain, a load only maybe. A request whose plan is
+  dropped so is planned again, from what the tiers hold then (`plans_dropped`).
 
 Reads come first: while any is in flight, no write is submitted (`Spill.behind`): spills are
 dropped or wait in CPU staging blocks, never queued on the disk.
@@ -116,6 +120,7 @@ class LowerTier:
         self._load_from: dict[str, _Plan] = {}
         self._loads: dict[str, list[Block]] = {}  # request -> CPU blocks read (or being read) for it
         self._hits: dict[str, list[Block]] = {}  # request -> its CPU hits, held until it is admitted
+        self._admitted: set[str] = set()  # requests admitted with their plan (it is theirs until it lands)
         self._reads: dict[int, _Read] = {}  # read job -> what it fills, in submission order
         self._reads_left: dict[str, int] = {}  # request -> its reads in flight
         self._orphans: set[int] = set()  # reads whose request let go of them before they finished
@@ -131,6 +136,7 @@ class LowerTier:
         self.failed_loads = 0
         self.stalled_loads = 0
         self.late_loads = 0  # reads given up because computing their blocks was faster
+        self.plans_dropped = 0  # plans of requests not admitted yet, dropped to make room for a swap-out
 
     # ------------------------------------------------------------------ lookups
 
@@ -299,10 +305,13 @@ class LowerTier:
         The blocks its loads bring stay held until it reaches them (`landed`): released now,
         they were evicted before it did."""
         self.cpu_pool.release(self._hits.pop(request_id, []))
+        if request_id in self._load_from:
+            self._admitted.add(request_id)
 
     def _release(self, request_id: str) -> None:
         """Drop the request's hold on its CPU hits and loaded blocks (they stay cached in the CPU tier)."""
-        self.admitted(request_id)
+        self.cpu_pool.release(self._hits.pop(request_id, []))
+        self._admitted.discard(request_id)
         held = self._loads.pop(request_id, [])
         if not self.arriving(request_id):  # the common case (its loads landed, or it never had any)
             self.cpu_pool.release(held)
@@ -445,13 +454,34 @@ class LowerTier:
     def unstage(self, block: Block) -> None:
         self.spill.unstage(block)
 
-    @property
-    def lendable(self) -> int:
-        """Staging blocks a swap-out may take (`Spill.lend`)."""
-        return self.spill.lendable
+    # ------------------------------------------------------------------ room for swap-outs
 
-    def lend(self, n: int) -> int:
-        return self.spill.lend(n)
+    @property
+    def swap_room(self) -> int:
+        """CPU blocks not free that `make_room` can give a swap-out: idle staging blocks, and
+        the blocks only a plan of a request not admitted yet holds (not those still being read)."""
+        return self.spill.lendable + sum(map(self._droppable, self._droppable_plans()))
+
+    def make_room(self, n: int) -> None:
+        """Free up to `n` CPU blocks for a swap-out: lend idle staging blocks, then drop the
+        plans of requests not admitted yet, newest first, until enough are free."""
+        n -= self.spill.lend(n)
+        for request_id in reversed(self._droppable_plans()):
+            if n <= 0:
+                return
+            n -= self._droppable(request_id)
+            self.plans_dropped += 1
+            self.forget(request_id)
+
+    def _droppable_plans(self) -> list[str]:
+        """The planned requests not admitted yet, oldest plan first."""
+        return [r for r in self._load_from if r not in self._admitted]
+
+    def _droppable(self, request_id: str) -> int:
+        """Blocks the request's plan alone holds that dropping it frees now."""
+        reading = {id(read.block) for read in self._reads.values() if read.request_id == request_id}
+        held = self._hits.get(request_id, []) + self._loads.get(request_id, [])
+        return sum(1 for b in held if b.ref_count == 1 and id(b) not in reading and not self.cpu_pool.is_pinned(b))
 
     @property
     def busy(self) -> bool:
@@ -485,6 +515,7 @@ class LowerTier:
             "nvme_failed_loads": self.failed_loads,
             "nvme_stalled_loads": self.stalled_loads,
             "nvme_late_loads": self.late_loads,
+            "nvme_plans_dropped_for_swaps": self.plans_dropped,
         }
 
     def close(self) -> None:

@@ -10,8 +10,9 @@ Operations:
 - `lookup(hash, parent, tokens)`: a demoted prefix block in the CPU tier.
 - `copy_in(cpu_blocks, gpu_ids) -> job id`: promote or swap in (one H2D job); the CPU blocks
   stay reserved until the job has finished.
-- `copy_out(gpu_ids) -> cpu blocks | None`: swap out (one D2H job), into the lower tier's idle
-  staging blocks too where the tier has no other room (`swap_room`).
+- `copy_out(gpu_ids) -> cpu blocks | None`: swap out (one D2H job), into blocks the lower
+  tier gives up too (idle staging blocks, loads of requests not admitted yet) where the tier has
+  no other room (`swap_room`).
 - `retire()`: release what finished transfers held; let the lower tier book its finished
   reads and writes and spill.
 `lower` (`cache/lower_tier.py`), when there is a store below the CPU tier, owns the loads from
@@ -172,16 +173,16 @@ class CPUOffload:
 
     @property
     def swap_room(self) -> int:
-        """CPU blocks a swap-out may take: the free ones, and the lower tier's staging blocks
-        not in use (lent to it: a swapped sequence comes back for certain, a spill only maybe)."""
-        return self.pool.num_free + (self.lower.lendable if self.lower is not None else 0)
+        """CPU blocks a swap-out may take: the free ones, and those the lower tier can give it
+        (`LowerTier.make_room`: a swapped sequence comes back for certain, a spill or a load only maybe)."""
+        return self.pool.num_free + (self.lower.swap_room if self.lower is not None else 0)
 
     def copy_out(self, gpu_ids: list[int]) -> list[Block] | None:
         """D2H copy of `gpu_ids` into fresh CPU blocks (owned by the caller), or None when the
         CPU tier has no room (`swap_room`) or the copy cannot start."""
         short = len(gpu_ids) - self.pool.num_free
-        if short > 0 and self.lower is not None and self.lower.lendable >= short:
-            self.lower.lend(short)
+        if short > 0 and self.lower is not None and self.lower.swap_room >= short:
+            self.lower.make_room(short)
         cpu_blocks = self.pool.allocate(len(gpu_ids))
         if cpu_blocks is None:
             return None

@@ -232,7 +232,10 @@ def format_summary(s: Summary) -> str:
     late = s.stats.get("nvme_late_requests", {})
     tokens = s.stats.get("preempted_tokens", {})  # the computed tokens each kind of preemption held
     held = s.stats.get("held_back", {})
-    lent = f"; {s.stats['nvme_staging_lent']} staging blocks lent to swaps" if "nvme_staging_lent" in s.stats else ""
+    lent = ""
+    if "nvme_staging_lent" in s.stats:  # what swap-outs took from the tier below's holds
+        dropped = s.stats.get("nvme_plans_dropped_for_swaps", 0)
+        lent = f"; {s.stats['nvme_staging_lent']} staging blocks lent and {dropped} load plans dropped for swaps"
     hit = "n/a" if s.prefix_hit_rate is None else f"{s.prefix_hit_rate:.1%} ({s.cached_tokens} tokens)"
     rows = [
         ("requests", f"{s.requests} ({s.errors} errors), {s.requests_per_s:.2f} req/s"
