@@ -643,6 +643,8 @@ def test_a_swap_out_takes_the_blocks_loaded_for_a_prompt_not_admitted_yet(tmp_pa
     sim, sched, q = kept_waiting(str(tmp_path), 12, preemption="swap")
     lower = sim.kv.offload.lower
     other = sched.running[0]
+    r = make_seq("r", range(700, 705), max_tokens=2)  # waits too; its plan (nothing on disk) holds nothing
+    sched.add(r)
     while other.num_computed_tokens < 40:
         wait_until_idle(sim)  # q reads ahead while the disk is idle
         run_step(sched, sim)
@@ -650,11 +652,13 @@ def test_a_swap_out_takes_the_blocks_loaded_for_a_prompt_not_admitted_yet(tmp_pa
     assert sim.kv.cpu_free_blocks() == 12  # the free block, the staging block, q's ten
     sched.running.remove(other)
     sched._preempt(other)  # as a decode's allocation failure would
-    assert queues(sched) == (["q"], [], ["other"]) and sched.recomputed_for_cpu_room == 0
+    assert queues(sched) == (["q", "r"], [], ["other"]) and sched.recomputed_for_cpu_room == 0
     assert not lower.planned(q.seq_id) and sim.kv.tokens_to_load(q) == 0
+    assert lower.planned(r.seq_id)  # newer, but dropping its plan would free nothing
     assert sim.kv.stats()["nvme_plans_dropped_for_swaps"] == 1
-    run_until_done(sched, sim)  # check_kv in every step: both KVs exact
-    assert q.is_finished and other.is_finished and sched.num_preemptions == {"recompute": 0, "swap": 1}
+    run_until_done(sched, sim)  # check_kv in every step: the KVs exact
+    assert q.is_finished and other.is_finished and r.is_finished
+    assert sched.num_preemptions == {"recompute": 0, "swap": 1}
 
 
 def test_a_read_ahead_from_a_spoiled_store_costs_a_recompute(tmp_path):

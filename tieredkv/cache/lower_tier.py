@@ -469,9 +469,11 @@ class LowerTier:
         for request_id in reversed(self._droppable_plans()):
             if n <= 0:
                 return
-            n -= self._droppable(request_id)
-            self.plans_dropped += 1
-            self.forget(request_id)
+            freed = self._droppable(request_id)
+            if freed:  # a plan that holds nothing is kept: dropping it frees nothing
+                n -= freed
+                self.plans_dropped += 1
+                self.forget(request_id)
 
     def _droppable_plans(self) -> list[str]:
         """The planned requests not admitted yet, oldest plan first."""
