@@ -10,9 +10,10 @@ Two clocks:
   time each way at `SIM_DISK_BYTES_PER_S` or `--disk-gbps`, reads beside writes), each step
   taking the time `StepCost` gives it (its fixed part `--step-ms`, scaled by each of `--perturb`),
   a cost model pinned from H200 measurements of the `llama-3-8b` preset (see `H200_LLAMA_8B`).
-  The loop waits for each step to end, unless `--host-us-per-token` gives its launch time: then
-  it waits only for steps that sample and schedules ahead of the GPU through the others, as the
-  engine's loop does, as far as the GPU's queue of kernels lets it (`--launch-waits`).
+  The loop waits for each step to end, unless `--host-us-per-token` gives its launch time (or
+  `--launch-from` each variant's, as a device run measured it): then it waits only for steps
+  that sample and schedules ahead of the GPU through the others, as the engine's loop does, as
+  far as the GPU's queue of kernels lets it (`--launch-waits`).
   It shows what the policy does to the order of the work, and the scheduler's own host time
   (wall clock, not on the simulated one); the engine run says whether the cost model holds.
 - without `--sim` (CUDA): `LLMEngine` with the config's model, wall clock, after a warm-up.
@@ -39,6 +40,10 @@ Two clocks:
     python benchmarks/bench_scheduling.py configs/multi_turn_8b.yaml --sim --step-ms 9 --disk-gbps 1.42 \
         --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme --arrivals RUN/multi_turn_8b/gpu+cpu8GiB/result.json
                                                   # a closed-loop run's turns, replayed open-loop
+    python benchmarks/bench_scheduling.py configs/multi_turn_8b.yaml --sim --step-ms 9 --disk-gbps 1.8 \
+        --launch-waits 0.3 --variants gpu+cpu8GiB,gpu+cpu8GiB+nvme \
+        --arrivals RUN/multi_turn_8b/gpu+cpu8GiB/result.json \
+        --launch-from RUN/multi_turn_8b/*/result.json   # and each variant's loop as slow as it was there
     python benchmarks/bench_scheduling.py configs/mooncake_synthetic_8b.yaml --sim --speed 8 --step-ms 9 \
         --variants gpu+cpu16 --replay-policies   # the replacement policies on the stream the CPU tier serves
     python benchmarks/bench_scheduling.py                             # GPU (H200), the real engine
@@ -109,6 +114,7 @@ class StepCost:
     # Given, it waits only for steps that sample (as the engine does) and schedules ahead of the
     # GPU through the others (the scheduler sees the prefill not finished: `SimLaunched`)
     host_s_per_token: float | None = None
+    host_s_per_step: float = 0.0  # and the fixed part of that time, each step's
     # the share of a step with prefill that its launch call waits to see run: the GPU's queue of
     # kernels holds the rest (an H200 running llama-3-8b: ~0.3, BENCHMARKS.md "Where the launch
     # time goes"); 0: the queue never fills. Decode steps, one graph each, never wait
@@ -250,8 +256,8 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         if disk is not None:
             cost_model = dataclasses.replace(cost_model, disk_read_bytes_per_s=disk_bytes_per_s)
     policy = TierPolicy(preemption, LLAMA_8B_TOKEN_BYTES * cache.block_size, cache.block_size, cost_model)
-    gpu = SimLaunched(lambda: now, cost.host_s_per_token, cost.launch_waits) if cost.host_s_per_token is not None \
-        else None
+    gpu = SimLaunched(lambda: now, cost.host_s_per_token, cost.launch_waits, cost.host_s_per_step) \
+        if cost.host_s_per_token is not None else None
     sched = Scheduler(config.scheduler, kv, policy, gpu)
     sched.policy = policy  # pinned: the load rate it would learn is timed on the wall clock
     records, i, host_s, idle = {}, 0, 0.0, 0
@@ -306,11 +312,14 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
 
 class SimLaunched:
     """The GPU's queue (`GpuQueue`) on the simulated `clock`: the steps the simulated GPU has not finished
-    (`launch`), a launch of `host_s_per_token` a token, and a launch call that waits for the
-    GPU to run `launch_waits` of a step with prefill (the GPU's queue of kernels is full)."""
+    (`launch`), a launch of `host_s_per_step` and `host_s_per_token` a token, and a launch call
+    that waits for the GPU to run `launch_waits` of a step with prefill (the GPU's queue of
+    kernels is full)."""
 
-    def __init__(self, clock: Callable[[], float], host_s_per_token: float, launch_waits: float = 0.0) -> None:
+    def __init__(self, clock: Callable[[], float], host_s_per_token: float, launch_waits: float = 0.0,
+                 host_s_per_step: float = 0.0) -> None:
         self.clock, self.host_s_per_token, self.launch_waits = clock, host_s_per_token, launch_waits
+        self.host_s_per_step = host_s_per_step
         self.ends: deque[tuple[float, int]] = deque()  # when each step ends, its prefill tokens
 
     def launch(self, num_tokens: int, prefill_tokens: int, step_s: float) -> tuple[float, float]:
@@ -331,7 +340,7 @@ class SimLaunched:
         return sum(tokens for _, tokens in self.ends)
 
     def launch_s(self, tokens: int) -> float:
-        return self.host_s_per_token * tokens
+        return self.host_s_per_step + self.host_s_per_token * tokens
 
 
 def sim_cpu_tier(cache: CacheConfig, clock: Callable[[], float], disk_bytes_per_s: float) -> CPUOffload | None:
@@ -546,14 +555,35 @@ HEADER = (f"{'variant':<28} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'I
           "(slowest: the prompt tokens of the request with the max TTFT)")
 
 
+def launch_fits(paths: Sequence[str], names: Iterable[str]) -> dict[str, tuple[float, float]]:
+    """Each variant's launch time as `tieredkv run` measured it in one of `paths` (its
+    result.json, named by the run's variant): (`launch_s_fixed`, `launch_s_per_token`)."""
+    found: dict[str, tuple[float, float]] = {}
+    for path in paths:
+        try:
+            run = json.loads(Path(path).read_text())
+            name, stats = run["name"].split("/")[1], run["summary"]["stats"]
+            found[name] = (stats["launch_s_fixed"], stats["launch_s_per_token"])
+        except (OSError, ValueError, KeyError, IndexError) as e:
+            raise SystemExit(f"--launch-from {path}: not a result.json of `tieredkv run` with the loop's launch "
+                             f"time ({e!r})") from None
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise SystemExit(f"--launch-from: no run of {', '.join(missing)} among those given "
+                         f"({', '.join(sorted(found)) or 'none'})")
+    return found
+
+
 def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str | None, bound: bool = False,
               sim_cost: StepCost = H200_LLAMA_8B, disk_bytes_per_s: float | None = None, arrivals: str | None = None,
-              replay_policies: bool = False, **keys: float | None) -> list[tuple[Summary, RequestRecord]]:
+              replay_policies: bool = False, launches: dict[str, tuple[float, float]] | None = None,
+              **keys: float | None) -> list[tuple[Summary, RequestRecord]]:
     """Every variant on one workload (one rate, one seed; or with `arrivals`, a multi_turn run's
     requests: `plan_of_run`); prints a table (and with `bound`, `print_bound`), returns the
     summaries and each variant's slowest request. With `sim`, steps take `sim_cost`'s time and a
     store's disk moves `disk_bytes_per_s` each way; with `replay_policies` too, each variant's CPU
-    tier trace is replayed under every policy (`simulate`)."""
+    tier trace is replayed under every policy (`simulate`); with `launches` (`launch_fits`), each
+    variant's loop takes its own launch time, (per step, per token) seconds."""
     if arrivals is not None:
         requests, source = plan_of_run(doc, arrivals, keys.get("speed")), f"the turns of {arrivals}"
     else:
@@ -569,7 +599,11 @@ def run_point(doc: dict, engines: list[tuple[str, dict]], sim: bool, trace: str 
     for name, engine_doc in engines:
         stats = {}
         if sim:
-            records, elapsed, stats = simulate(engine_doc, requests, sim_cost, disk_bytes_per_s, replay_policies)
+            cost = sim_cost
+            if launches is not None:
+                per_step, per_token = launches[name]
+                cost = dataclasses.replace(sim_cost, host_s_per_step=per_step, host_s_per_token=per_token)
+            records, elapsed, stats = simulate(engine_doc, requests, cost, disk_bytes_per_s, replay_policies)
         else:
             records, elapsed = serve(engine_doc, requests)
         assert all(r.finished for r in records), f"{name}: a request did not finish"
@@ -665,6 +699,10 @@ def main() -> None:
                         help="with --host-us-per-token: the share of a step with prefill its launch call waits "
                              "to see run on the GPU, whose queue of kernels holds the rest (~0.3 measured on an "
                              "H200; default 0: the queue never fills)")
+    parser.add_argument("--launch-from", nargs="+", metavar="RESULT_JSON",
+                        help="with --sim: each variant's loop takes the launch time (per step and per token) "
+                             "that `tieredkv run` measured for it, in one of these result.json files (one a "
+                             "variant), and schedules ahead of the GPU as with --host-us-per-token")
     parser.add_argument("--perturb", default="1",
                         help="with --sim: scale each step's fixed time by these factors, each a run (e.g. "
                              "1,1.001,1.002): how far a figure moves under a change too small to matter, and "
@@ -683,10 +721,12 @@ def main() -> None:
         raise SystemExit(f"--perturb: expected factors like 1,1.001, got {args.perturb!r}") from None
     if not all(f > 0 for f in factors):
         raise SystemExit(f"--perturb: expected positive factors, got {args.perturb!r}")
-    if (args.bound or args.disk_gbps or args.step_ms or args.host_us_per_token is not None
+    if (args.bound or args.disk_gbps or args.step_ms or args.host_us_per_token is not None or args.launch_from
             or factors != [1.0] or args.replay_policies) and not args.sim:
-        raise SystemExit("--bound, --disk-gbps, --step-ms, --host-us-per-token, --perturb and --replay-policies "
-                         "take the simulated clock: add --sim")
+        raise SystemExit("--bound, --disk-gbps, --step-ms, --host-us-per-token, --launch-from, --perturb and "
+                         "--replay-policies take the simulated clock: add --sim")
+    if args.launch_from and args.host_us_per_token is not None:
+        raise SystemExit("--launch-from gives each variant its launch time: drop --host-us-per-token")
     for flag, value in (("--disk-gbps", args.disk_gbps), ("--step-ms", args.step_ms)):
         if value is not None and not value > 0:
             raise SystemExit(f"{flag}: expected a positive number, got {value}")
@@ -697,8 +737,8 @@ def main() -> None:
             raise SystemExit(f"--arrivals replays a run's own requests: drop {', '.join(drawn)}")
     if args.host_us_per_token is not None and not args.host_us_per_token >= 0:
         raise SystemExit(f"--host-us-per-token: expected a number >= 0, got {args.host_us_per_token}")
-    if args.launch_waits and args.host_us_per_token is None:
-        raise SystemExit("--launch-waits takes the loop ahead of the GPU: add --host-us-per-token")
+    if args.launch_waits and args.host_us_per_token is None and not args.launch_from:
+        raise SystemExit("--launch-waits takes the loop ahead of the GPU: add --host-us-per-token or --launch-from")
     if not 0 <= args.launch_waits <= 1:
         raise SystemExit(f"--launch-waits: expected a share from 0 to 1, got {args.launch_waits}")
     step_s = args.step_ms / 1e3 if args.step_ms else H200_LLAMA_8B.step_s
@@ -713,11 +753,12 @@ def main() -> None:
     engines = engines_of(doc, args.variants, args.vary, args.policies, args.set)
     if args.reverse:
         engines.reverse()
+    launches = launch_fits(args.launch_from, (name for name, _ in engines)) if args.launch_from else None
     window = {"fraction": args.fraction, "start_s": args.start_s, "duration_s": args.duration_s}
     results = []
     for rate in [float(r) for r in args.rates.split(",")] if args.rates else [None]:
         points = [run_point(doc, engines, args.sim, args.trace, args.bound, sim_cost, disk_bytes_per_s, args.arrivals,
-                            args.replay_policies,
+                            args.replay_policies, launches,
                             rate=rate, requests=args.requests,
                             seed=seed, speed=args.speed, **window)
                   for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [None])

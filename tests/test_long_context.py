@@ -240,12 +240,36 @@ def test_the_launch_time_takes_the_simulated_clock_and_a_number(bench, monkeypat
     config = str(Path(bench.__file__).resolve().parents[1] / "configs" / "long_context_8b.yaml")
     for argv, error in ((["--host-us-per-token", "2"], "add --sim"),
                         (["--sim", "--host-us-per-token", "-1"], "--host-us-per-token: expected a number >= 0"),
-                        (["--sim", "--launch-waits", "0.3"], "add --host-us-per-token"),
+                        (["--sim", "--launch-waits", "0.3"], "add --host-us-per-token or --launch-from"),
+                        (["--launch-from", "run.json"], "add --sim"),
+                        (["--sim", "--launch-from", "run.json", "--host-us-per-token", "1"],
+                         "drop --host-us-per-token"),
                         (["--sim", "--host-us-per-token", "1", "--launch-waits", "1.5"],
                          "--launch-waits: expected a share from 0 to 1")):
         monkeypatch.setattr(sys, "argv", ["bench_scheduling.py", config, *argv])
         with pytest.raises(SystemExit, match=error):
             bench.main()
+
+
+def test_each_variant_takes_the_launch_time_its_run_measured(bench, tmp_path):
+    """`--launch-from`: the fixed and per-token launch time each variant's `tieredkv run`
+    measured, by the variant its result.json names; a variant with none, or a file without them,
+    is an error that says so. The simulated loop then launches a step after both parts."""
+    paths = []
+    for name, fit in (("gpu+cpu8GiB", (0.5e-3, 0.4e-6)), ("gpu+cpu8GiB+nvme", (3e-3, 1e-6))):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"name": f"multi_turn_8b/{name}", "summary": {"stats": {
+            "launch_s_fixed": fit[0], "launch_s_per_token": fit[1]}}}))
+        paths.append(str(path))
+    fits = bench.launch_fits(paths, ["gpu+cpu8GiB+nvme", "gpu+cpu8GiB"])
+    assert fits == {"gpu+cpu8GiB": (0.5e-3, 0.4e-6), "gpu+cpu8GiB+nvme": (3e-3, 1e-6)}
+    with pytest.raises(SystemExit, match="no run of recompute-only among those given"):
+        bench.launch_fits(paths, ["recompute-only"])
+    (tmp_path / "bare.json").write_text(json.dumps({"name": "multi_turn_8b/x", "summary": {"stats": {}}}))
+    with pytest.raises(SystemExit, match="not a result.json of `tieredkv run` with the loop's launch time"):
+        bench.launch_fits([str(tmp_path / "bare.json")], ["x"])
+    gpu = bench.SimLaunched(lambda: 0.0, host_s_per_token=1e-6, host_s_per_step=3e-3)
+    assert gpu.launch(1000, 1000, 0.1) == (pytest.approx(0.104), pytest.approx(0.004))
 
 
 def test_the_simulation_refuses_a_request_longer_than_the_gpu_tier_and_serves_the_rest(bench):
