@@ -121,11 +121,29 @@ class EngineRun:
         assert not self.live, f"requests never finished: {sorted(self.live)}"
 
 
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    """One store for every example: each engine finds what the ones before it wrote, and loads it."""
+    return str(tmp_path_factory.mktemp("store"))
+
+
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
 @SETTINGS
 @given(ops=ops)
 def test_random_engine_ops(expected, preemption, ops):
-    engine = LLMEngine(EngineConfig.from_kwargs(**ENGINE, preemption=preemption))
+    run_engine_ops(LLMEngine(EngineConfig.from_kwargs(**ENGINE, preemption=preemption)), expected, ops)
+
+
+@settings(SETTINGS, max_examples=12)
+@given(ops=ops)
+def test_random_engine_ops_with_a_store(expected, store_path, ops):
+    """The same with a store below the CPU tier: loads from it, spills to it, swaps that take the
+    blocks held for loads of prompts still waiting."""
+    config = EngineConfig.from_kwargs(**ENGINE, preemption="swap", nvme_path=store_path, nvme_bytes=4 << 20)
+    run_engine_ops(LLMEngine(config), expected, ops)
+
+
+def run_engine_ops(engine: LLMEngine, expected: list[list[int]], ops) -> None:
     run = EngineRun(engine, expected)
     added = 0
     for kind, arg in ops:
