@@ -316,7 +316,7 @@ class LowerTier:
         if not self.arriving(request_id):  # the common case (its loads landed, or it never had any)
             self.cpu_pool.release(held)
             return
-        in_flight = {id(read.block): job for job, read in self._reads.items() if read.request_id == request_id}
+        in_flight = {id(read.block): job for job, read in self._reads_of(request_id).items()}
         for block in held:
             job = in_flight.get(id(block))
             if job is None:
@@ -429,11 +429,15 @@ class LowerTier:
     def _stop_waiting_for(self, request_id: str) -> int:
         """The request no longer waits for any of its reads in flight; how many it waited for."""
         stopped = 0
-        for job, read in list(self._reads.items()):
-            if read.request_id == request_id and job not in self._given_up:
+        for job, read in self._reads_of(request_id).items():
+            if job not in self._given_up:
                 self._stop_waiting(job, read)
                 stopped += 1
         return stopped
+
+    def _reads_of(self, request_id: str) -> dict[int, _Read]:
+        """The request's reads in flight (given up or not), by job, in submission order."""
+        return {job: read for job, read in self._reads.items() if read.request_id == request_id}
 
     def _stop_clock(self, request_id: str) -> None:
         clock = self._clocks.pop(request_id, None)
@@ -481,7 +485,7 @@ class LowerTier:
 
     def _droppable(self, request_id: str) -> int:
         """Blocks the request's plan alone holds that dropping it frees now."""
-        reading = {id(read.block) for read in self._reads.values() if read.request_id == request_id}
+        reading = {id(read.block) for read in self._reads_of(request_id).values()}
         held = self._hits.get(request_id, []) + self._loads.get(request_id, [])
         return sum(1 for b in held if b.ref_count == 1 and id(b) not in reading and not self.cpu_pool.is_pinned(b))
 
