@@ -1,9 +1,12 @@
 """Shared fixtures: reference outputs from transformers `generate`; every test fails if the NVMe
 store met an internal error (a bug it books apart from disk faults), unless marked
-`allow_internal_errors`."""
+`allow_internal_errors`; a GPU test fails if it leaves a CUDA error behind."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import gc
 import logging
 
 import pytest
@@ -48,6 +51,34 @@ def fail_on_internal_errors(request):
     logger.removeHandler(handler)
     if handler.messages and request.node.get_closest_marker("allow_internal_errors") is None:
         pytest.fail(f"the NVMe store met internal errors: {handler.messages[:3]}")
+
+
+@functools.cache
+def _cuda_runtimes() -> tuple[ctypes.CDLL, ...]:
+    """The CUDA runtime libraries loaded in the process (torch's; another library may bring its
+    own, with its own last error)."""
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    runtimes = tuple(ctypes.CDLL(path) for path in paths)
+    for runtime in runtimes:
+        runtime.cudaGetErrorString.restype = ctypes.c_char_p
+    return runtimes
+
+
+@pytest.fixture(autouse=True)
+def fail_on_cuda_errors_left(request):
+    """A GPU test fails if, once its objects are collected and its work is done, a CUDA
+    runtime holds an error nobody read (`cudaGetLastError`, which also clears it). Such an error
+    is not sticky: it would surface at the next torch call that checks, in another test."""
+    yield
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        return
+    gc.collect()
+    torch.cuda.synchronize()
+    left = [(r, r.cudaGetLastError()) for r in _cuda_runtimes()]
+    errors = [f"{error} ({r.cudaGetErrorString(error).decode()}) in {r._name}" for r, error in left if error]
+    if errors:
+        pytest.fail(f"the test left CUDA errors unread: {errors}")
 
 
 @pytest.fixture(scope="session")
