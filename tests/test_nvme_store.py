@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import os
 import select
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import pytest
@@ -204,6 +206,41 @@ def test_uring_backend_is_chosen_where_usable():
     backend = io_backends.make_backend("uring")
     assert backend.name == "uring"
     backend.close()
+
+
+@pytest.mark.parametrize("name", ["sync", "aiofiles", "uring"])
+def test_a_backend_keeps_no_buffer_alive_and_no_object_an_io(tmp_path, name):
+    """liburing's `Iovec` keeps a reference to every buffer it is given, for good: the uring
+    backend must hand it views of its own, one a range of memory, not the callers' (each would
+    keep a tensor's memory alive: a closed engine's whole CPU tier) nor one new object an I/O
+    (the garbage collector walks each of them at every full collection)."""
+    if name == "uring" and not io_backends.uring_probe(str(tmp_path))[0]:
+        pytest.skip(f"io_uring unusable here: {io_backends.uring_probe(str(tmp_path))[1]}")
+    backend = io_backends.make_backend(name)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, 1 << 16)
+    buffers = [aligned_empty(4096), aligned_empty(4096)]
+    kept = [weakref.ref(b) for b in buffers]
+
+    def run_ios(count: int) -> None:
+        for tag in range(count):
+            views = tuple(map(slot_format.byte_view, buffers))
+            backend.submit([IORequest(tag, "write" if tag % 2 else "read", fd, 4096 * (tag % 4), views)])
+            assert [c.result for c in backend.reap(5.0)] == [8192]
+
+    try:
+        run_ios(8)  # the first I/Os make what is made once (the backend's views, threads, ...)
+        gc.collect()
+        before = len(gc.get_objects())
+        run_ios(200)
+        gc.collect()
+        assert len(gc.get_objects()) - before < 100  # not one an I/O (200 I/Os)
+    finally:
+        backend.close()
+        os.close(fd)
+    buffers.clear()
+    gc.collect()
+    assert all(ref() is None for ref in kept)
 
 
 # ------------------------------------------------------------------ persistence

@@ -9,12 +9,17 @@ and a 2 MiB request started inside it held the GIL 100-300 us, stalling the engi
 eventfd registered with the ring: `reap` sleeps in select() on it (releasing the GIL whatever
 the bindings do) and drains the completion queue with `CqeIter` and one `io_uring_cq_advance`
 (in these bindings `cqe[i]` does not wrap around the ring, so it is never indexed past 0).
+The bindings' `Iovec` never lets go of a buffer it is given (it keeps a reference for good): a
+view of a tensor handed to it would keep the tensor's memory alive, and one new view an I/O
+would pile up objects for the garbage collector to walk. So it is given only views of the
+backend's own (`_Views`): one a range of memory, made the first time and owning nothing.
 
 Operations: `UringBackend.submit`, `.reap`, `.close`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -27,6 +32,28 @@ from typing import Any
 from tieredkv.tiers.nvme.block_io import BlockIO, IOCompletion, IORequest
 
 logger = logging.getLogger(__name__)
+
+
+MAX_VIEWS = 1 << 17  # ranges kept: the CPU tier's blocks and the store's buffers are far fewer
+
+
+class _Views:
+    """For each range of memory (address, length), one memoryview of it made the first time,
+    which owns nothing: an I/O's buffers stay alive through its job until it completes, and the
+    bindings keep the view, not the memory. Past `MAX_VIEWS` ranges a view is made for each
+    use (the bindings keep each: a small object an I/O, never the memory)."""
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[int, int], memoryview] = {}
+
+    def __call__(self, buffer: memoryview) -> memoryview:
+        key = (ctypes.addressof(ctypes.c_char.from_buffer(buffer)), buffer.nbytes)
+        view = self._views.get(key)
+        if view is None:
+            view = memoryview((ctypes.c_char * key[1]).from_address(key[0])).cast("B")
+            if len(self._views) < MAX_VIEWS:
+                self._views[key] = view
+        return view
 
 
 class UringBackend(BlockIO):
@@ -54,6 +81,7 @@ class UringBackend(BlockIO):
         self._lock = threading.Lock()  # the submission queue, _inflight and _backlog
         self._inflight: dict[int, tuple[IORequest, Any]] = {}  # tag -> (request, its Iovec)
         self._backlog: deque[IORequest] = deque()
+        self._views = _Views()
         self._closed = False
 
     def submit(self, requests: Sequence[IORequest]) -> None:
@@ -66,9 +94,8 @@ class UringBackend(BlockIO):
         lib = self._lib
         while self._backlog and len(self._inflight) < self._depth:
             req = self._backlog[0]
-            iov = lib.Iovec(
-                list(req.buffers)
-            )  # before taking an SQE: a failure here leaves none half-made
+            # before taking an SQE: a failure here leaves none half-made
+            iov = lib.Iovec([self._views(buffer) for buffer in req.buffers])
             sqe = lib.io_uring_get_sqe(self._ring)
             if sqe is None:
                 break
