@@ -5,6 +5,7 @@ engine loop's time by part in `stats()`."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from tests.kv_factory import make_kv, make_scheduler, make_seq, run_step
+from tieredkv import EngineConfig, LLMEngine
 from tieredkv.experiment.harness import run_experiment
 from tieredkv.experiment.metrics import RequestRecord, ttft_split_figures
 from tieredkv.experiment.results import validate
@@ -104,6 +106,20 @@ def test_a_run_writes_each_split_and_the_engine_loop_in_a_valid_result(tmp_path)
     assert 0 < stats["longest_step_s"] <= stats["loop_model_s"]
     # learned only where steps run behind the loop (a GPU)
     assert stats["launch_s_fixed"] == stats["launch_s_per_token"] == 0.0
+    # the collector's pauses, which stop the loop wherever they fall
+    assert 0 <= stats["gc_longest_pause_s"] <= stats["gc_pause_s"] and stats["gc_full_collections"] >= 0
+
+
+def test_the_engine_times_the_collectors_pauses_while_open():
+    engine = LLMEngine(EngineConfig.from_kwargs(model="tiny-llama", num_gpu_blocks=16))
+    callbacks = len(gc.callbacks)
+    before = engine.stats()
+    gc.collect()
+    after = engine.stats()
+    assert after["gc_full_collections"] == before["gc_full_collections"] + 1
+    assert after["gc_pause_s"] > before["gc_pause_s"] and after["gc_longest_pause_s"] > 0
+    engine.close()
+    assert len(gc.callbacks) == callbacks - 1  # a closed engine times nothing
 
 
 def test_the_phases_add_the_delivery_measured_from_the_engines_first_token():

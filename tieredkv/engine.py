@@ -37,6 +37,7 @@ from tieredkv.cache.trace import BlockTrace
 from tieredkv.calibrate import DiskProbe, calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, RESULTS_VAR, EngineConfig, read_yaml, resolve_paths
 from tieredkv.decode import Decoder
+from tieredkv.gc_pauses import GCPauses
 from tieredkv.launched_prefill import LaunchedPrefill
 from tieredkv.limits import RequestLimits
 from tieredkv.model import locate
@@ -118,6 +119,7 @@ class LLMEngine:
         self._longest_step_s = 0.0  # one step's forward pass and sampling: a stall shows here
         self._tend_every_s = TEND_EVERY_S  # how long the idle loop waits between two tends
         self._retired = False  # the tiers' bookkeeping ran beside the last forward pass
+        self._gc = GCPauses()  # the collector's pauses stop the loop too
         self._closed = False
 
     @property
@@ -419,6 +421,7 @@ class LLMEngine:
             **self._counters,
             **self._loop_s,
             "longest_step_s": self._longest_step_s,
+            **self._gc.stats(),
             "launch_s_fixed": launch_fixed_s,  # the loop's launch time: every step's, and a token's
             "launch_s_per_token": launch_per_token_s,
             "requests_waiting": len(self.scheduler.waiting),
@@ -437,6 +440,7 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        self._gc.close()
         self.kv.close()
         self.runner.close()
 

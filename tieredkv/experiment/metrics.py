@@ -302,6 +302,9 @@ def _loop_row(stats: dict[str, Any]) -> tuple[str, str]:
     if stats.get("launch_s_fixed") or stats.get("launch_s_per_token"):  # learned on a GPU
         longest += (f"; launch {stats['launch_s_fixed'] * 1e3:.2f} ms"
                     f" + {stats['launch_s_per_token'] * 1e6:.2f} us a token")
+    if "gc_pause_s" in stats:
+        longest += (f"; GC {stats['gc_pause_s']:.2f} s ({stats['gc_full_collections']} full,"
+                    f" longest {stats['gc_longest_pause_s'] * 1e3:,.0f} ms)")
     return (f"engine loop: {' / '.join(k[5:-2] for k in keys)}",
             " / ".join(f"{stats[k]:.2f}" for k in keys) + " s" + longest)
 
