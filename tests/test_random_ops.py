@@ -147,30 +147,26 @@ def test_random_engine_ops_with_a_store(expected, store_path, ops):
 
 def run_engine_ops(engine: LLMEngine, expected: list[list[int]], ops) -> None:
     with engine:  # closed even when a check fails: the next example (or a replay) opens the same store
-        _run_engine_ops(engine, expected, ops)
-
-
-def _run_engine_ops(engine: LLMEngine, expected: list[list[int]], ops) -> None:
-    run = EngineRun(engine, expected)
-    added = 0
-    for kind, arg in ops:
-        if kind == "add":
-            added += arg[0] not in run.live
-            run.add(*arg)
-        elif kind == "step":
-            for _ in range(arg):
-                run.step()
-        elif kind == "abort":
-            run.abort(arg)
-        elif kind == "reset":
-            engine.reset_prefix_cache()
-        else:  # cancel and retry under the same id
-            run.abort(arg[0])
-            run.add(*arg)
-            added += 1
-    run.drain()
-    assert run.ended == added  # every request ended exactly once
-    assert_nothing_held(engine)
+        run = EngineRun(engine, expected)
+        added = 0
+        for kind, arg in ops:
+            if kind == "add":
+                added += arg[0] not in run.live
+                run.add(*arg)
+            elif kind == "step":
+                for _ in range(arg):
+                    run.step()
+            elif kind == "abort":
+                run.abort(arg)
+            elif kind == "reset":
+                engine.reset_prefix_cache()
+            else:  # cancel and retry under the same id
+                run.abort(arg[0])
+                run.add(*arg)
+                added += 1
+        run.drain()
+        assert run.ended == added  # every request ended exactly once
+        assert_nothing_held(engine)
 
 
 # ---------------------------------------------------------------- AsyncLLM
