@@ -89,6 +89,8 @@ def _add(**amounts: float) -> None:
 
 
 def _logged_submit(self: TransferEngine, job):
+    # the job's runs of neighbouring CPU blocks, as `transfer.engine.consecutive_runs` splits them
+    # in CPU order, counted in numpy: this time falls inside the step it measures
     ids = np.sort(np.asarray(job.cpu_block_ids))
     dmas = int(np.count_nonzero(np.diff(ids) != 1)) + 1 if len(ids) else 0
     start = time.perf_counter()
