@@ -3,9 +3,8 @@
 Operations:
 - `demote(gpu_block)`: a cached GPU block is being evicted: keep its KV in the CPU tier
   (queued; `flush()` submits all queued demotions as one D2H job), unless the tier or the
-  disk holds it already, or the admission policy prefers the coldest block the tier keeps (a
-  block read back from the tier below, waiting at the eviction end, is not weighed: it makes
-  way for a newcomer the tier would keep).
+  disk holds it already, or the admission policy prefers the block it would evict (a block
+  read back from the tier below, waiting at the eviction end, is not weighed: it makes way).
 - `requested(hashes, num_gpu_hits)`: a request was admitted with these full prompt blocks,
   the first `num_gpu_hits` found on the GPU: counted for the admission policy (and the trace).
 - `lookup(hash, parent, tokens)`: a demoted prefix block in the CPU tier.
@@ -83,11 +82,10 @@ class CPUOffload:
         victim = self.pool.next_victim()
         if victim is None:  # the CPU tier is full of swapped sequences: the prefix is dropped
             return
-        # a full tier weighs the newcomer against the coldest block it keeps; a block read back
-        # from the tier below for one request (its copy stays below) is not weighed: it makes
-        # way for a newcomer the tier would keep, and only for one
-        rival = self.pool.next_kept_victim() if victim.block_hash is not None else None
-        if rival is not None and not self.admission.admits(block_hash, rival.block_hash):
+        # a block read back from the tier below for one request is kept only while nothing is
+        # demoted in its place: it is not weighed against the newcomer (its copy stays below)
+        weighed = victim.block_hash is not None and not victim.evict_first
+        if weighed and not self.admission.admits(block_hash, victim.block_hash):
             self.rejected_blocks += 1
             self._stage(gpu_block)
             return
