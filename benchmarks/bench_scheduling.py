@@ -235,7 +235,8 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
     """Serve `requests` with the config's scheduler on a simulated clock, its store's disk (if
     any) moving `disk_bytes_per_s` each way (default `SIM_DISK_BYTES_PER_S`); the clients' records,
     the seconds until the last token and the scheduler's figures: its host seconds (wall
-    clock, `loop_schedule_s`) and its preemptions by kind. With `replay_policies`, also the CPU
+    clock, `loop_schedule_s`), its preemptions by kind and, with a CPU tier, the blocks copied
+    into it (`d2h_blocks`, of them `demotions_kept`) and its hits. With `replay_policies`, also the CPU
     tier's block trace replayed under every replacement policy (`cpu_tier_replay`: the stream
     the tier served, as `tieredkv run` logs it)."""
     config = EngineConfig.from_dict(engine_doc)
@@ -304,6 +305,9 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
         tiers = kv.stats()
         stats |= {"disk_reads": disk.reads, "late_loads": tiers["nvme_late_loads"],
                   "loaded_blocks": tiers["nvme_loaded_blocks"]}
+    if offload is not None:  # the clock charges nothing for the copies
+        stats |= {"d2h_blocks": offload.transfers.bytes_moved["d2h"] // offload.transfers.block_bytes,
+                  "demotions_kept": offload.demoted_blocks, "cpu_hit_blocks": offload.hit_blocks}
     replayed = offload.replay() if offload is not None else None
     if replayed is not None:
         stats["cpu_tier_replay"] = replayed

@@ -33,6 +33,7 @@ def test_frequency_admission_prefers_what_was_asked_for_more_and_forgets_slowly(
     admission.record([1, 1, 1, 2])
     assert admission.admits(1, 2) and not admission.admits(2, 1) and not admission.admits(3, 2)
     assert not admission.admits(2, 2)  # a tie keeps the resident block
+    assert admission.admits_spare(2, 2) and not admission.admits_spare(3, 2)  # a spare place: a tie will do
     admission.record([9] * 16)  # the 20th request halves every count
     assert admission.count(1) == 1 and admission.count(2) == 0 and admission.count(9) == 8
 
@@ -132,6 +133,7 @@ def test_adaptive_admits_all_until_the_frequency_ghost_hits_more_then_by_count()
     policy.record([1])  # a hit in the TinyLFU ghost only
     assert policy.ghost_hits == [0.0, 1.0] and policy.by_frequency and policy.selective
     assert not policy.admits(3, 1) and policy.admits(1, 2) and not policy.admits(2, 1)
+    assert policy.admits_spare(1, 1) and not policy.admits_spare(2, 1)
     policy.record([5, 5], num_hits_above=2)  # found on the GPU: nothing asked of the tier, no ghost hit
     assert policy.ghost_hits[0] == 0.0
 

@@ -79,6 +79,26 @@ def test_a_block_pinned_while_owned_is_not_free_once_released():
     assert pool.num_free == 3 and [b.block_id for b in pool.allocate(3)] == [0, 1, 2]
 
 
+def test_expendable_blocks_go_after_the_empty_ones_and_before_the_kept_ones():
+    pool = BlockPool(6)
+    blocks = pool.allocate(5)
+    for i, block in enumerate(blocks):
+        pool.cache(block, 100 + i, 0, (i,))
+    pool.release(blocks[:3])  # kept, LRU order: 0, 1, 2
+    for block in blocks[3:]:  # content safe elsewhere: 4 is released last, so it goes first
+        block.evict_first = True
+    pool.release(blocks[3:])
+    assert [b.block_id for b in pool.free_blocks()] == [5, 4, 3, 0, 1, 2]
+    assert pool.next_victim().block_id == 5 and pool.next_kept_victim() is blocks[0]
+    pool.pin(blocks[0])
+    assert pool.next_kept_victim() is blocks[1] and pool.num_free == 5
+    pool.refresh(blocks[4])  # used again: the last to be evicted, among the kept ones
+    assert [b.block_id for b in pool.cold_blocks()] == [3, 1, 2, 4]
+    pool.uncache(blocks[3])  # forgotten: an empty block, taken first
+    assert [b.block_id for b in pool.allocate(2)] == [3, 5] and pool.cached_block(103) is None
+    assert [b.block_id for b in pool.free_blocks()] == [1, 2, 4] and pool.num_free == 3
+
+
 def test_uncached_blocks_are_reused_before_cached_ones():
     kv = KVCacheManager(num_blocks=6, block_size=BS, root_hash=7)
     a = make_seq("a", list(range(10)))  # 2 full blocks + 1 partial

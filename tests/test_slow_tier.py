@@ -402,27 +402,52 @@ def full_tier_behind_a_burst() -> tuple[CPUOffload, BehindStore]:
     return offload, store
 
 
-def test_a_demotion_takes_the_place_of_a_block_read_back_whatever_the_admission_says():
+class AdmitsOnly(AdmitAll):
+    """An admission policy that keeps only the demotions it is given, whatever the victim; it
+    notes the victims it was asked about."""
+
+    def __init__(self, *kept: int) -> None:
+        self.kept, self.weighed = set(kept), []
+
+    def admits(self, candidate: int, victim: int) -> bool:
+        self.weighed.append(victim)
+        return candidate in self.kept
+
+    def admits_spare(self, candidate: int, coldest: int) -> bool:
+        return self.admits(candidate, coldest)
+
+
+def test_a_block_read_back_makes_way_for_a_demotion_the_tier_would_keep_and_only_for_one():
     # a block read back from the tier below for one request waits at the eviction end (its copy
     # stays below): weighed against newcomers by a frequency admission, it won, as it had just
     # been asked for, and turned them all away (with a disk under it the CPU tier served half
-    # its hits on the Mooncake synthetic slice)
+    # its hits on the Mooncake synthetic slice); let in unweighed, every demotion took its place,
+    # and on multi_turn_8b the tier kept 8x the demotions it kept without a disk under it, for
+    # fewer hits: the newcomer is weighed against the coldest block the tier keeps instead
+    # (`admits_spare`: it displaces nothing kept, so a tie is enough)
     gpu = torch.zeros((BLOCK_SHAPE[0], 2, 64, *BLOCK_SHAPE[2:]))
     tier = CPUTier(24, BLOCK_SHAPE, gpu.dtype, pin=False)  # 1 staging block, 23 for the tier
     offload = CPUOffload(tier, TransferEngine(gpu, tier.data), BehindStore(), "lru")
-    offload.admission = offload.lower.admission = offload.lower.spill.admission = KeepsWhatItHas()
+    admission = AdmitsOnly(700)
+    offload.admission = offload.lower.admission = offload.lower.spill.admission = admission
     for i in range(23):
         offload.demote(Block(i, block_hash=500 + i, parent_hash=0, token_ids=(i,)))
     offload.flush()
     offload.drain()
-    read_back = offload.pool.cached_block(515)
-    offload.pool.touch(read_back)  # as a read from below leaves it: used once, then at the front
-    read_back.evict_first = True
-    offload.pool.release([read_back])
-    offload.demote(Block(30, block_hash=700, parent_hash=0, token_ids=(30,)))
-    assert offload.pool.cached_block(700) is not None and offload.pool.cached_block(515) is None
-    offload.demote(Block(31, block_hash=701, parent_hash=0, token_ids=(31,)))  # its victim was kept
-    assert offload.pool.cached_block(701) is None and offload.rejected_blocks == 1
+    read_back = [offload.pool.cached_block(515), offload.pool.cached_block(516)]
+    for block in read_back:  # as reads from below leave them: used once, then at the eviction end
+        offload.pool.touch(block)
+        block.evict_first = True
+        offload.pool.release([block])
+    coldest = offload.pool.next_kept_victim()
+    assert offload.pool.next_victim() is read_back[1] and coldest.block_hash < 515
+    offload.demote(Block(30, block_hash=702, parent_hash=0, token_ids=(30,)))  # not one the tier keeps
+    assert offload.pool.cached_block(702) is None and offload.rejected_blocks == 1
+    assert all(offload.pool.cached_block(b.block_hash) is b for b in read_back)
+    offload.demote(Block(31, block_hash=700, parent_hash=0, token_ids=(31,)))
+    assert offload.pool.cached_block(700) is not None and offload.pool.cached_block(516) is None
+    assert offload.pool.cached_block(coldest.block_hash) is coldest and offload.pool.cached_block(515) is not None
+    assert admission.weighed == [coldest.block_hash] * 2  # never the blocks read back
 
 
 def test_a_burst_of_demotions_stages_the_last_ones_the_heads_of_chains_evicted_tail_first():

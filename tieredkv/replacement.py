@@ -59,6 +59,11 @@ class Admission(Protocol):
     def admits(self, candidate: int, victim: int) -> bool:
         """Whether `candidate` should take the place of the cached block `victim`."""
 
+    def admits_spare(self, candidate: int, coldest: int) -> bool:
+        """Whether `candidate` should take a place no kept block gives up (a block read back
+        from the tier below makes way), `coldest` being the coldest block the tier keeps: it
+        displaces nothing, so it need only be asked for as often."""
+
     selective: bool  # True: admits by frequency (the CPU tier keeps blocks read from disk at its eviction end)
 
 
@@ -74,6 +79,9 @@ class AdmitAll:
         pass
 
     def admits(self, candidate: int, victim: int) -> bool:
+        return True
+
+    def admits_spare(self, candidate: int, coldest: int) -> bool:
         return True
 
 
@@ -105,6 +113,9 @@ class FrequencyAdmission:
 
     def admits(self, candidate: int, victim: int) -> bool:
         return self.count(candidate) > self.count(victim)
+
+    def admits_spare(self, candidate: int, coldest: int) -> bool:
+        return self.count(candidate) >= self.count(coldest)
 
 
 def leading_run(block_hashes: Sequence[int], resident: Container[int]) -> int:
@@ -190,6 +201,9 @@ class AdaptiveAdmission:
 
     def admits(self, candidate: int, victim: int) -> bool:
         return not self.by_frequency or self.frequency.admits(candidate, victim)
+
+    def admits_spare(self, candidate: int, coldest: int) -> bool:
+        return not self.by_frequency or self.frequency.admits_spare(candidate, coldest)
 
 
 def make_admission(

@@ -11,12 +11,14 @@ Operations (O(1) per block; an allocation also steps over the pinned blocks in i
 - `pin(block)` / `unpin(block)`: while its content is read elsewhere (written to disk), a block
   is never allocated, and keeps its place in the free queue.
 - `free_blocks()`: the blocks that can be allocated, the next to be taken first;
-  `next_victim()`: that one; `cold_blocks()`: the cached ones, least recently used first;
-  `drop_unowned()`: forget every cached block nobody owns.
+  `next_victim()`: that one; `next_kept_victim()`: the first of them the pool keeps for its
+  own sake (past the empty and the `evict_first` ones); `cold_blocks()`: the cached ones,
+  in the order they are evicted; `drop_unowned()`: forget every cached block nobody owns.
 
-Empty blocks (never hashed, or forgotten) are taken first, the most recently freed first;
-then cached blocks nobody owns, in LRU order (the front is evicted first; released ones join
-the back, or the front with `evict_first`).
+Free blocks wait in three queues, taken in turn: empty blocks (never hashed, or forgotten), the
+most recently freed first; cached blocks released with `evict_first` (their content is safe
+elsewhere), the most recently released first; the other cached blocks, in LRU order (released
+ones join the back).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ EvictCallback = Callable[[Block], None]
 class BlockPool:
     """Free queues, ref counts and hash map of `num_blocks` blocks.
 
-    Free blocks wait in two queues: empty ones (never hashed, or forgotten), taken first, and
+    Free blocks wait in three queues (module docstring): empty, expendable (`evict_first`), and
     cached ones in LRU order. `on_evict` is called with a cached block just before its hash is
     dropped, while its KV is still intact: the CPU tier uses it to demote the block (into its own
     pool: the callback never changes this one).
@@ -57,7 +59,8 @@ class BlockPool:
     def __init__(self, num_blocks: int, on_evict: EvictCallback | None = None) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._empty: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._free_queue: OrderedDict[int, Block] = OrderedDict()  # cached, nobody owns them
+        self._expendable: OrderedDict[int, Block] = OrderedDict()  # cached, evict_first, nobody owns them
+        self._free_queue: OrderedDict[int, Block] = OrderedDict()  # cached, nobody owns them, LRU first
         self._cached: dict[int, Block] = {}
         self._pinned: dict[int, Block] = {}  # never allocated, wherever they are
         self._pinned_free = 0  # pinned blocks in the free queues
@@ -67,7 +70,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (empty, or cached with no owner; not pinned)."""
-        return len(self._empty) + len(self._free_queue) - self._pinned_free
+        return len(self._empty) + len(self._expendable) + len(self._free_queue) - self._pinned_free
 
     @property
     def num_cached(self) -> int:
@@ -75,12 +78,13 @@ class BlockPool:
 
     def free_blocks(self) -> Iterator[Block]:
         """Blocks that can be allocated, the next to be taken first: the empty ones, then the
-        cached ones from the least recently used on."""
-        return itertools.chain(self._unpinned(self._empty), self._unpinned(self._free_queue))
+        cached ones in the order they are evicted."""
+        return itertools.chain(self._unpinned(self._empty), self.cold_blocks())
 
     def cold_blocks(self) -> Iterator[Block]:
-        """Cached blocks that can be allocated (evicted), the least recently used first."""
-        return self._unpinned(self._free_queue)
+        """Cached blocks that can be allocated (evicted), the next to be evicted first: the
+        expendable ones, then the rest from the least recently used on."""
+        return itertools.chain(self._unpinned(self._expendable), self._unpinned(self._free_queue))
 
     def _unpinned(self, queue: OrderedDict[int, Block]) -> Iterator[Block]:
         # pinned blocks are skipped in C, not a Python step each: the CPU tier's coldest blocks
@@ -97,11 +101,16 @@ class BlockPool:
         return block.block_id in self._pinned
 
     def _in_free_queues(self, block: Block) -> bool:
-        return block.block_id in self._empty or block.block_id in self._free_queue
+        return any(block.block_id in queue for queue in (self._empty, self._expendable, self._free_queue))
 
     def next_victim(self) -> Block | None:
         """The block `allocate(1)` would take (a cached one is evicted), if any."""
         return next(self.free_blocks(), None)
+
+    def next_kept_victim(self) -> Block | None:
+        """The first block allocations would evict once the empty and the expendable blocks
+        are taken: the coldest the pool keeps for its own sake, if any."""
+        return next(self._unpinned(self._free_queue), None)
 
     def cached_block(self, block_hash: int) -> Block | None:
         """The block cached under `block_hash`, if any (unverified: see `lookup`)."""
@@ -138,20 +147,26 @@ class BlockPool:
 
     def _free(self, block: Block) -> OrderedDict[int, Block]:
         """The free queue a block with no owner is in."""
-        return self._free_queue if block.block_id in self._free_queue else self._empty
+        for queue in (self._free_queue, self._expendable):
+            if block.block_id in queue:
+                return queue
+        return self._empty
 
     def release(self, blocks: Iterable[Block]) -> None:
         """Drop one reference from each block, in the given order (the first reaches the
-        free queue first, so it is evicted first). Blocks marked `evict_first` that reach zero
-        go to the front (their content is safe elsewhere), as never-hashed blocks always do."""
+        free queue first, so it is evicted first). Never-hashed blocks go to the front of the
+        empty queue, blocks marked `evict_first` to the front of the expendable one."""
         for block in blocks:
             assert block.ref_count > 0, f"block {block.block_id} released more often than owned"
             block.ref_count -= 1
             if block.ref_count == 0:
-                queue = self._empty if block.block_hash is None else self._free_queue
+                if block.block_hash is None:
+                    queue = self._empty
+                else:
+                    queue = self._expendable if block.evict_first else self._free_queue
                 queue[block.block_id] = block
                 self._pinned_free += block.block_id in self._pinned
-                if block.evict_first or block.block_hash is None:
+                if queue is not self._free_queue:
                     queue.move_to_end(block.block_id, last=False)
 
     def lookup(self, block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> Block | None:
@@ -171,7 +186,7 @@ class BlockPool:
     def refresh(self, block: Block) -> None:
         """A cached block nobody owns was used again: it becomes the last to be evicted."""
         assert block.ref_count == 0, f"block {block.block_id} is owned: it is not in the free queue"
-        self._free_queue.move_to_end(block.block_id)
+        self._free_queue[block.block_id] = self._free(block).pop(block.block_id)
 
     def drop_unowned(self) -> int:
         """Forget every cached block nobody owns; how many."""
@@ -185,7 +200,7 @@ class BlockPool:
         if block.block_hash is not None and self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
         block.reset_hash()
-        if self._free_queue.pop(block.block_id, None) is not None:  # free: it is empty now
+        if self._free_queue.pop(block.block_id, None) or self._expendable.pop(block.block_id, None):  # free: empty now
             self._empty[block.block_id] = block
             self._empty.move_to_end(block.block_id, last=False)
 
