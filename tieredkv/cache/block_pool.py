@@ -101,7 +101,8 @@ class BlockPool:
         return block.block_id in self._pinned
 
     def _in_free_queues(self, block: Block) -> bool:
-        return any(block.block_id in queue for queue in (self._empty, self._expendable, self._free_queue))
+        block_id = block.block_id
+        return block_id in self._empty or block_id in self._expendable or block_id in self._free_queue
 
     def next_victim(self) -> Block | None:
         """The block `allocate(1)` would take (a cached one is evicted), if any."""
@@ -147,10 +148,9 @@ class BlockPool:
 
     def _free(self, block: Block) -> OrderedDict[int, Block]:
         """The free queue a block with no owner is in."""
-        for queue in (self._free_queue, self._expendable):
-            if block.block_id in queue:
-                return queue
-        return self._empty
+        if block.block_id in self._free_queue:
+            return self._free_queue
+        return self._expendable if block.block_id in self._expendable else self._empty
 
     def release(self, blocks: Iterable[Block]) -> None:
         """Drop one reference from each block, in the given order (the first reaches the
@@ -200,8 +200,9 @@ class BlockPool:
         if block.block_hash is not None and self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
         block.reset_hash()
-        if self._free_queue.pop(block.block_id, None) or self._expendable.pop(block.block_id, None):  # free: empty now
-            self._empty[block.block_id] = block
+        queue = self._free(block)
+        if queue is not self._empty:  # free: it is empty now
+            self._empty[block.block_id] = queue.pop(block.block_id)
             self._empty.move_to_end(block.block_id, last=False)
 
     def _evict(self, block: Block) -> None:
