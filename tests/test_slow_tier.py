@@ -404,17 +404,18 @@ def full_tier_behind_a_burst() -> tuple[CPUOffload, BehindStore]:
 
 class AdmitsOnly(AdmitAll):
     """An admission policy that keeps only the demotions it is given, whatever the victim; it
-    notes the victims it was asked about."""
+    notes what it was asked: ("admits", victim) or ("admits_spare", coldest)."""
 
     def __init__(self, *kept: int) -> None:
-        self.kept, self.weighed = set(kept), []
+        self.kept, self.asked = set(kept), []
 
     def admits(self, candidate: int, victim: int) -> bool:
-        self.weighed.append(victim)
+        self.asked.append(("admits", victim))
         return candidate in self.kept
 
     def admits_spare(self, candidate: int, coldest: int) -> bool:
-        return self.admits(candidate, coldest)
+        self.asked.append(("admits_spare", coldest))
+        return candidate in self.kept
 
 
 def test_a_block_read_back_makes_way_for_a_demotion_the_tier_would_keep_and_only_for_one():
@@ -428,7 +429,7 @@ def test_a_block_read_back_makes_way_for_a_demotion_the_tier_would_keep_and_only
     gpu = torch.zeros((BLOCK_SHAPE[0], 2, 64, *BLOCK_SHAPE[2:]))
     tier = CPUTier(24, BLOCK_SHAPE, gpu.dtype, pin=False)  # 1 staging block, 23 for the tier
     offload = CPUOffload(tier, TransferEngine(gpu, tier.data), BehindStore(), "lru")
-    admission = AdmitsOnly(700)
+    admission = AdmitsOnly(700, 703)
     offload.admission = offload.lower.admission = offload.lower.spill.admission = admission
     for i in range(23):
         offload.demote(Block(i, block_hash=500 + i, parent_hash=0, token_ids=(i,)))
@@ -447,7 +448,12 @@ def test_a_block_read_back_makes_way_for_a_demotion_the_tier_would_keep_and_only
     offload.demote(Block(31, block_hash=700, parent_hash=0, token_ids=(31,)))
     assert offload.pool.cached_block(700) is not None and offload.pool.cached_block(516) is None
     assert offload.pool.cached_block(coldest.block_hash) is coldest and offload.pool.cached_block(515) is not None
-    assert admission.weighed == [coldest.block_hash] * 2  # never the blocks read back
+    offload.demote(Block(32, block_hash=703, parent_hash=0, token_ids=(32,)))  # the last place read back
+    assert offload.pool.cached_block(703) is not None and offload.pool.cached_block(515) is None
+    offload.demote(Block(33, block_hash=704, parent_hash=0, token_ids=(33,)))  # now against a kept block
+    assert offload.pool.cached_block(704) is None and offload.pool.cached_block(coldest.block_hash) is coldest
+    spare, kept = ("admits_spare", coldest.block_hash), ("admits", coldest.block_hash)
+    assert admission.asked == [spare, spare, spare, kept]  # never the blocks read back
 
 
 def test_a_burst_of_demotions_stages_the_last_ones_the_heads_of_chains_evicted_tail_first():
