@@ -121,6 +121,11 @@ class FileKeeper:
             self.current, self._reopen_at, self._reopen_wait = None, 0.0, REOPEN_FIRST_S
             return True
 
+    @property
+    def has_retired(self) -> bool:
+        """Whether a lost file is still open (read under the store's lock, which retires files)."""
+        return bool(self._retired)
+
     def close_unused(self, busy: set[int]) -> None:
         """Close the lost files of generations not in `busy`, so that their space returns."""
         with self._lock:

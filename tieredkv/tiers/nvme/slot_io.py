@@ -9,10 +9,10 @@ before writes and keeps at most `queue_depth` jobs in flight: a write waiting he
 a read submitted after it. It prepares each job (a write's payload xxh3 and header; a copy into
 an aligned bounce buffer where the caller's memory does not suit O_DIRECT) and submits it as one
 vectored request, header then payload. A completion thread reaps the backend, verifies reads
-(every header field, the header checksum, the payload xxh3) and calls `on_done(job, fault)`:
-fault is None, or the name of the stats counter of what went wrong: a disk fault, or
-`internal_errors` for a bug met while handling a job (logged at ERROR; the test suite fails on
-it).
+(every header field, the header checksum, the payload xxh3) and calls `on_done([(job, fault),
+...])` once for each batch it reaped: fault is None, or the name of the stats counter of what
+went wrong: a disk fault, or `internal_errors` for a bug met while handling a job (logged at
+ERROR; the test suite fails on it).
 
 Operations: `SlotJob`, `SlotIO.start`, `SlotIO.start_all`, `SlotIO.in_flight`, `SlotIO.close`.
 """
@@ -81,7 +81,7 @@ class SlotIO:
         geometry: SlotGeometry,
         fingerprint: bytes,
         queue_depth: int,
-        on_done: Callable[[SlotJob, str | None], None],
+        on_done: Callable[[list[tuple[SlotJob, str | None]]], None],
         open_file: Callable[[SlotJob], str | None],
     ) -> None:
         self.backend, self.geometry, self.queue_depth = backend, geometry, queue_depth
@@ -152,7 +152,7 @@ class SlotIO:
                 logger.exception("NVMe store: internal error while preparing job %d", job.id)
                 fault = "internal_errors"
             if fault is not None:
-                self._done(job, fault)
+                self._done([(job, fault)])
             else:
                 ready.append(job)
         if ready:
@@ -203,8 +203,7 @@ class SlotIO:
             self.backend.submit(requests)
         except OSError as exc:
             fault = "enospc" if exc.errno == errno.ENOSPC else "io_errors"
-            for job in jobs:
-                self._done(job, fault)
+            self._done([(job, fault) for job in jobs])
 
     # ---------------------------------------------------------------- completing
 
@@ -213,9 +212,11 @@ class SlotIO:
             with self._cond:
                 if self._stop and not self._pending():
                     return
-            for completion in self.backend.reap(_POLL_S):
-                with self._cond:
-                    job = self._issued.get(completion.tag)
+            completions = self.backend.reap(_POLL_S)
+            with self._cond:
+                jobs = [self._issued.get(completion.tag) for completion in completions]
+            finished = []
+            for completion, job in zip(completions, jobs, strict=True):
                 if job is None:
                     logger.error(
                         "NVMe store: internal error: completion of unknown job %d ignored",
@@ -228,17 +229,24 @@ class SlotIO:
                     # that its waiters do not hang, and this thread lives on for the others
                     logger.exception("NVMe store: internal error while checking job %d", job.id)
                     fault = "internal_errors"
-                self._done(job, fault)
+                finished.append((job, fault))
+            if finished:
+                self._done(finished)
 
-    def _done(self, job: SlotJob, fault: str | None) -> None:
-        self._on_done(job, fault)
-        if job.header is not None:
-            self._headers.put(job.header)
-        if job.bounce is not None:
-            self._bounces.put(job.bounce)
+    def _done(self, finished: list[tuple[SlotJob, str | None]]) -> None:
+        """Report the jobs (each with its fault, or None) and free their places, in one go: one
+        lock and one wake-up for a batch, which the other threads would wait on the GIL for."""
+        self._on_done(finished)
+        for job, _ in finished:
+            if job.header is not None:
+                self._headers.put(job.header)
+            if job.bounce is not None:
+                self._bounces.put(job.bounce)
         with self._cond:
-            del self._issued[job.id]
-            self._cond.notify_all()
+            for job, _ in finished:
+                del self._issued[job.id]
+            if self._queued["read"] or self._queued["write"]:  # the issuing thread has work again
+                self._cond.notify_all()
 
     def _outcome(self, job: SlotJob, result: int) -> str | None:
         """None if the job succeeded, else the stats counter of its fault (verifies reads)."""

@@ -346,35 +346,41 @@ class NVMeStore(BlockStore):
         self._jobs[job.id] = job
         return job
 
-    def _finish(self, job: SlotJob, fault: str | None) -> None:
-        """Called by SlotIO when a job is done: update the index, the counters, the waiters."""
+    def _finish(self, finished: Sequence[tuple[SlotJob, str | None]]) -> None:
+        """Called by SlotIO with jobs done (and the fault of each, or None): update the index,
+        the counters, the waiters."""
         with self._cond:
-            current = job.generation == self._files.generation
-            ok = fault is None and (current or job.op == "read")  # a write to a lost file is lost
-            if current and job.op == "write":
-                (self.index.commit if ok else self.index.abort)(job.block_hash)
-            elif current:
-                self.index.unpin(job.slot)
-                if not ok:
-                    self.index.discard(job.block_hash)
-            if fault is not None:
-                self._counts[fault] += 1
-                self._say_fault(job, fault, current)
-            elif ok:
-                self._counts["hits" if job.op == "read" else "writes"] += 1
-                self._counts["bytes_read" if job.op == "read" else "bytes_written"] += job.nbytes
-            if job.op == "read":
-                self._reads_in_flight -= 1
-                if not self._reads_in_flight:
-                    self._read_busy_s += time.monotonic() - self._read_busy_since
-            del self._jobs[job.id]
-            self._done[job.id] = ok
+            for job, fault in finished:
+                self._finish_one(job, fault)
             self._close_retired()
             self._cond.notify_all()
 
+    def _finish_one(self, job: SlotJob, fault: str | None) -> None:
+        current = job.generation == self._files.generation
+        ok = fault is None and (current or job.op == "read")  # a write to a lost file is lost
+        if current and job.op == "write":
+            (self.index.commit if ok else self.index.abort)(job.block_hash)
+        elif current:
+            self.index.unpin(job.slot)
+            if not ok:
+                self.index.discard(job.block_hash)
+        if fault is not None:
+            self._counts[fault] += 1
+            self._say_fault(job, fault, current)
+        elif ok:
+            self._counts["hits" if job.op == "read" else "writes"] += 1
+            self._counts["bytes_read" if job.op == "read" else "bytes_written"] += job.nbytes
+        if job.op == "read":
+            self._reads_in_flight -= 1
+            if not self._reads_in_flight:
+                self._read_busy_s += time.monotonic() - self._read_busy_since
+        del self._jobs[job.id]
+        self._done[job.id] = ok
+
     def _close_retired(self) -> None:
         """Close the lost files no job uses any more, so that their space returns (lock held)."""
-        self._files.close_unused({job.generation for job in self._jobs.values()})
+        if self._files.has_retired:  # rare: looking at every job in flight is not
+            self._files.close_unused({job.generation for job in self._jobs.values()})
 
     def _say_fault(self, job: SlotJob, fault: str, current: bool) -> None:
         """Log the first fault of each kind as a warning, the rest at debug level (lock held): the
