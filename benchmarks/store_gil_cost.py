@@ -1,10 +1,11 @@
 """What the NVMe store's threads cost the engine thread, on the CPU: the engine thread's time
 for a fixed run of small torch ops (each releases the GIL and takes it back, as the engine's
-launches and CUDA calls do), alone and while the store reads blocks back as fast as it can
-(kept at `--in-flight` jobs, the engine thread submitting them between its ops, as the engine
-does). Prints the engine thread's ops/s both ways and its time lost per store job.
+launches and CUDA calls do), alone and while the store reads blocks back (`--op read`) or
+writes new ones (`--op write`, as spills) as fast as it can, kept at `--in-flight` jobs, the
+engine thread submitting them between its ops, as the engine does. Prints the engine thread's
+ops/s both ways and its time lost per store job.
 
-    python benchmarks/store_gil_cost.py [--block-kib 256] [--blocks 512] [--ops 200000] [--backend uring]
+    python benchmarks/store_gil_cost.py [--op read|write] [--block-kib 256] [--blocks 512] [--ops 200000]
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ BLOCK_SIZE = 16
 
 
 def engine_ops(count: int, store: NVMeStore | None, refs: list[BlockRef], blocks: torch.Tensor,
-               in_flight: int, every: int) -> tuple[float, int]:
-    """Seconds for `count` small torch ops; with a store, keep `in_flight` reads going."""
+               in_flight: int, every: int, op: str = "read") -> tuple[float, int]:
+    """Seconds for `count` small torch ops and the store jobs done meanwhile; with a store,
+    keep `in_flight` reads of `refs` (or writes of new blocks) going."""
     x = torch.zeros(8)
     pending: set[int] = set()
     done = 0
@@ -37,13 +39,18 @@ def engine_ops(count: int, store: NVMeStore | None, refs: list[BlockRef], blocks
                 pending.discard(job)
                 done += 1
             want = in_flight - len(pending)
-            if want > 0:
+            if want > 0 and op == "read":
                 reads = []
                 for _ in range(want):
                     k = nxt % len(refs)
                     reads.append((refs[k], blocks[k]))
                     nxt += 1
                 pending.update(store.submit_reads(reads))
+            for _ in range(max(want, 0) if op == "write" else 0):
+                nxt += 1
+                job = store.submit_write(BlockRef(len(refs) + nxt, 0, refs[0].token_ids), blocks[nxt % len(blocks)])
+                if job is not None:
+                    pending.add(job)
     elapsed = time.perf_counter() - start
     if store is not None:
         store.wait(list(pending))
@@ -52,6 +59,7 @@ def engine_ops(count: int, store: NVMeStore | None, refs: list[BlockRef], blocks
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--op", choices=("read", "write"), default="read")
     parser.add_argument("--block-kib", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=512)
     parser.add_argument("--ops", type=int, default=200_000)
@@ -66,20 +74,20 @@ def main() -> None:
     blocks.random_(0, 255)
     with tempfile.TemporaryDirectory(dir=args.dir) as path:
         store = NVMeStore(path, (args.blocks + 8) * (block_bytes + 8192), block_bytes, b"gil", BLOCK_SIZE,
-                          backend=args.backend)
+                          backend=args.backend, policy="lru")  # lru: every new block is written
         try:
             refs = [BlockRef(i + 1, i, tuple(range(BLOCK_SIZE))) for i in range(args.blocks)]
             store.wait([job for ref, block in zip(refs, blocks, strict=True)
                         if (job := store.submit_write(ref, block)) is not None])
             alone, _ = engine_ops(args.ops, None, refs, blocks, args.in_flight, args.every)
-            busy, jobs = engine_ops(args.ops, store, refs, blocks, args.in_flight, args.every)
+            busy, jobs = engine_ops(args.ops, store, refs, blocks, args.in_flight, args.every, args.op)
             again, _ = engine_ops(args.ops, None, refs, blocks, args.in_flight, args.every)
         finally:
             store.close()
     base = min(alone, again)
     print(f"engine ops/s alone {args.ops / base:,.0f}, beside the store {args.ops / busy:,.0f} "
-          f"({busy / base:.2f}x the time); {jobs} reads ({jobs / busy:,.0f}/s); "
-          f"engine time lost per read {(busy - base) / max(jobs, 1) * 1e6:.1f} us")
+          f"({busy / base:.2f}x the time); {jobs} {args.op}s ({jobs / busy:,.0f}/s); "
+          f"engine time lost per {args.op} {(busy - base) / max(jobs, 1) * 1e6:.1f} us")
 
 
 if __name__ == "__main__":
