@@ -369,6 +369,28 @@ def test_blocks_being_read_are_not_evicted(open_store):
     assert store.index.stored_hashes() == [2, 3]
 
 
+def test_a_lost_file_is_closed_when_the_last_job_on_it_ends(open_store):
+    gated = GatedBackend()
+    store = open_store(backend=gated)
+    pool, dst = cpu_pool(2), cpu_pool(2)
+    fill(pool, [1, 2])
+    write_all(store, pool, [1, 2])
+
+    def lost_and_open() -> bool:
+        return any(os.readlink(f"/proc/self/fd/{fd}") == f"{store.path} (deleted)" for fd in os.listdir("/proc/self/fd")
+                   if os.path.islink(f"/proc/self/fd/{fd}"))
+
+    gated.gate.clear()
+    held = store.submit_read(BlockRef(1, parent_of(1), tokens_of(1)), dst[0])
+    os.unlink(store.path)
+    time.sleep(LOOK_EVERY_S)
+    assert store.submit_read(BlockRef(2, parent_of(2), tokens_of(2)), dst[1]) is None  # the loss is noticed
+    assert store.stats()["files_lost"] == 1 and lost_and_open()  # a read still uses it
+    gated.release()
+    assert store.wait([held]) == {held: True} and same_bytes(dst[0], pool[0])
+    assert not lost_and_open()  # closed with that read's completion: its space is back
+
+
 def test_poll_reports_each_job_once_and_leaves_waited_ones(open_store):
     gated = GatedBackend()
     store = open_store(backend=gated)

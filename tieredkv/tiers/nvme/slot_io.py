@@ -235,7 +235,7 @@ class SlotIO:
 
     def _done(self, finished: list[tuple[SlotJob, str | None]]) -> None:
         """Report the jobs (each with its fault, or None) and free their places, in one go: one
-        lock and one wake-up for a batch, which the other threads would wait on the GIL for."""
+        lock and at most one wake-up a batch (each one a turn on the GIL the engine waits for)."""
         self._on_done(finished)
         for job, _ in finished:
             if job.header is not None:

@@ -379,7 +379,7 @@ class NVMeStore(BlockStore):
 
     def _close_retired(self) -> None:
         """Close the lost files no job uses any more, so that their space returns (lock held)."""
-        if self._files.has_retired:  # rare: looking at every job in flight is not
+        if self._files.has_retired:  # rare; walking every job in flight on each completion is not cheap
             self._files.close_unused({job.generation for job in self._jobs.values()})
 
     def _say_fault(self, job: SlotJob, fault: str, current: bool) -> None:
