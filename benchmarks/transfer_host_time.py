@@ -22,10 +22,9 @@ import statistics
 import time
 
 import torch
-from common import LLAMA8B_BLOCK_SHAPE, require_cuda
+from bench_transfer import build
+from common import require_cuda
 
-from tieredkv.tiers.cpu import CPUTier
-from tieredkv.transfer.cuda import CudaTransferEngine
 from tieredkv.transfer.engine import TransferJob
 
 POOL_BLOCKS, CPU_BLOCKS = 4096, 2048
@@ -40,11 +39,8 @@ def _ms(xs: list[float]) -> str:
 
 class SubmitCost:
     def __init__(self) -> None:
-        layers, two, *block = LLAMA8B_BLOCK_SHAPE
         self.rng = random.Random(0)
-        kv = torch.randn((layers, two, POOL_BLOCKS, *block), device="cuda", dtype=torch.bfloat16)
-        self.tier = CPUTier(CPU_BLOCKS, LLAMA8B_BLOCK_SHAPE, torch.bfloat16, pin=True)
-        self.engine = CudaTransferEngine(kv, self.tier.data)
+        self.engine, self.tier = build(POOL_BLOCKS, CPU_BLOCKS)
         torch.cuda.synchronize()
 
     def job(self, kind: str, n: int, fragmented: bool) -> TransferJob:
