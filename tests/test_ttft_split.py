@@ -104,6 +104,11 @@ def test_a_run_writes_each_split_and_the_engine_loop_in_a_valid_result(tmp_path)
     assert stats["loop_model_s"] > stats["loop_schedule_s"]
     # the longest step, where a stall (a kernel compiled at its first use) shows
     assert 0 < stats["longest_step_s"] <= stats["loop_model_s"]
+    # the steps that computed no prefill token (each a gap between two tokens of a request):
+    # the loop's own time before their launch is part of each
+    assert 0 < stats["decode_steps"] < stats["steps"]
+    loop_s = stats["loop_model_s"] + stats["loop_schedule_s"] + stats["loop_tiers_s"]
+    assert 0 < stats["decode_step_host_s"] < stats["decode_step_s"] <= loop_s
     # learned only where steps run behind the loop (a GPU)
     assert stats["launch_s_fixed"] == stats["launch_s_per_token"] == 0.0
     # the collector's pauses, which stop the loop wherever they fall

@@ -117,6 +117,8 @@ class LLMEngine:
         self._counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0}
         self._loop_s = dict.fromkeys(LOOP_STATS, 0.0)
         self._longest_step_s = 0.0  # one step's forward pass and sampling: a stall shows here
+        # steps with no prefill token: how many, the loop's time before each launch, each whole step
+        self._decode_steps = {"decode_steps": 0, "decode_step_host_s": 0.0, "decode_step_s": 0.0}
         self._tend_every_s = TEND_EVERY_S  # how long the idle loop waits between two tends
         self._retired = False  # the tiers' bookkeeping ran beside the last forward pass
         self._gc = GCPauses()  # the collector's pauses stop the loop too
@@ -322,7 +324,7 @@ class LLMEngine:
             self.kv.before_forward()
         start = time.perf_counter()
         with self._timed("loop_model_s"):
-            result = self._launch(batch, tables, begun)
+            result, prefill = self._launch(batch, tables, begun)
         # the next step's tier bookkeeping, while the GPU runs this one (nothing between here and
         # the next schedule starts a transfer or a tier job)
         with self._timed("loop_tiers_s"):
@@ -330,17 +332,24 @@ class LLMEngine:
         self._retired = True
         with self._timed("loop_model_s"):
             news = self._sample(batch, result)
-        self._longest_step_s = max(self._longest_step_s, time.perf_counter() - start)
+        ended = time.perf_counter()
+        self._longest_step_s = max(self._longest_step_s, ended - start)
+        if not prefill:  # the gap between two tokens of a decoding request
+            self._decode_steps["decode_steps"] += 1
+            self._decode_steps["decode_step_host_s"] += start - begun
+            self._decode_steps["decode_step_s"] += ended - begun
         outputs = [self._output(seq) for seq in news]
         for out in outputs:
             if out.finished and self.seqs.pop(out.request_id, None) is not None:
                 self._counters["requests_finished"] += 1
         return outputs
 
-    def _launch(self, batch: SchedulerOutput, tables: list[list[int]], begun: float) -> torch.Tensor | Drawn:
+    def _launch(self, batch: SchedulerOutput, tables: list[list[int]],
+                begun: float) -> tuple[torch.Tensor | Drawn, int]:
         """Start the batch's forward pass (on one GPU its kernels are queued: the GPU is still
         running them on return; the step was `begun` then, on the loop's clock) and move the
-        scheduled sequences on; the logits, or the tokens the tensor-parallel ranks drew."""
+        scheduled sequences on; the logits, or the tokens the tensor-parallel ranks drew, and
+        the step's prefill tokens."""
         self.runner.copy_blocks(self.kv.take_block_copies())  # copy-on-write, before the writes
         # the loop's own time before the GPU is given the step: once the GPU's queue of kernels is
         # full, the launch below waits for the GPU, and that wait is the GPU's time, not the loop's
@@ -352,7 +361,7 @@ class LLMEngine:
         prefill = self._count(batch)  # before `advance` moves the sequences on
         self.launched.launched(prefill, batch.num_tokens, host_s)
         self.scheduler.advance(batch)
-        return result
+        return result, prefill
 
     def _sample(self, batch: SchedulerOutput, result: torch.Tensor | Drawn) -> list[Seq]:
         """Sample from the launched step's logits (waiting for the GPU); the sequences that got news."""
@@ -421,6 +430,7 @@ class LLMEngine:
             **self._counters,
             **self._loop_s,
             "longest_step_s": self._longest_step_s,
+            **self._decode_steps,
             **self._gc.stats(),
             "launch_s_fixed": launch_fixed_s,  # the loop's launch time: every step's, and a token's
             "launch_s_per_token": launch_per_token_s,
