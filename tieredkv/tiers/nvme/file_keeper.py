@@ -12,8 +12,9 @@ the store, kept open while jobs still use it, and made anew, with a backoff when
     files.open_for(job) -> fault | None      # SlotIO's `open_file`: make a new file if due
     files.close(); files.discard()           # at the end; after a failed open
 
-`vanished` looks at the path (a `stat`) at most every LOOK_EVERY_S: the store asks at every
-submit, thousands a second, and a `stat` gives up the GIL to the I/O threads each time. Jobs
+`vanished` looks at the path (a `stat`) and at the descriptor (an `fstat`: someone may have closed
+it under the store) at most every LOOK_EVERY_S: the store asks at every submit, thousands a
+second, and a `stat` gives up the GIL to the I/O threads each time. Jobs
 submitted in between use the lost file, which stays open: a read still reads what it holds, a
 write is lost with it.
 
@@ -100,8 +101,8 @@ class FileKeeper:
             return self.current is None and time.monotonic() < self._reopen_at
 
     def vanished(self) -> bool:
-        """True if the open file was deleted or replaced (a quick look, without the lock; False
-        until LOOK_EVERY_S after the last look)."""
+        """True if the open file was deleted or replaced, or its descriptor closed (a quick look,
+        without the lock; False until LOOK_EVERY_S after the last look)."""
         now = time.monotonic()
         if now < self._next_look:
             return False
@@ -110,12 +111,14 @@ class FileKeeper:
         return file is not None and file.vanished()
 
     def retire_vanished(self) -> bool:
-        """If the file was deleted or replaced, retire it (it stays open for the jobs that use
-        it), start a new generation and return True; the next job makes a new file."""
+        """If the file was deleted or replaced (or its descriptor closed), retire it (it stays
+        open for the jobs that use it), start a new generation and return True; the next job
+        makes a new file."""
         with self._lock:
             if self.current is None or not self.current.vanished():
                 return False  # another thread noticed meanwhile
-            logger.warning("NVMe store file %s vanished; its blocks are lost, starting anew", self.path)
+            what = "descriptor was closed under the store" if self.current.fd_lost() else "file vanished"
+            logger.warning("NVMe store %s: its %s; its blocks are lost, starting anew", self.path, what)
             self._retired[self.generation] = self.current  # in-flight jobs may still use it
             self.generation += 1
             self.current, self._reopen_at, self._reopen_wait = None, 0.0, REOPEN_FIRST_S

@@ -1,7 +1,8 @@
 """The NVMe store's file: opened with O_DIRECT where the filesystem takes it, locked, preallocated.
 
 Operations: `store_file(path)` (which file a store path names), `SlotFile(path, geometry, claim)`
-(open or create), `.vanished()` (deleted or replaced under us), `.read_superblock()` /
+(open or create), `.vanished()` (deleted or replaced under us, or its descriptor closed under
+us: `.fd_lost()`), `.read_superblock()` /
 `.holds_slots()` / `.wipe()` / `.format()`, `.scan(backend, fingerprint)` (the blocks whose slot
 headers verify, for restarts), `.close()`, `remove_empty_dirs`.
 
@@ -93,6 +94,7 @@ class SlotFile:
             raise
         st = os.fstat(self.fd)
         self._identity = (st.st_dev, st.st_ino)
+        self._fd_lost = False
 
     def _check_contents(self, st: os.stat_result, claim: bool) -> None:
         """Refuse what is not a store file (lock held, nothing written yet)."""
@@ -123,12 +125,29 @@ class SlotFile:
         self.fd = -1
 
     def vanished(self) -> bool:
-        """True if `path` no longer names this file (deleted, or replaced by another)."""
+        """True if `path` no longer names this file (deleted, or replaced by another), or the
+        descriptor no longer does (`fd_lost`)."""
+        if self.fd_lost():
+            return True
         try:
             st = os.stat(self.path)
         except OSError:
             return True
         return (st.st_dev, st.st_ino) != self._identity
+
+    def fd_lost(self) -> bool:
+        """True if the descriptor no longer names this file: someone closed it under the store
+        (its number may name another file by now). It is given up then (`fd` is -1), never
+        used nor closed again."""
+        if self._fd_lost or self.fd < 0:
+            return self._fd_lost
+        try:
+            st = os.fstat(self.fd)
+        except OSError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != self._identity:
+            self._fd_lost, self.fd = True, -1
+        return self._fd_lost
 
     def read_superblock(self) -> tuple[int, int, int] | None:
         """(header_bytes, slot_bytes, block_bytes) of a valid superblock of this format version."""
@@ -190,8 +209,11 @@ class SlotFile:
 
     def close(self, sync: bool = True) -> None:
         """fsync (unless not `sync`: a lost file) and close (idempotent); an fsync failure is
-        logged, not raised."""
+        logged, not raised. A descriptor closed under the store is left alone (`fd_lost`)."""
         if self.fd < 0:
+            return
+        if self.fd_lost():
+            logger.warning("NVMe store: the descriptor of %s was closed by someone else; not closing it", self.path)
             return
         try:
             if sync:
