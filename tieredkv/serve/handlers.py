@@ -9,8 +9,9 @@ Operations:
   `stream_options.include_usage`), then `[DONE]`.
 
 A client that leaves cancels the task that awaits the engine; `AsyncLLM.generate_stream` then
-aborts the request, which frees its blocks in every tier. An engine failure ends the affected
-requests with a 500 error object (in the stream: an error event, then `[DONE]`).
+aborts the request, which frees its blocks in every tier. An engine failure, or an engine request
+that ended with an error (its sampler failed), ends the API request with a 500 error object
+carrying the engine's message (in the stream: an error event, then `[DONE]`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tieredkv.serve.protocol import (
     SamplingFields,
     error_body,
     param_of,
+    refuse_unsupported,
     sampling_params,
 )
 from tieredkv.serve.responses import Cursor, Job, choice, chunk, id_text, usage
@@ -63,6 +65,7 @@ class OpenAIHandlers:
 
     def completion_job(self, request: CompletionRequest) -> Job:
         self.check_model(request.model)
+        refuse_unsupported(request)  # once a request, not once a prompt: it logs the fields it ignores
         texts = request.prompts()
         prompts = [self._tokenize(p, "prompt") for p in texts]
         params = [self._params(request, ids, request.max_tokens, "max_tokens") for ids in prompts]
@@ -73,6 +76,7 @@ class OpenAIHandlers:
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         self.check_model(request.model)
+        refuse_unsupported(request)
         try:
             ids = chat_prompt(self.allm.tokenizer, request.messages)
         except ValueError as err:
@@ -115,6 +119,9 @@ class OpenAIHandlers:
             raise BadRequest(field_name, f"{field_name}: {limit} tokens after a prompt of {len(ids)} exceed the "
                              f"maximum length of {longest} tokens; ask for at most {room}")
         params = sampling_params(request, limit if limit is not None else room)
+        if params.stop and self.allm.tokenizer is None:  # the engine has no text to find them in
+            raise BadRequest("stop", "stop: stop strings need a tokenizer in the model directory, and this model "
+                             "has none; use stop_token_ids")
         try:  # the engine's own checks (length, vocabulary), before the response starts
             self.allm.check_request(ids, params)
         except ValueError as err:
@@ -175,6 +182,8 @@ class OpenAIHandlers:
                 async for i, out in merged:
                     records[i].token_times.append(time.monotonic())
                     finals[i] = out
+                    if out.error is not None:  # the engine failed this request alone (e.g. its sampler)
+                        raise RuntimeError(out.error)
                     yield i, out
         except Exception:
             failed = True

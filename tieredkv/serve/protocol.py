@@ -7,6 +7,7 @@ Operations:
   do (`REFUSED`) is a 400 naming it unless it holds its neutral value; a field neither API has is
   ignored with a warning in the server's log (as vLLM does). A completion holds at most
   `MAX_PROMPTS` prompts.
+- `refuse_unsupported(request)`: a `BadRequest` naming a field the engine does not do.
 - `sampling_params(request, max_tokens)`: the engine's parameters, or `BadRequest`.
 - `BadRequest(param, message)` / `error_body(...)`: the OpenAI error object a 400 carries.
 """
@@ -40,12 +41,15 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,), "web_search_options": (None,), "lora_request": (None,),
     "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
     "length_penalty": (None, 1.0), "use_beam_search": (None, False), "echo": (None, False),
+    # the chat prompt is the model's template with the assistant's turn opened, nothing else
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
 }
 # fields of the APIs that change nothing the engine computes (bookkeeping, or options of features
 # above that are off): accepted without a warning
 ACCEPTED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                      "safety_identifier", "request_id", "priority", "add_generation_prompt", "add_special_tokens",
-                      "spaces_between_special_tokens", "chat_template_kwargs", "verbosity"})
+                      "safety_identifier", "request_id", "priority", "add_special_tokens",
+                      "spaces_between_special_tokens", "verbosity"})
 
 
 class BadRequest(Exception):
@@ -185,6 +189,8 @@ def _body_error(error: Mapping[str, Any]) -> BadRequest | None:
     if error["type"] == "json_invalid":
         reason = error.get("ctx", {}).get("error", error["msg"])
         return BadRequest(None, f"body: not valid JSON ({reason} at position {error['loc'][-1]}); send a JSON object")
+    if tuple(error["loc"]) == ("body",) and error["type"] == "string_unicode":  # a field's name
+        return BadRequest(None, "body: a field name has a lone surrogate; send valid Unicode text")
     if tuple(error["loc"]) == ("body",):
         return BadRequest(None, "body: expected a JSON object, sent with Content-Type: application/json")
     return None
@@ -214,8 +220,8 @@ def _neutral(values: tuple[Any, ...]) -> str:
 
 
 def sampling_params(request: SamplingFields, max_tokens: int) -> SamplingParams:
-    """The engine's parameters for `request` (OpenAI's defaults where it says nothing)."""
-    refuse_unsupported(request)
+    """The engine's parameters for `request` (OpenAI's defaults where it says nothing); its
+    fields the engine does not do were refused already (`refuse_unsupported`, once a request)."""
     if request.stream_options is not None and not request.stream:
         raise BadRequest("stream_options", "stream_options: only allowed with stream: true")
     if request.stream and request.best_of is not None and request.best_of > request.n:
@@ -228,7 +234,7 @@ def sampling_params(request: SamplingFields, max_tokens: int) -> SamplingParams:
             top_k=top_k,
             top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed,
-            stop=request.stop or (),
+            stop=() if request.stop is None else request.stop,  # "" is refused as [""] is
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,

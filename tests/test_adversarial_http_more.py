@@ -1,0 +1,137 @@
+"""More adversarial requests against the real server (on a free loopback port): fields the engine
+would otherwise ignore in silence (stop strings where there is no tokenizer, an empty stop
+string, chat template options), a field name that is not valid Unicode, a batch of prompts
+with a field neither API has (one warning, not one a prompt), and a request the engine fails
+alone (a 500 with its message, not a 200 with `finish_reason: "error"`). Each is refused with a
+400 naming what to fix, and afterwards the server still serves the good request with the tokens
+it got at the start, holding nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+
+from tests.http_server import running_server
+from tests.test_adversarial_http import ENGINE, GOOD, JSON, MESSAGES, NAME, assert_still_serving, good_tokens, refused
+from tieredkv import AsyncLLM
+
+IDS = [5, 17, 99, 4, 250, 31, 8, 77]  # a token-id prompt for the preset
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir):
+    with running_server(AsyncLLM(model=chat_model_dir, **ENGINE), NAME) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def baseline(server) -> list[int]:
+    return good_tokens(server)
+
+
+@pytest.fixture(scope="module")
+def preset_server():
+    """A model with no tokenizer: its text is token ids ("token_id:N")."""
+    with running_server(AsyncLLM(model="tiny-llama", **ENGINE), "tiny-llama") as running:
+        yield running
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+@pytest.mark.parametrize("stop", ["token_id:5", ["x", "token_id:128"]])
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_without_a_tokenizer_are_400(preset_server, stop, stream):
+    """Without a tokenizer there is no text to find a stop string in: the request is refused
+    (pointing at stop_token_ids), not run as if it had no stop."""
+    body = {"model": "tiny-llama", "prompt": IDS, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    error = refused(httpx.post(f"{preset_server.url}/v1/completions", json={**body, "stop": stop, "stream": stream}))
+    assert error["param"] == "stop" and "tokenizer" in error["message"] and "stop_token_ids" in error["message"]
+    ok = httpx.post(f"{preset_server.url}/v1/completions", json={**body, "stop": None, "stop_token_ids": [IDS[0]]})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) >= 1
+    m = preset_server.settled()
+    assert m["tieredkv_requests_running"] == m["tieredkv_requests_waiting"] == m["tieredkv_gpu_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", GOOD), ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}),
+])
+def test_an_empty_stop_string_is_400_as_in_a_list(server, baseline, path, body):
+    """`stop: ""` is refused as `stop: [""]` is (it used to be read as no stop at all)."""
+    for stop in ("", [""]):
+        error = refused(httpx.post(f"{server.url}{path}", json={**body, "stop": stop}))
+        assert error["param"] == "stop" and "non-empty" in error["message"]
+    assert_still_serving(server, baseline)
+
+
+# ---------------------------------------------------------------- chat template options
+
+
+@pytest.mark.parametrize("field, value", [
+    ("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ 'x' }}"),
+    ("chat_template_kwargs", {"enable_thinking": False}),
+])
+def test_chat_template_options_the_engine_does_not_do_are_400(server, baseline, field, value):
+    """Options that change the chat prompt are refused by name unless they hold the value the
+    engine uses (it renders the model's template with the assistant's turn opened)."""
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    error = refused(httpx.post(f"{server.url}/v1/chat/completions", json={**body, field: value}))
+    assert error["param"] == field and error["message"].startswith(f"{field}: not supported")
+    plain = httpx.post(f"{server.url}/v1/chat/completions", json=body).json()
+    neutral = {"add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
+               "chat_template_kwargs": {}}[field]
+    same = httpx.post(f"{server.url}/v1/chat/completions", json={**body, field: neutral}).json()
+    assert same["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert same["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert_still_serving(server, baseline)
+
+
+# ---------------------------------------------------------------- field names
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"model": "tiny-chat", "prompt": "a", "max_tokens": 2, "\\ud800x": 1}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "\\udfff": 1}'),
+])
+def test_a_field_name_with_a_lone_surrogate_is_400_saying_so(server, baseline, path, body):
+    """The body is a JSON object: the error says its field name is not valid Unicode."""
+    error = refused(httpx.post(f"{server.url}{path}", content=body.encode(), headers=JSON))
+    assert error["param"] is None and "lone surrogate" in error["message"], error
+    assert_still_serving(server, baseline)
+
+
+# ---------------------------------------------------------------- unknown fields
+
+
+def test_an_unknown_field_is_logged_once_for_a_batch_of_prompts(server, baseline, caplog):
+    """A request's ignored fields are one warning in the log, however many prompts it holds."""
+    body = {**GOOD, "prompt": [[5, 6]] * 50, "max_tokens": 1, "some_future_field": 1}
+    with caplog.at_level(logging.WARNING, logger="tieredkv.serve.protocol"):
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 50
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tieredkv.serve.protocol"]
+    assert warnings == ["ignored fields neither OpenAI's nor vLLM's API has: some_future_field"]
+    assert_still_serving(server, baseline)
+
+
+# ---------------------------------------------------------------- requests the engine fails
+
+
+@pytest.mark.parametrize("extra", [{}, {"n": 3}, {"prompt": [[5, 6], [7, 8]]}], ids=["one", "n", "batch"])
+def test_a_request_the_sampler_cannot_sample_is_500_with_its_message(server, baseline, extra):
+    """Every token banned (all of them stop tokens, before min_tokens): the engine fails the
+    request, and the client gets that error, whole or streamed, not an empty 200."""
+    vocab = server.allm.info.limits.vocab_size
+    body = {**GOOD, "temperature": 1.0, "min_tokens": 1, "stop_token_ids": list(range(vocab)), **extra}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert whole.status_code == 500, whole.text
+    error = whole.json()["error"]
+    assert error["type"] == "InternalServerError" and "sampling: the next-token probabilities" in error["message"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line]
+    assert [json.loads(e)["error"]["code"] for e in events[:-1]] == [500] and events[-1] == "[DONE]"
+    assert "sampling: the next-token probabilities" in json.loads(events[0])["error"]["message"]
+    assert_still_serving(server, baseline)
