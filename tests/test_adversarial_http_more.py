@@ -1,8 +1,9 @@
 """More adversarial requests against the real server (on a free loopback port): fields the engine
 would otherwise ignore in silence (stop strings where there is no tokenizer, an empty stop
 string, chat template options), a field name that is not valid Unicode, a batch of prompts
-with a field neither API has (one warning, not one a prompt), and a request the engine fails
-alone (a 500 with its message, not a 200 with `finish_reason: "error"`). Each is refused with a
+with a field neither API has (one warning, not one a prompt), a request the engine fails
+alone (a 500 with its message, not a 200 with `finish_reason: "error"`), and a bad prompt in a
+batch (named by its index). Each is refused with a
 400 naming what to fix, and afterwards the server still serves the good request with the tokens
 it got at the start, holding nothing."""
 
@@ -67,6 +68,22 @@ def test_an_empty_stop_string_is_400_as_in_a_list(server, baseline, path, body):
     assert_still_serving(server, baseline)
 
 
+# ---------------------------------------------------------------- a bad prompt in a batch
+
+
+@pytest.mark.parametrize("body, message", [
+    ('{"model": "tiny-chat", "prompt": [[5, 6], [7, 1000000], [8]]}', "prompt[1]: token ids must be integers"),
+    ('{"model": "tiny-chat", "prompt": ["the cache", "swap", "the \\udc00 tier"]}', "prompt[2]: has a lone surrogate"),
+    ('{"model": "tiny-chat", "prompt": ["the cache", ""]}', "prompt[1]: is empty"),
+    (json.dumps({"model": NAME, "prompt": [[5], [5] + [6] * 300]}), "prompt[1]: 301 tokens leave no room"),
+], ids=["vocabulary", "surrogate", "empty", "too-long"])
+def test_a_bad_prompt_in_a_batch_is_named_by_its_index(server, baseline, body, message):
+    """In a batch the error says which prompt to fix (the param stays `prompt`)."""
+    error = refused(httpx.post(f"{server.url}/v1/completions", content=body.encode(), headers=JSON))
+    assert error["param"] == "prompt" and error["message"].startswith(message), error
+    assert_still_serving(server, baseline)
+
+
 # ---------------------------------------------------------------- chat template options
 
 
@@ -86,6 +103,19 @@ def test_chat_template_options_the_engine_does_not_do_are_400(server, baseline, 
     same = httpx.post(f"{server.url}/v1/chat/completions", json={**body, field: neutral}).json()
     assert same["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
     assert same["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert_still_serving(server, baseline)
+
+
+@pytest.mark.parametrize("field, value, neutral", [
+    ("add_generation_prompt", False, True), ("continue_final_message", True, False),
+    ("chat_template", "{{ 'x' }}", None), ("chat_template_kwargs", {"enable_thinking": False}, {}),
+])
+def test_tokenize_refuses_the_chat_template_options_chat_refuses(server, baseline, field, value, neutral):
+    """/tokenize gives the ids chat would run, so it takes the same options (it used to drop them)."""
+    error = refused(httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, field: value}))
+    assert error["param"] == field and error["message"].startswith(f"{field}: not supported")
+    plain = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
+    assert httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, field: neutral}).json() == plain
     assert_still_serving(server, baseline)
 
 

@@ -37,6 +37,7 @@ from tieredkv.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
+    refuse_unsupported,
     validation_error,
 )
 from tieredkv.text import chat_prompt
@@ -86,6 +87,7 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         handlers.check_model(body.model)
+        refuse_unsupported(body)
         tokens = await asyncio.to_thread(_tokenize, allm, body)
         return {"count": len(tokens), "max_model_len": allm.info.limits.max_request_tokens, "tokens": tokens}
 

@@ -67,8 +67,13 @@ class OpenAIHandlers:
         self.check_model(request.model)
         refuse_unsupported(request)  # once a request, not once a prompt: it logs the fields it ignores
         texts = request.prompts()
-        prompts = [self._tokenize(p, "prompt") for p in texts]
-        params = [self._params(request, ids, request.max_tokens, "max_tokens") for ids in prompts]
+        prompts, params = [], []
+        for i, text in enumerate(texts):
+            try:
+                prompts.append(self._tokenize(text, "prompt"))
+                params.append(self._params(request, prompts[-1], request.max_tokens, "max_tokens"))
+            except BadRequest as err:
+                raise err if len(texts) == 1 else _in_batch(err, i) from None
         job = self._job("completion", "cmpl", request, prompts, params)
         if request.echo:
             job.echo = [t if isinstance(t, str) else self._text(ids) for t, ids in zip(texts, prompts, strict=True)]
@@ -199,6 +204,13 @@ class OpenAIHandlers:
         generated = 0 if final is None else sum(len(c.token_ids) for c in final.outputs)
         reason = "abort" if final is None or not final.finished else final.finish_reason
         self.metrics.observe(self.model, record, generated, None if failed or reason == "error" else reason)
+
+
+def _in_batch(err: BadRequest, index: int) -> BadRequest:
+    """`err` naming the prompt of a batch it is about ("prompt: ..." -> "prompt[3]: ...")."""
+    if err.param != "prompt" or not err.message.startswith("prompt:"):
+        return err
+    return BadRequest("prompt", f"prompt[{index}]:{err.message.removeprefix('prompt:')}")
 
 
 async def _single(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -147,9 +147,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    """`POST /tokenize`: a prompt, or chat messages."""
+    """`POST /tokenize`: a prompt, or chat messages (its other fields as a completion's: `REFUSED`
+    ones are a 400 unless neutral, e.g. `add_generation_prompt: false`)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
