@@ -1,6 +1,7 @@
 """More adversarial requests against the real server (on a free loopback port): fields the engine
 would otherwise ignore in silence (stop strings where there is no tokenizer, an empty stop
-string, chat template options), a field name that is not valid Unicode, a batch of prompts
+string, a request's own chat template), the chat template options it takes (as transformers
+applies them), a field name that is not valid Unicode, a batch of prompts
 with a field neither API has (one warning, not one a prompt), a request the engine fails
 alone (a 500 with its message, not a 200 with `finish_reason: "error"`), and a bad prompt in a
 batch (named by its index). Each is refused with a
@@ -87,35 +88,53 @@ def test_a_bad_prompt_in_a_batch_is_named_by_its_index(server, baseline, body, m
 # ---------------------------------------------------------------- chat template options
 
 
-@pytest.mark.parametrize("field, value", [
-    ("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ 'x' }}"),
-    ("chat_template_kwargs", {"enable_thinking": False}),
-])
-def test_chat_template_options_the_engine_does_not_do_are_400(server, baseline, field, value):
-    """Options that change the chat prompt are refused by name unless they hold the value the
-    engine uses (it renders the model's template with the assistant's turn opened)."""
+def test_a_request_chat_template_is_400(server, baseline):
+    """Only the model's own template renders chat (a request's would be code run on the server);
+    its neutral value changes nothing."""
     body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
-    error = refused(httpx.post(f"{server.url}/v1/chat/completions", json={**body, field: value}))
-    assert error["param"] == field and error["message"].startswith(f"{field}: not supported")
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = refused(httpx.post(f"{server.url}{path}", json={**body, "chat_template": "{{ 'x' }}"}))
+        assert error["param"] == "chat_template" and error["message"].startswith("chat_template: not supported")
     plain = httpx.post(f"{server.url}/v1/chat/completions", json=body).json()
-    neutral = {"add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
-               "chat_template_kwargs": {}}[field]
-    same = httpx.post(f"{server.url}/v1/chat/completions", json={**body, field: neutral}).json()
+    same = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "chat_template": None}).json()
     assert same["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
-    assert same["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
     assert_still_serving(server, baseline)
 
 
-@pytest.mark.parametrize("field, value, neutral", [
-    ("add_generation_prompt", False, True), ("continue_final_message", True, False),
-    ("chat_template", "{{ 'x' }}", None), ("chat_template_kwargs", {"enable_thinking": False}, {}),
+@pytest.mark.parametrize("options", [
+    {}, {"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True},
+    {"chat_template_kwargs": {"enable_thinking": False}},
 ])
-def test_tokenize_refuses_the_chat_template_options_chat_refuses(server, baseline, field, value, neutral):
-    """/tokenize gives the ids chat would run, so it takes the same options (it used to drop them)."""
-    error = refused(httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, field: value}))
-    assert error["param"] == field and error["message"].startswith(f"{field}: not supported")
-    plain = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
-    assert httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, field: neutral}).json() == plain
+def test_chat_template_options_shape_the_prompt_as_in_transformers(server, baseline, chat_model_dir, options):
+    """add_generation_prompt, continue_final_message and chat_template_kwargs reach the model's
+    template: /tokenize and chat's prompt are transformers' `apply_chat_template` with them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    kwargs = {"add_generation_prompt": True, **options}
+    expected = tokenizer.apply_chat_template(MESSAGES, return_dict=False, **kwargs.pop("chat_template_kwargs", {}),
+                                             **kwargs)
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, **options}).json()["tokens"]
+    assert tokens == expected
+    chat = httpx.post(f"{server.url}/v1/chat/completions",
+                      json={"messages": MESSAGES, "max_tokens": 2, "temperature": 0, **options}).json()
+    assert chat["usage"]["prompt_tokens"] == len(expected)
+    assert_still_serving(server, baseline)
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"continue_final_message": True}, "continue_final_message"),  # with the default add_generation_prompt
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+])
+def test_contradictory_chat_template_options_are_400(server, baseline, options, param):
+    """A new turn opened after a message left open, the tokenizer's own arguments passed as
+    template variables, or a wrong type: a 400 naming the field, on both endpoints."""
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = refused(httpx.post(f"{server.url}{path}", json={"messages": MESSAGES, "max_tokens": 2, **options}))
+        assert error["param"] == param, error
     assert_still_serving(server, baseline)
 
 

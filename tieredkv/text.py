@@ -1,8 +1,8 @@
 """Text in and out of the engine.
 
 Operations:
-- `chat_prompt(tokenizer, messages)`: token ids of a conversation through the tokenizer's chat
-  template, ready for the assistant's reply.
+- `chat_prompt(tokenizer, messages, ...)`: token ids of a conversation through the tokenizer's
+  chat template, ready for the assistant's reply (or as the options of OpenAI's chat API say).
 - `chat_messages(messages)`: the messages as the template takes them (list content as its text),
   or a ValueError naming the message and field at fault.
 - `IncrementalDetokenizer(tokenizer, prompt_token_ids, params)`: a request's output text, one
@@ -36,16 +36,22 @@ PROMPT_CONTEXT_TOKENS = 4  # prompt tokens that start the decoding window
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def chat_prompt(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+def chat_prompt(tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of `messages` (`[{"role": ..., "content": ...}, ...]`) through the tokenizer's chat
-    template, ending with the prompt of the assistant's turn."""
+    template, ending with the prompt of the assistant's turn (unless not `add_generation_prompt`;
+    `continue_final_message`: ending in the last message, left open to be continued), the
+    template given `template_kwargs` as variables of its own (e.g. `enable_thinking`)."""
     if tokenizer is None:
         raise ValueError("messages: chat needs a tokenizer with a chat template in the model directory")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("messages: the model's tokenizer has no chat template; send a completion prompt instead")
     conversation = chat_messages(messages)
     try:
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=True, return_dict=False, **(template_kwargs or {}),
+        )
     except Exception as err:  # the template is user code (jinja): its errors are the request's
         raise ValueError(f"messages: the chat template failed on them: {err}") from err
     return list(ids)

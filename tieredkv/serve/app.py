@@ -157,8 +157,9 @@ def _tokenizer(allm: AsyncLLM, param: str) -> Any:
 
 def _tokenize(allm: AsyncLLM, body: TokenizeRequest) -> list[int]:
     if body.messages is not None:
+        options = body.template_options()
         try:
-            return chat_prompt(allm.tokenizer, body.messages)
+            return chat_prompt(allm.tokenizer, body.messages, **options)
         except ValueError as err:
             raise BadRequest("messages", str(err)) from None
     if body.prompt is None:

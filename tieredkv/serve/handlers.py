@@ -82,8 +82,9 @@ class OpenAIHandlers:
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         self.check_model(request.model)
         refuse_unsupported(request)
+        options = request.template_options()
         try:
-            ids = chat_prompt(self.allm.tokenizer, request.messages)
+            ids = chat_prompt(self.allm.tokenizer, request.messages, **options)
         except ValueError as err:
             raise BadRequest("messages", str(err)) from None
         field_name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"

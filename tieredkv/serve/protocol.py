@@ -41,9 +41,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,), "web_search_options": (None,), "lora_request": (None,),
     "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
     "length_penalty": (None, 1.0), "use_beam_search": (None, False), "echo": (None, False),
-    # the chat prompt is the model's template with the assistant's turn opened, nothing else
-    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
+    "chat_template": (None,),  # the model's own template only: a request's would be code run here
 }
 # fields of the APIs that change nothing the engine computes (bookkeeping, or options of features
 # above that are off): accepted without a warning
@@ -129,7 +127,40 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """How chat messages become the prompt (vLLM's fields): the assistant's turn opened after
+    them (`add_generation_prompt`), or the last message left open to be continued
+    (`continue_final_message`); `chat_template_kwargs`: variables for the model's template
+    (e.g. `enable_thinking`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """`chat_prompt`'s keyword arguments, or `BadRequest`."""
+        if self.add_generation_prompt and self.continue_final_message:
+            raise BadRequest("continue_final_message", "continue_final_message: true needs "
+                             "add_generation_prompt: false (the last message is continued, no new turn opened)")
+        kwargs = self.chat_template_kwargs or {}
+        taken = sorted(TEMPLATE_ARGUMENTS.intersection(kwargs))
+        if taken:
+            raise BadRequest("chat_template_kwargs", f"chat_template_kwargs: {', '.join(taken)} are not variables "
+                             "of the template; give the request's own fields instead")
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "template_kwargs": kwargs}
+
+
+# the tokenizer's own arguments of `apply_chat_template`, not the template's variables
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """`POST /v1/chat/completions`: messages through the tokenizer's chat template."""
 
     messages: list[dict[str, Any]]
@@ -146,9 +177,9 @@ class ChatCompletionRequest(SamplingFields):
         return _logprobs_count("top_logprobs", self.top_logprobs or 0)
 
 
-class TokenizeRequest(BaseModel):
-    """`POST /tokenize`: a prompt, or chat messages (its other fields as a completion's: `REFUSED`
-    ones are a 400 unless neutral, e.g. `add_generation_prompt: false`)."""
+class TokenizeRequest(ChatTemplateFields):
+    """`POST /tokenize`: a prompt, or chat messages with chat's options (its other fields as a
+    completion's: `REFUSED` ones are a 400 unless neutral, e.g. `chat_template`)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
