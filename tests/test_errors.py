@@ -116,3 +116,18 @@ def test_from_yaml_reads_the_demo_config(tmp_path):
         assert llm.config.scheduler.preemption == "auto" and llm.kv.offload is not None
         outs = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
         assert len(outs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_with_every_token_banned_fails_alone(llm, temperature):
+    """min_tokens bans EOS and stop_token_ids until it is reached: with all of the vocabulary
+    listed, no token can be drawn, greedy or not. That request ends with an error saying so (it
+    used to get token 0, banned, when greedy); the others in its steps run on."""
+    vocab = llm.runner.hf_config.vocab_size
+    every = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=list(range(vocab)), temperature=temperature)
+    plain = SamplingParams(max_tokens=4, temperature=0.0)
+    alone = llm.generate([[5, 6, 7]], plain, use_tqdm=False)[0]
+    outs = llm.generate([[5, 6, 7], [8, 9], [5, 6, 7]], [plain, every, plain], use_tqdm=False)
+    assert outs[1].finish_reason == "error" and outs[1].token_ids == []
+    assert "every one is banned" in outs[1].error or "not finite" in outs[1].error
+    assert outs[0].token_ids == outs[2].token_ids == alone.token_ids

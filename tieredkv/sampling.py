@@ -158,10 +158,16 @@ class Sampler:
         other rows are unaffected."""
         if banned is not None and any(banned):
             logits = _ban(logits, banned)
-        tokens: list[int | FailedSample] = logits.argmax(dim=-1).tolist()
+        best, argmax = logits.max(dim=-1)
+        # a row whose best logit is -inf (every token banned) or NaN has no greedy token
+        rows = torch.stack([argmax, (best > float("-inf")).long()]).tolist()  # one host sync
+        tokens: list[int | FailedSample] = list(rows[0])
         for i, p in enumerate(params):
             if not p.greedy:
                 tokens[i] = self._sample_row(logits[i].float(), p, generators[i])
+            elif not rows[1][i]:
+                tokens[i] = _failed("sampling: no token can be drawn: every one is banned (min_tokens bans EOS "
+                                    "and stop_token_ids until it is reached) or the logits are not finite")
         return tokens
 
     @staticmethod
@@ -169,10 +175,13 @@ class Sampler:
         probs = _probabilities(logits, p)
         # checked here: on CUDA, multinomial over NaN is a device-side assert that kills the process
         if not bool(torch.isfinite(probs).all() & (probs.sum() > 0)):  # one host sync
-            message = f"sampling: the next-token probabilities are not finite (temperature {p.temperature})"
-            logger.warning("request failed: %s", message)
-            return FailedSample(message)
+            return _failed(f"sampling: the next-token probabilities are not finite (temperature {p.temperature})")
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _failed(message: str) -> FailedSample:
+    logger.warning("request failed: %s", message)
+    return FailedSample(message)
 
 
 def _probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
