@@ -146,12 +146,15 @@ class FileKeeper:
             else:
                 job.fd, job.o_direct = self.current.fd, self.current.o_direct
                 return None
+        file = None
         try:
             if self.owns_file:  # its directory may be gone with it
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
             file = SlotFile(self.path, self.geometry, self.owns_file)
             file.format()
         except (OSError, RuntimeError, ValueError) as exc:
+            if file is not None:  # opened and locked, not formatted: kept open, it would lock out the next try
+                file.close(sync=False)
             self._reopen_failed(exc)
             return self._reopen_fault
         with self._lock:  # nobody replaces a missing file but this thread
