@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from tests.kv_factory import BLOCK_BYTES, make_kv, make_scheduler, make_seq, run_step, run_until_done
+from tests.kv_factory import BLOCK_BYTES, BS, check_kv, make_kv, make_scheduler, make_seq, run_step, run_until_done
 from tests.test_nvme_store import GatedBackend
 from tieredkv.cache.manager import Landed
+from tieredkv.cache.prefix import PrefixMatch
 from tieredkv.policy import CostModel
 from tieredkv.sequence import SequenceStatus
 from tieredkv.tiers.nvme.io_backends import SyncBackend
@@ -89,6 +90,59 @@ def test_a_swap_in_that_cannot_start_costs_that_sequence_a_recompute():
     assert sched.num_swap_fallbacks == 1 and sim.transfers.injected >= 1
     assert a.output_token_ids == b.output_token_ids and len(b.output_token_ids) == 8
     assert sim.kv.stats()["gpu_blocks_used"] == 0 and sim.kv.stats()["cpu_blocks_used"] == 0
+
+
+def compute(sim, seq, n: int) -> None:
+    """The forward pass of `n` more tokens: each token's KV holds the token; full blocks cached."""
+    table = sim.kv.block_table(seq)
+    for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+        sim.gpu[:, :, table[pos // BS], pos % BS] = float(seq.token_ids[pos])
+    seq.num_computed_tokens += n
+    sim.kv.commit(seq)
+
+
+def test_a_demotion_is_found_only_once_its_copy_is_on_its_way():
+    """A GPU eviction queues its block's copy into the CPU tier; found before that copy was
+    submitted, a promotion or a swap-out sharing it took a block whose copy could still fail to
+    start: it then held content that never arrived (a crash, or wrong KV on swap-in)."""
+    sim = make_kv(num_gpu_blocks=8, num_cpu_blocks=8)
+    kv = sim.kv
+    prompt = list(range(1, 9))  # two full blocks
+    x, y = make_seq("x", prompt), make_seq("y", prompt)
+    kv.allocate(x, 8, PrefixMatch()), kv.allocate(y, 8, PrefixMatch())
+    compute(sim, x, 8), compute(sim, y, 8)  # x's blocks cached; y's not (their hashes are taken)
+    y.token_ids.append(42)
+    kv.free(x)
+    z = make_seq("z", list(range(50, 74)))
+    kv.allocate(z, 24, PrefixMatch())  # evicts x's cached blocks: their demotions are queued
+    assert kv.match_prefix(make_seq("w", prompt + [0])).cpu_blocks == ()
+    assert kv.swap_out(y)  # copies its own blocks: nothing to share yet
+    sim.transfers.inject("d2h", every=1)  # the queued demotions' copy fails to start
+    kv.before_forward()
+    kv.free(z), kv.retire()
+    assert kv.swap_in(y, 1) is not None
+    kv.retire()
+    check_kv(sim, y)
+    assert kv.match_prefix(make_seq("w", prompt + [0])).cpu_blocks == ()  # never arrived: never found
+    kv.free(y)
+    assert kv.stats()["gpu_blocks_used"] == 0 and kv.stats()["cpu_blocks_used"] == 0
+
+
+def test_a_swap_out_copy_holds_its_cpu_blocks_until_it_has_landed():
+    """A sequence aborted while swapped out frees its CPU blocks, but its copy out may still be
+    writing them: they stay taken until the copy is reported done (else the next CPU block
+    taken, e.g. for a read from the disk, is overwritten by the late copy)."""
+    sim = make_kv(num_gpu_blocks=8, num_cpu_blocks=8)
+    kv, cpu = sim.kv, sim.kv.offload.pool
+    s = make_seq("s", [1, 2, 3, 4, 5, 6])
+    kv.allocate(s, 6, PrefixMatch())
+    compute(sim, s, 6)
+    free = cpu.num_free
+    assert kv.swap_out(s)
+    kv.free(s)  # aborted while swapped out, before the copy was seen to finish
+    assert cpu.num_free < free
+    kv.retire()
+    assert cpu.num_free == free
 
 
 def cpu_contents(sim) -> list[int]:

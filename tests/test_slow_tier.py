@@ -446,9 +446,11 @@ def test_a_block_read_back_makes_way_for_a_demotion_the_tier_would_keep_and_only
     assert offload.pool.cached_block(702) is None and offload.rejected_blocks == 1
     assert all(offload.pool.cached_block(b.block_hash) is b for b in read_back)
     offload.demote(Block(31, block_hash=700, parent_hash=0, token_ids=(31,)))
+    offload.flush()  # a demotion is findable once its copy is on its way
     assert offload.pool.cached_block(700) is not None and offload.pool.cached_block(516) is None
     assert offload.pool.cached_block(coldest.block_hash) is coldest and offload.pool.cached_block(515) is not None
     offload.demote(Block(32, block_hash=703, parent_hash=0, token_ids=(32,)))  # the last place read back
+    offload.flush()
     assert offload.pool.cached_block(703) is not None and offload.pool.cached_block(515) is None
     offload.demote(Block(33, block_hash=704, parent_hash=0, token_ids=(33,)))  # now against a kept block
     assert offload.pool.cached_block(704) is None and offload.pool.cached_block(coldest.block_hash) is coldest
@@ -577,6 +579,27 @@ def test_a_read_that_hangs_is_given_up_and_its_request_computes(monkeypatch):
     assert lower.reads_in_flight == 0 and pool.num_free == free
     assert lower.failed_loads == 0 and lower.loaded_blocks == 3  # late, intact: cached
     assert lower.held_run(hashes, 0) == 3  # back: loads are planned again
+
+
+def test_a_request_freed_while_its_reads_are_out_waits_only_for_its_new_ones_when_planned_again():
+    """A request freed with reads in flight (requeued for recompute, or its plan dropped for a
+    swap-out) no longer counts them: planned again, it waits for its new reads alone (it waited
+    for the old ones too, and `late` said a negative number had landed); the old reads still
+    land and free their blocks."""
+    store, pool = HungReads(), BlockPool(16)
+    lower = LowerTier(store, pool, torch.zeros((16, *BLOCK_SHAPE)), AdmitAll())
+    free = pool.num_free
+    assert lower.plan("r", [ref(1), ref(2), ref(3)], load_from=0) == 3
+    lower.forget("r")
+    assert not lower.arriving("r")
+    assert lower.plan("r", [ref(4)], load_from=32) == 1
+    lower.await_loads("r")
+    assert lower.late("r") == (32, 0, 1, 4)  # its one read, behind the three still out
+    store.finish()
+    lower.retire()
+    assert not lower.arriving("r") and lower.reads_in_flight == 0
+    lower.forget("r")
+    assert pool.num_free == free  # the blocks are cached, none held
 
 
 def test_a_request_that_gives_up_its_late_reads_computes_and_they_still_land_in_the_cpu_tier():

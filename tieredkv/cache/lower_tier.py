@@ -331,10 +331,12 @@ class LowerTier:
         self._release(request_id)
 
     def forget(self, request_id: str) -> None:
-        """The request was freed: forget its plan; its reads in flight still finish."""
+        """The request was freed: forget its plan; its reads in flight still finish, no longer
+        its own (planned again, it waits for its new reads alone)."""
         self._load_from.pop(request_id, None)
         self._waiting.discard(request_id)
         self._clocks.pop(request_id, None)
+        self._stop_waiting_for(request_id)
         self._release(request_id)
 
     def landed_loads(self) -> list[LandedLoad]:

@@ -55,6 +55,7 @@ class CPUOffload:
         self.lower = LowerTier(store, self.pool, tier.blocks, self.admission) if store is not None else None
         self.trace: BlockTrace | None = None
         self._demotions: list[tuple[int, Block]] = []
+        self._unflushed: dict[int, BlockRef] = {}  # kept demotions not submitted yet: CPU block id -> its content
         self._staging: dict[int, BlockRef] = {}  # staging CPU block id -> the block it receives
         self._staged_unflushed: deque[int] = deque()  # indexes in _demotions of staged ones, oldest first
         self._held: dict[int, list[Block]] = {}
@@ -88,7 +89,8 @@ class CPUOffload:
             self._stage(gpu_block)
             return
         cpu_block = self.pool.allocate(1)[0]
-        self.pool.cache(cpu_block, block_hash, gpu_block.parent_hash, gpu_block.token_ids)
+        # findable once its copy is on its way (`flush`): nobody takes a block whose copy may fail
+        self._unflushed[cpu_block.block_id] = BlockRef(block_hash, gpu_block.parent_hash, gpu_block.token_ids)
         self._demotions.append((gpu_block.block_id, cpu_block))
 
     def _keeps(self, block_hash: int, victim: Block) -> bool:
@@ -147,14 +149,18 @@ class CPUOffload:
         try:
             job_id = self.transfers.submit(job)
         except TransferError:
-            for _, cpu_block in pending:  # their content never arrived: forget them
+            for _, cpu_block in pending:  # their content never arrives: free them (nobody found them)
                 if self._staging.pop(cpu_block.block_id, None) is not None:
                     self.lower.unstage(cpu_block)
                 else:
-                    self.pool.uncache(cpu_block)
+                    del self._unflushed[cpu_block.block_id]
                     self.pool.release([cpu_block])
             return
-        self.demoted_blocks += sum(c.block_id not in self._staging for _, c in pending)  # kept, not passing through
+        for _, cpu_block in pending:  # kept, not passing through: findable now (a later copy out waits for this one)
+            ref = self._unflushed.pop(cpu_block.block_id, None)
+            if ref is not None:
+                self.pool.cache(cpu_block, *ref)
+                self.demoted_blocks += 1
         self._held[job_id] = [c for _, c in pending]
 
     def lookup(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> Block | None:
@@ -197,10 +203,13 @@ class CPUOffload:
             return None
         self.flush()
         try:
-            self.transfers.submit(TransferJob("d2h", tuple(gpu_ids), tuple(b.block_id for b in cpu_blocks)))
+            job_id = self.transfers.submit(TransferJob("d2h", tuple(gpu_ids), tuple(b.block_id for b in cpu_blocks)))
         except TransferError:
             self.pool.release(cpu_blocks)
             return None
+        for block in cpu_blocks:  # the copy holds them too: freed early (an abort), none is reused before it lands
+            self.pool.touch(block)
+        self._held[job_id] = list(cpu_blocks)
         return cpu_blocks
 
     def retire(self) -> int:
