@@ -2,7 +2,8 @@
 
 Operations:
 - `demote(gpu_block)`: a cached GPU block is being evicted: keep its KV in the CPU tier
-  (queued; `flush()` submits all queued demotions as one D2H job), unless the tier or the
+  (queued; `flush()` submits all queued demotions as one D2H job, and only then are they found
+  in the tier: a copy that fails to start leaves nobody holding them), unless the tier or the
   disk holds it already, or the admission policy prefers the block it would evict (a block
   read back from the tier below, waiting at the eviction end, is not weighed: it makes way for
   a newcomer asked for as often as the coldest block the tier keeps).
@@ -13,7 +14,7 @@ Operations:
   stay reserved until the job has finished.
 - `copy_out(gpu_ids) -> cpu blocks | None`: swap out (one D2H job), into blocks the lower
   tier gives up too (idle staging blocks, loads of requests not admitted yet) where the tier has
-  no other room (`swap_room`).
+  no other room (`swap_room`); the job holds them as well until it has finished.
 - `retire()`: release what finished transfers held; let the lower tier book its finished
   reads and writes and spill.
 `lower` (`cache/lower_tier.py`), when there is a store below the CPU tier, owns the loads from
@@ -156,7 +157,7 @@ class CPUOffload:
                     del self._unflushed[cpu_block.block_id]
                     self.pool.release([cpu_block])
             return
-        for _, cpu_block in pending:  # kept, not passing through: findable now (a later copy out waits for this one)
+        for _, cpu_block in pending:  # kept, not passing through: findable now (a copy in waits for this job)
             ref = self._unflushed.pop(cpu_block.block_id, None)
             if ref is not None:
                 self.pool.cache(cpu_block, *ref)
