@@ -184,3 +184,42 @@ def test_a_request_the_sampler_cannot_sample_is_500_with_its_message(server, bas
     assert [json.loads(e)["error"]["code"] for e in events[:-1]] == [500] and events[-1] == "[DONE]"
     assert "sampling: the next-token probabilities" in json.loads(events[0])["error"]["message"]
     assert_still_serving(server, baseline)
+
+
+# ---------------------------------------------------------------- add_special_tokens
+
+
+@pytest.fixture(scope="module")
+def bos_server(chat_model_dir, tmp_path_factory):
+    """The chat model with a tokenizer that puts BOS before every encoded text."""
+    import shutil
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("bos-model")
+    shutil.copytree(chat_model_dir, path, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tokenizer.save_pretrained(path)
+    with running_server(AsyncLLM(model=str(path), **ENGINE), NAME) as running:
+        yield running, bos
+
+
+def test_add_special_tokens_decides_whether_a_completion_prompt_starts_with_bos(bos_server):
+    """A completion's text is encoded with the tokenizer's special tokens unless
+    `add_special_tokens: false` (vLLM's field); in chat the template places them, so only false
+    (its neutral value) is taken there."""
+    server, bos = bos_server
+    body = {"model": NAME, "prompt": "the cache block", "max_tokens": 1, "temperature": 0}
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
+    assert tokens[0] == bos
+    on = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    off = httpx.post(f"{server.url}/v1/completions", json={**body, "add_special_tokens": False}).json()
+    assert on["usage"]["prompt_tokens"] == len(tokens) == off["usage"]["prompt_tokens"] + 1
+    chat = {"messages": MESSAGES, "max_tokens": 1}
+    url = f"{server.url}/v1/chat/completions"
+    assert httpx.post(url, json={**chat, "add_special_tokens": False}).status_code == 200
+    error = refused(httpx.post(url, json={**chat, "add_special_tokens": True}))
+    assert error["param"] == "add_special_tokens"

@@ -143,9 +143,9 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ requests
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt, as the engine takes them (ValueError saying what to fix)."""
-        return token_ids(prompt, self.tokenizer, self.info.limits.vocab_size)
+        return token_ids(prompt, self.tokenizer, self.info.limits.vocab_size, add_special_tokens)
 
     def check_request(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         """The prompt's ids and the parameters, or the ValueError the engine would raise."""

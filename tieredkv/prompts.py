@@ -48,12 +48,14 @@ def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Any]:
     return [prompts]  # one prompt: a string, or something `token_ids` will explain (None, bytes, ...)
 
 
-def token_ids(prompt: object, tokenizer: Any, vocab_size: int) -> list[int]:
-    """The prompt's token ids as plain ints in `[0, vocab_size)`; ValueError saying what to fix."""
+def token_ids(prompt: object, tokenizer: Any, vocab_size: int, add_special_tokens: bool = True) -> list[int]:
+    """The prompt's token ids as plain ints in `[0, vocab_size)` (a text encoded with the
+    tokenizer's special tokens, e.g. BOS, unless not `add_special_tokens`); ValueError saying
+    what to fix."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt: a string prompt needs a tokenizer in the model directory; pass token ids")
-        ids = tokenizer.encode(check_text(prompt, "prompt"))
+        ids = tokenizer.encode(check_text(prompt, "prompt"), add_special_tokens=add_special_tokens)
     else:
         ids = _raw_ids(prompt)
     if not ids:

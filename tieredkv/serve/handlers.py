@@ -70,7 +70,7 @@ class OpenAIHandlers:
         prompts, params = [], []
         for i, text in enumerate(texts):
             try:
-                prompts.append(self._tokenize(text, "prompt"))
+                prompts.append(self._tokenize(text, "prompt", request.add_special_tokens))
                 params.append(self._params(request, prompts[-1], request.max_tokens, "max_tokens"))
             except BadRequest as err:
                 raise err if len(texts) == 1 else _in_batch(err, i) from None
@@ -105,9 +105,9 @@ class OpenAIHandlers:
         tokenizer = self.allm.tokenizer
         return "".join(map(id_text, ids)) if tokenizer is None else tokenizer.decode(ids)
 
-    def _tokenize(self, prompt: str | list[int], field_name: str) -> list[int]:
+    def _tokenize(self, prompt: str | list[int], field_name: str, add_special_tokens: bool = True) -> list[int]:
         try:
-            return self.allm.tokenize(prompt)
+            return self.allm.tokenize(prompt, add_special_tokens)
         except ValueError as err:
             raise BadRequest(field_name, str(err)) from None
 

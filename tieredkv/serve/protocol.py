@@ -42,12 +42,13 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
     "length_penalty": (None, 1.0), "use_beam_search": (None, False), "echo": (None, False),
     "chat_template": (None,),  # the model's own template only: a request's would be code run here
+    "add_special_tokens": (None, False),  # in chat: the template places the special tokens itself
 }
 # fields of the APIs that change nothing the engine computes (bookkeeping, or options of features
 # above that are off): accepted without a warning
 ACCEPTED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                      "safety_identifier", "request_id", "priority", "add_special_tokens",
-                      "spaces_between_special_tokens", "verbosity"})
+                      "safety_identifier", "request_id", "priority", "spaces_between_special_tokens",
+                      "verbosity"})
 
 
 class BadRequest(Exception):
@@ -103,12 +104,14 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`: a prompt is a string, a list of token ids, or a list of either."""
+    """`POST /v1/completions`: a prompt is a string, a list of token ids, or a list of either;
+    `add_special_tokens`: a string prompt is encoded with the tokenizer's special tokens (BOS)."""
 
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True
 
     def num_logprobs(self) -> int | None:
         if self.logprobs is not None and self.echo:
