@@ -223,3 +223,41 @@ def test_add_special_tokens_decides_whether_a_completion_prompt_starts_with_bos(
     assert httpx.post(url, json={**chat, "add_special_tokens": False}).status_code == 200
     error = refused(httpx.post(url, json={**chat, "add_special_tokens": True}))
     assert error["param"] == "add_special_tokens"
+
+
+# ---------------------------------------------------------------- continuous usage
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {**GOOD, "prompt": ["the cache block", "swap tier"], "n": 2}),
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+])
+def test_continuous_usage_stats_put_each_prompts_counts_so_far_in_every_chunk(server, baseline, path, body):
+    """`stream_options.continuous_usage_stats` (vLLM's, with `include_usage`): every chunk
+    carries its prompt's token counts so far; the last chunk the whole request's. It used to
+    be ignored."""
+    body = {**body, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server.url}{path}", json=body) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    *chunks, last = events
+    n = body.get("n", 1)
+    seen: dict[int, int] = {}  # choice -> tokens sent so far
+    counted: dict[int, int] = {}  # prompt -> completion tokens its chunks said so far
+    for c in chunks:
+        [choice] = c["choices"]
+        seen[choice["index"]] = seen.get(choice["index"], 0) + 1
+        prompt, count = choice["index"] // n, c["usage"]["completion_tokens"]
+        # its n choices' tokens so far: those sent, and those of the same step not sent yet
+        assert sum(seen.get(prompt * n + j, 0) for j in range(n)) <= count <= 4 * n
+        assert count >= counted.get(prompt, 0) and c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + count
+        counted[prompt] = count
+    assert set(counted.values()) == {4 * n}
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == sum(seen.values()) == 4 * len(seen)
+    plain = {**body, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}{path}", json=plain) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert all("usage" not in c for c in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 4 * len(seen)
+    assert_still_serving(server, baseline)

@@ -98,7 +98,7 @@ class OpenAIHandlers:
         return Job(kind, f"{prefix}-{uuid.uuid4().hex}", self.model, prompts, params, request.include_usage,
                    token_text=None if tokenizer is None else self.allm.decode_token,
                    token_ids=tokenizer is None or request.return_token_ids,
-                   ids_as_tokens=request.return_tokens_as_token_ids)
+                   ids_as_tokens=request.return_tokens_as_token_ids, continuous_usage=request.continuous_usage)
 
     def _text(self, ids: list[int]) -> str:
         """A prompt's text: through the tokenizer, or its ids as "token_id:N"."""
@@ -160,7 +160,10 @@ class OpenAIHandlers:
                     for j, c in enumerate(out.outputs):
                         delta = cursors[i][j].advance(job, c)
                         if delta is not None:
-                            yield sse(chunk(job, i * job.n + j, delta, i))
+                            body = chunk(job, i * job.n + j, delta, i)
+                            if job.continuous_usage:  # this prompt's counts so far
+                                body["usage"] = usage(job, [out], [job.prompts[i]])
+                            yield sse(body)
                     if out.finished:
                         finals[i] = out
         except Exception as err:  # the engine failed: this stream ends with the error

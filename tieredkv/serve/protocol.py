@@ -66,8 +66,12 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
 
 
 class StreamOptions(BaseModel):
+    """`include_usage`: a last chunk with the token counts; with it, `continuous_usage_stats`
+    (vLLM's): every chunk carries its prompt's counts so far."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -97,6 +101,10 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def num_logprobs(self) -> int | None:
         """Top tokens per position the response reports (None: no logprobs)."""

@@ -37,7 +37,8 @@ def id_text(token_id: int) -> str:
 class Job:
     """One API request as the engine runs it. `token_text`: a token's text (None: no tokenizer);
     `echo`: each prompt's text, sent before its choices' text; `token_ids`: choices carry their
-    generated ids; `ids_as_tokens`: logprob tokens as "token_id:N"."""
+    generated ids; `ids_as_tokens`: logprob tokens as "token_id:N"; `continuous_usage`: each stream
+    chunk carries its prompt's token counts so far."""
 
     kind: Kind
     id: str
@@ -49,6 +50,7 @@ class Job:
     echo: list[str] | None = None
     token_ids: bool = False
     ids_as_tokens: bool = False
+    continuous_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
 
@@ -182,10 +184,10 @@ def _chat_entry(job: Job, token_id: int, entry: TokenLogprobs, k: int) -> dict[s
     return {**one(token_id), "top_logprobs": [one(i) for i in list(entry)[:k]]}
 
 
-def usage(job: Job, finals: list[RequestOutput | None]) -> dict[str, Any]:
-    """Token counts of the finished outputs; `cached_tokens`: prompt tokens found in the prefix
-    cache (any tier) when each prompt was first admitted."""
-    prompt = sum(map(len, job.prompts))
+def usage(job: Job, finals: list[RequestOutput | None], prompts: list[list[int]] | None = None) -> dict[str, Any]:
+    """Token counts of the outputs (of `prompts`, by default the job's); `cached_tokens`: prompt
+    tokens found in the prefix cache (any tier) when each prompt was first admitted."""
+    prompt = sum(map(len, job.prompts if prompts is None else prompts))
     completion = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
     cached = sum(f.metrics.num_cached_tokens for f in finals if f is not None and f.metrics is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
