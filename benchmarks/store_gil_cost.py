@@ -39,18 +39,17 @@ def engine_ops(count: int, store: NVMeStore | None, refs: list[BlockRef], blocks
                 pending.discard(job)
                 done += 1
             want = in_flight - len(pending)
-            if want > 0 and op == "read":
-                reads = []
-                for _ in range(want):
-                    k = nxt % len(refs)
-                    reads.append((refs[k], blocks[k]))
-                    nxt += 1
-                pending.update(store.submit_reads(reads))
-            for _ in range(max(want, 0) if op == "write" else 0):
-                nxt += 1
-                job = store.submit_write(BlockRef(len(refs) + nxt, 0, refs[0].token_ids), blocks[nxt % len(blocks)])
-                if job is not None:
-                    pending.add(job)
+            if want <= 0:
+                continue
+            if op == "read":
+                picked = [(nxt + k) % len(refs) for k in range(want)]
+                pending.update(store.submit_reads([(refs[k], blocks[k]) for k in picked]))
+            else:
+                for k in range(nxt + 1, nxt + want + 1):  # new blocks: hashes past the stored ones
+                    job = store.submit_write(BlockRef(len(refs) + k, 0, refs[0].token_ids), blocks[k % len(blocks)])
+                    if job is not None:
+                        pending.add(job)
+            nxt += want
     elapsed = time.perf_counter() - start
     if store is not None:
         store.wait(list(pending))

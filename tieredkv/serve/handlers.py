@@ -147,7 +147,7 @@ class OpenAIHandlers:
         choices = [choice(job, i * job.n + j, Cursor().advance(job, c), i)
                    for i, out in enumerate(finals) for j, c in enumerate(out.outputs)]
         return {"id": job.id, "object": job.object, "created": job.created, "model": job.model, "choices": choices,
-                "usage": usage(job, finals)}
+                "usage": usage(job.prompts, finals)}
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """SSE lines: a chunk per choice with news, the usage chunk if asked, `[DONE]`."""
@@ -162,7 +162,7 @@ class OpenAIHandlers:
                         if delta is not None:
                             body = chunk(job, i * job.n + j, delta, i)
                             if job.continuous_usage:  # this prompt's counts so far
-                                body["usage"] = usage(job, [out], [job.prompts[i]])
+                                body["usage"] = usage([job.prompts[i]], [out])
                             yield sse(body)
                     if out.finished:
                         finals[i] = out
@@ -173,7 +173,7 @@ class OpenAIHandlers:
         if not failed and job.include_usage:
             obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
             yield sse({"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": [],
-                       "usage": usage(job, finals)})
+                       "usage": usage(job.prompts, finals)})
         yield DONE
 
     async def _outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -7,7 +7,7 @@ Operations:
   logprobs), or None; a fresh cursor gives the whole choice.
 - `choice(job, index, delta)` / `chunk(job, index, delta)`: a choice of the whole response, or
   the stream chunk carrying a delta.
-- `usage(job, finals)`: token counts, with the prompt tokens found in the prefix cache (any
+- `usage(prompts, outputs)`: token counts, with the prompt tokens found in the prefix cache (any
   tier) as `prompt_tokens_details.cached_tokens`.
 
 Without a tokenizer a token's text is "token_id:N" (vLLM's `return_tokens_as_token_ids`), so a
@@ -184,11 +184,11 @@ def _chat_entry(job: Job, token_id: int, entry: TokenLogprobs, k: int) -> dict[s
     return {**one(token_id), "top_logprobs": [one(i) for i in list(entry)[:k]]}
 
 
-def usage(job: Job, finals: list[RequestOutput | None], prompts: list[list[int]] | None = None) -> dict[str, Any]:
-    """Token counts of the outputs (of `prompts`, by default the job's); `cached_tokens`: prompt
-    tokens found in the prefix cache (any tier) when each prompt was first admitted."""
-    prompt = sum(map(len, job.prompts if prompts is None else prompts))
-    completion = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
-    cached = sum(f.metrics.num_cached_tokens for f in finals if f is not None and f.metrics is not None)
+def usage(prompts: list[list[int]], outputs: list[RequestOutput | None]) -> dict[str, Any]:
+    """Token counts of `prompts` and their `outputs` so far; `cached_tokens`: prompt tokens found
+    in the prefix cache (any tier) when each prompt was first admitted."""
+    prompt = sum(map(len, prompts))
+    completion = sum(len(c.token_ids) for f in outputs if f is not None for c in f.outputs)
+    cached = sum(f.metrics.num_cached_tokens for f in outputs if f is not None and f.metrics is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
