@@ -581,27 +581,6 @@ def test_a_read_that_hangs_is_given_up_and_its_request_computes(monkeypatch):
     assert lower.held_run(hashes, 0) == 3  # back: loads are planned again
 
 
-def test_a_request_freed_while_its_reads_are_out_waits_only_for_its_new_ones_when_planned_again():
-    """A request freed with reads in flight (requeued for recompute, or its plan dropped for a
-    swap-out) no longer counts them: planned again, it waits for its new reads alone (it waited
-    for the old ones too, and `late` said a negative number had landed); the old reads still
-    land and free their blocks."""
-    store, pool = HungReads(), BlockPool(16)
-    lower = LowerTier(store, pool, torch.zeros((16, *BLOCK_SHAPE)), AdmitAll())
-    free = pool.num_free
-    assert lower.plan("r", [ref(1), ref(2), ref(3)], load_from=0) == 3
-    lower.forget("r")
-    assert not lower.arriving("r")
-    assert lower.plan("r", [ref(4)], load_from=32) == 1
-    lower.await_loads("r")
-    assert lower.late("r") == (32, 0, 1, 4)  # its one read, behind the three still out
-    store.finish()
-    lower.retire()
-    assert not lower.arriving("r") and lower.reads_in_flight == 0
-    lower.forget("r")
-    assert pool.num_free == free  # the blocks are cached, none held
-
-
 def test_a_request_that_gives_up_its_late_reads_computes_and_they_still_land_in_the_cpu_tier():
     store, pool = HungReads(), BlockPool(12)
     lower = LowerTier(store, pool, torch.zeros((12, *BLOCK_SHAPE)), AdmitAll())

@@ -331,12 +331,11 @@ class LowerTier:
         self._release(request_id)
 
     def forget(self, request_id: str) -> None:
-        """The request was freed: forget its plan; its reads in flight still finish, no longer
-        its own (planned again, it waits for its new reads alone)."""
+        """The request was freed: forget its plan; its reads in flight still finish (planned
+        again before they land, it waits for them too: they bring blocks it asks for)."""
         self._load_from.pop(request_id, None)
         self._waiting.discard(request_id)
         self._clocks.pop(request_id, None)
-        self._stop_waiting_for(request_id)
         self._release(request_id)
 
     def landed_loads(self) -> list[LandedLoad]:
