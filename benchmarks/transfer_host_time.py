@@ -8,15 +8,20 @@ transfers wait for) with up to 64 or 8 jobs pending. Then the host time of the s
 job is made of (pinning its block ids, their copy to the GPU, an event, one DMA, a stream
 wait), idle and busy.
 
+Profile (`--profile`): 600 idle jobs of 4 or 16 consecutive blocks under `cProfile`, the
+functions that take the host's time (own time and with what they call).
+
 Queue depth (`--queue-depth`): a stream waits for a 200 ms GPU sleep while the host queues
 1-row copies (or kernels, or events) on it; prints after how many the host blocked.
 
-    python benchmarks/transfer_host_time.py [--long] [--queue-depth]
+    python benchmarks/transfer_host_time.py [--long] [--queue-depth] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import statistics
 import time
@@ -71,6 +76,25 @@ class SubmitCost:
         engine.poll()
         for n in sizes:
             print(f"{label:40s} blocks {n:3d}: {_ms(times[n])}", flush=True)
+
+    def profile(self, count: int = 600) -> None:
+        jobs = [self.job("d2h" if rep % 2 else "h2d", (4, 16)[rep % 4 // 2], False) for rep in range(count)]
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        profiler.enable()
+        for job in jobs:
+            self.engine.submit(job)
+            self.engine.order_compute()
+            if len(self.engine._pending) > 8:
+                self.engine.poll()
+        profiler.disable()
+        took = time.perf_counter() - start
+        torch.cuda.synchronize()
+        self.engine.poll()
+        print(f"profile: {count} jobs, {took / count * 1e3:.3f} ms a job (under cProfile)", flush=True)
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(25)
 
     def parts(self, busy: bool) -> None:
         ids = [self.rng.randrange(POOL_BLOCKS) for _ in range(32)]
@@ -136,6 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--long", action="store_true", help="end with 1,200 busy fragmented jobs (to profile)")
     parser.add_argument("--queue-depth", action="store_true", help="only the queue-depth probe")
+    parser.add_argument("--profile", action="store_true", help="only the profile of a submit's host time")
     args = parser.parse_args()
     require_cuda()
     if args.queue_depth:
@@ -143,6 +168,9 @@ def main() -> None:
         return
     bench = SubmitCost()
     bench.submits("warmup", False, 4, True, count=30)
+    if args.profile:
+        bench.profile()
+        return
     bench.submits("idle, fragmented", False, 1000, True)
     bench.submits("idle, consecutive", False, 1000, False)
     bench.submits("busy, fragmented, pending<=64", True, 64, True)
