@@ -603,6 +603,20 @@ def test_a_request_that_gives_up_its_late_reads_computes_and_they_still_land_in_
     assert pool.lookup(5, parent_of(5), tuple(tokens_of(5))) is not None
 
 
+def test_a_request_planned_again_waits_for_its_old_reads_and_counts_none_of_its_plan_in():
+    store, pool = HungReads(), BlockPool(16)
+    lower = LowerTier(store, pool, torch.zeros((16, *BLOCK_SHAPE)), AdmitAll())
+    assert lower.plan("r", [ref(h) for h in (1, 2, 3, 4)], load_from=0) == 4
+    lower.forget("r")  # freed (preempted, say) while its four reads are out
+    assert lower.plan("r", [ref(1), ref(2)], load_from=0) == 2
+    lower.await_loads("r")
+    # it waits for all six of its reads, and none of its new plan's two blocks is in yet
+    assert lower.late("r") == (0, 0, 6, 6)
+    store.finish()
+    lower.retire()
+    assert lower.late("r") is None and lower.wait_state("r") is LoadWait.LANDED
+
+
 def cached_block(pool: BlockPool, h: int):
     """A block of `pool` caching `ref(h)`, owned by nobody."""
     [block] = pool.allocate(1)

@@ -403,12 +403,15 @@ class LowerTier:
     def late(self, request_id: str) -> LateReads | None:
         """The request's reads still in flight, if it waits for some (found with nothing to
         compute before they land): how many, from which token on (those before them landed,
-        in the order they were submitted), and the reads queued up to its last one."""
+        in the order they were submitted), and the reads queued up to its last one. A request
+        freed and planned again still waits for its old reads (`forget`): they may outnumber
+        what its new plan reads, and then none of the plan's blocks counts as in."""
         left = self._reads_left.get(request_id, 0)
         planned = self._load_from.get(request_id)
         if not left or planned is None or request_id not in self._waiting:
             return None
-        return LateReads(planned.load_from, planned.num_reading - left, left, self._queue_ends()[request_id])
+        landed = max(0, planned.num_reading - left)
+        return LateReads(planned.load_from, landed, left, self._queue_ends()[request_id])
 
     def _queue_ends(self) -> dict[str, int]:
         """Each request's reads in flight up to its last one waited for (in submission order),
