@@ -1,8 +1,9 @@
 """The lower tier's writes (`cache/lower_tier.py` owns them, and the reads beside them).
 
-What is written: the full prefix blocks the CPU tier lets go, each once; which of them to keep
-is the store's own policy (asking the CPU tier's admission as well wrote fewer and found fewer:
-BENCHMARKS.md, "The spill gate"):
+What is written: the full prefix blocks the CPU tier lets go, each once, and again if the store
+loses it while the CPU tier still holds it (`store.take_lost()`: evicted, or the store's file or
+server lost them all); which of them to keep is the store's own policy (asking the CPU tier's
+admission as well wrote fewer and found fewer: BENCHMARKS.md, "The spill gate"):
 - `spill_ahead(reads_in_flight)`: write the coldest cached CPU blocks in the background, so
   that when the CPU tier evicts them they are safe on disk; a block being written is pinned
   (never evicted meanwhile, so nothing ever waits for a write) and keeps its place in the CPU
@@ -94,9 +95,9 @@ class Spill:
         # before spill-ahead; the oldest gives its block up to a new copy when none is free
         self._waiting: deque[tuple[Block, BlockRef]] = deque()
         self._writes: dict[int, tuple[Block, int, bool]] = {}  # write job -> (CPU block, hash, staged)
-        # cpu block id -> the hash of the content of it that is on disk: spill-ahead skips these
-        # without calling into the store (it scans its window on every step)
-        self._on_disk: dict[int, int] = {}
+        # hashes of CPU blocks the store holds: spill-ahead skips these without calling into the
+        # store (it scans its window on every step); those the store lost are taken out first
+        self._on_disk: set[int] = set()
         # cpu block id -> (hash, when) of content the store refused: spill-ahead passes over it a while
         self._refused: dict[int, tuple[int, float]] = {}
         self._failures = 0  # failed writes in a row
@@ -212,10 +213,11 @@ class Spill:
         """Write those of `blocks` the store lacks, keeping at most `max_writes` writes
         in flight: beyond it (or once writes fail), stop, or when `closing` wait for the oldest
         write (and say how far it got every `CLOSING_PROGRESS_S`)."""
+        self._forget_lost()
         now = said = time.monotonic()
         written = 0
         for block in list(blocks):
-            if self._on_disk.get(block.block_id) == block.block_hash:
+            if block.block_hash in self._on_disk:
                 continue
             if not closing and self._refused_lately(block, now):
                 continue
@@ -223,7 +225,7 @@ class Spill:
                 return
             self._settle_one_if_full()
             if self.store.contains(block.block_hash):  # e.g. loaded from disk: left where it is
-                self._on_disk[block.block_id] = block.block_hash
+                self._stored(block.block_hash)
                 self.skipped_blocks += 1
             else:
                 self.cpu_pool.pin(block)  # while written: never evicted, never waited for
@@ -232,6 +234,23 @@ class Spill:
                 if closing and time.monotonic() - said >= CLOSING_PROGRESS_S:
                     said = time.monotonic()
                     logger.info("closing: writing the CPU tier's cached blocks to the store, %d so far", written)
+
+    def _forget_lost(self) -> None:
+        """Forget the blocks the store lost since the last spill, so that those the CPU tier
+        still holds are written again."""
+        lost = self.store.take_lost()
+        if lost.everything:
+            self._on_disk.clear()
+        else:
+            self._on_disk -= lost.block_hashes
+
+    def _stored(self, block_hash: int) -> None:
+        """The store holds the block. Past twice as many hashes as the CPU tier has blocks, those
+        it no longer caches are dropped: the set stays small where the store cannot list all it
+        drops (a Redis server evicting keys on its own)."""
+        self._on_disk.add(block_hash)
+        if len(self._on_disk) > 2 * len(self.cpu_pool.blocks):
+            self._on_disk = {h for h in self._on_disk if self.cpu_pool.cached_block(h) is not None}
 
     def _refused_lately(self, block: Block, now: float) -> bool:
         """Whether the store refused this content of the block less than REFUSED_RETRY_S ago."""
@@ -269,7 +288,7 @@ class Spill:
             self._staging.append(block)
             return
         if on_disk:
-            self._on_disk[block.block_id] = block_hash
+            self._stored(block_hash)
         self.cpu_pool.unpin(block)
 
     def _count_outcome(self, ok: bool) -> None:

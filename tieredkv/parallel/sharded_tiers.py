@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from tieredkv.config import CacheConfig
-from tieredkv.tiers.backend import BlockRef, BlockStore
+from tieredkv.tiers.backend import BlockRef, BlockStore, LostBlocks
 from tieredkv.tiers.cpu import BlockViews
 from tieredkv.tiers.nvme.opener import open_store
 from tieredkv.tiers.nvme.store import NVMeStore
@@ -200,6 +200,10 @@ class RankStores(BlockStore):
         if job.ok:
             self._counts["hits" if job.kind == "read" else "writes"] += 1
         return job_id, job.ok
+
+    def take_lost(self) -> LostBlocks:
+        """What any rank's store lost: the block is no longer whole."""
+        return LostBlocks.merge(store.take_lost() for store in self.stores)
 
     def poll(self) -> list[tuple[int, bool]]:
         done = []

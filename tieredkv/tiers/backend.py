@@ -9,12 +9,16 @@
     store.poll() -> [(job, ok), ...]       # jobs finished since the last poll
     store.wait([job, ...]) -> {job: ok}    # blocks the caller
     store.record([h0, h1, ...], n)         # a request asked for these blocks (the first n found above)
+    store.take_lost() -> LostBlocks        # blocks it held and lost since last asked (evicted, all of them)
     store.stats(); store.close()
 
 `src` and `dst` are one CPU block each and stay untouched until their job is reported. A read
 that comes back `ok=False` left garbage in `dst`: the caller recomputes. The NVMe store is one
 implementation; a remote store is another. A store subclasses `BlockStore`, which gives it
 `submit_reads` as `submit_read` block by block; the NVMe store hands a batch to the disk at once.
+A store that drops blocks it held (its policy evicts them, a read finds one damaged, its file or
+server loses them all) keeps a `LossLog` and answers `take_lost` from it: the tier above
+remembers which blocks are stored (so as not to write them twice) and forgets these.
 """
 
 from __future__ import annotations
@@ -32,6 +36,49 @@ class BlockRef(NamedTuple):
     block_hash: int
     parent_hash: int
     token_ids: tuple[int, ...]
+
+
+class LostBlocks(NamedTuple):
+    """Blocks a store held and no longer does: those of `block_hashes`, or, with `everything`,
+    all it held (its file or server lost them, or it lost more than it lists)."""
+
+    everything: bool = False
+    block_hashes: frozenset[int] = frozenset()
+
+    @staticmethod
+    def merge(parts: Iterable[LostBlocks]) -> LostBlocks:
+        """What several stores lost, as one store's."""
+        lost = list(parts)
+        if any(part.everything for part in lost):
+            return LostBlocks(everything=True)
+        return LostBlocks(block_hashes=frozenset().union(*(part.block_hashes for part in lost)))
+
+
+MAX_LOST_LISTED = 1 << 16  # lost blocks a `LossLog` lists; past it, it says all were lost
+
+
+class LossLog:
+    """The blocks a store lost since `take` was last called (not thread-safe: the store holds
+    its lock around every call). Up to `MAX_LOST_LISTED` are listed: a store nobody asks keeps
+    no more than that."""
+
+    def __init__(self) -> None:
+        self._everything = False
+        self._hashes: set[int] = set()
+
+    def lose(self, block_hash: int) -> None:
+        if not self._everything:
+            self._hashes.add(block_hash)
+            if len(self._hashes) > MAX_LOST_LISTED:
+                self.lose_all()
+
+    def lose_all(self) -> None:
+        self._everything, self._hashes = True, set()
+
+    def take(self) -> LostBlocks:
+        lost = LostBlocks(self._everything, frozenset(self._hashes))
+        self._everything, self._hashes = False, set()
+        return lost
 
 
 class BlockStore(ABC):
@@ -70,6 +117,12 @@ class BlockStore(ABC):
                 break
             jobs.append(job)
         return jobs
+
+    def take_lost(self) -> LostBlocks:
+        """The blocks the store held and lost since the last call: evicted by its policy,
+        discarded, or all of them (a lost file, a flushed server). This default is for a store
+        that never drops a block it held; one that does overrides it (a `LossLog`)."""
+        return LostBlocks()
 
     @abstractmethod
     def poll(self) -> list[tuple[int, bool]]: ...

@@ -11,6 +11,7 @@ Two-phase API, one CPU block per job (a block is `block_bytes` contiguous bytes,
     store.wait([job, ...]) -> {job: ok}    # blocks; `await store.wait_async(jobs)` under asyncio
     store.contains(block_hash); store.contains_run(hashes) -> leading ones stored; store.stats()
     store.record(hashes, num_hits_above)   # a request: the replacement policy learns from it
+    store.take_lost() -> LostBlocks        # blocks evicted or discarded since last asked, or all (file lost)
     store.sync() -> ok                     # every job done, file fsynced
     store.close()                          # or `with NVMeStore(...) as store:`
 
@@ -62,7 +63,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from tieredkv.replacement import ReplacementPolicy
-from tieredkv.tiers.backend import BlockRef, BlockStore
+from tieredkv.tiers.backend import BlockRef, BlockStore, LossLog, LostBlocks
 from tieredkv.tiers.nvme.block_io import BlockIO, IOOp
 from tieredkv.tiers.nvme.file_keeper import FileKeeper
 from tieredkv.tiers.nvme.io_backends import IOBackend, make_backend
@@ -112,6 +113,7 @@ class NVMeStore(BlockStore):
         self._ids = itertools.count(1)
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._said: set[str] = set()  # the kinds of fault logged as a warning already
+        self._lost = LossLog()  # stored blocks evicted, discarded or lost with the file, for `take_lost`
         self._sequence, self._closed = 0, False
         # time with reads in flight: bytes read over it is the read bandwidth the engine gets
         self._reads_in_flight, self._read_busy_since, self._read_busy_s = 0, 0.0, 0.0
@@ -176,7 +178,9 @@ class NVMeStore(BlockStore):
             if reservation is None or isinstance(reservation, Declined):
                 self._counts["write_rejected" if reservation is None else "write_declined"] += 1
                 return None
-            self._counts["evictions"] += reservation.evicted is not None
+            if reservation.evicted is not None:
+                self._counts["evictions"] += 1
+                self._lost.lose(reservation.evicted)
             self._sequence += 1
             job = self._new_job("write", block_hash, parent_hash, tokens, reservation.slot, payload)
             # the payload checksum is made on the I/O side
@@ -217,6 +221,13 @@ class NVMeStore(BlockStore):
         counts it (under `lru`, nothing does)."""
         with self._cond:
             self.index.record(block_hashes, num_hits_above)
+
+    def take_lost(self) -> LostBlocks:
+        """The stored blocks lost since the last call: evicted, discarded after a failed read,
+        or all of them (the file was lost: this looks, as a submit does)."""
+        self._check_file()
+        with self._cond:
+            return self._lost.take()
 
     def poll(self) -> list[tuple[int, bool]]:
         """(job id, ok) of every job finished since the last poll, in finishing order, except
@@ -364,6 +375,7 @@ class NVMeStore(BlockStore):
             self.index.unpin(job.slot)
             if not ok:
                 self.index.discard(job.block_hash)
+                self._lost.lose(job.block_hash)
         if fault is not None:
             self._counts[fault] += 1
             self._say_fault(job, fault, current)
@@ -405,6 +417,7 @@ class NVMeStore(BlockStore):
                 return  # another thread noticed meanwhile
             self._counts["files_lost"] += 1
             self.index = SlotIndex(self.num_slots, self.policy)
+            self._lost.lose_all()
             self._close_retired()
 
     def _load_index(self, backend: BlockIO) -> None:

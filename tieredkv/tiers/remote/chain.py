@@ -6,6 +6,7 @@
     store.contains_run(hashes)  # the leading blocks either holds: at most one round trip a run
     store.submit_read(ref, dst) # from the first store that holds the block
     store.submit_write(ref, src)  # to both; one job, done when both are, ok if either stored it
+    store.take_lost()           # what either lost (a block still in the other is found there again)
     store.poll(); store.wait(jobs); store.stats(); store.close()
 
 `stats()` is the local store's (zeros without one), which the spill path reports as the
@@ -20,7 +21,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from tieredkv.tiers.backend import BlockRef, BlockStore
+from tieredkv.tiers.backend import BlockRef, BlockStore, LostBlocks
 
 # what an NVMe store's stats() holds, for the spill path when there is no local store
 NO_LOCAL_STATS: dict[str, int | float | str | bool] = {
@@ -52,6 +53,9 @@ class StoreSet(BlockStore):
     def record(self, block_hashes: Sequence[int], num_hits_above: int) -> None:
         for store in self.stores:
             store.record(block_hashes, num_hits_above)
+
+    def take_lost(self) -> LostBlocks:
+        return LostBlocks.merge(store.take_lost() for store in self.stores)
 
     def poll(self) -> list[tuple[int, bool]]:
         for i, store in enumerate(self.stores):

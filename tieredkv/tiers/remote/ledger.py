@@ -13,6 +13,7 @@ it (thread-safe).
     ledger.failed(write_hashes, num_reads); ledger.error()    # jobs that did not run; a fault
     ledger.first_fault(kind)                     # True once per kind: the store logs it as a warning
     ledger.clear()                               # the server lost its blocks
+    ledger.take_lost() -> LostBlocks             # blocks deleted, found gone, or all (cleared) since last asked
     ledger.stats() -> {"remote_...": n}; ledger.read_busy_s()
 """
 
@@ -23,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from tieredkv.tiers.backend import LossLog, LostBlocks
 from tieredkv.tiers.remote.index import BlockIndex
 from tieredkv.tiers.remote.value_format import ValueLayout, Verdict
 
@@ -40,6 +42,7 @@ class Ledger:
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._said: set[str] = set()  # the kinds of fault logged as a warning already
         self._index = BlockIndex()
+        self._lost = LossLog()  # blocks known stored that went (deleted, found gone, cleared), for `take_lost`
         self._writing: set[int] = set()
         # time with reads in flight: bytes read over it is the read bandwidth the engine gets
         self._reads_in_flight, self._read_busy_since, self._read_busy_s = 0, 0.0, 0.0
@@ -78,6 +81,8 @@ class Ledger:
                 self._counts["rejected_writes"] += 1
                 return None
             self._counts["evicted_blocks"] += len(doomed)
+            for doomed_hash in doomed:
+                self._lost.lose(doomed_hash)
             self._writing.add(block_hash)
             return doomed
 
@@ -115,6 +120,7 @@ class Ledger:
                 self._counts["errors"] += 1
                 self._counts["misses" if verdict == "missing" else "corrupt"] += 1
                 self._index.forget(block_hash)
+                self._lost.lose(block_hash)
 
     def reads_done(self, count: int) -> None:
         """One pipeline of `count` reads finished; the last read in flight ends the busy time."""
@@ -149,6 +155,13 @@ class Ledger:
         """The server's blocks are not the ones known (a new epoch): forget them all."""
         with self._lock:
             self._index.clear()
+            self._lost.lose_all()
+
+    def take_lost(self) -> LostBlocks:
+        """The blocks known stored that went since the last call: deleted for the budget,
+        found missing or damaged by a read, or all of them (the server lost its blocks)."""
+        with self._lock:
+            return self._lost.take()
 
     def stats(self) -> dict[str, int | float]:
         """The counters as `remote_<name>`, `remote_owned_blocks` and `remote_read_busy_s`."""

@@ -6,6 +6,7 @@
     job = store.submit_write(ref, src)     # None: stored already, over budget, or the tier is down
     job = store.submit_read(ref, dst)      # None: not stored (a miss)
     store.poll() -> [(job, ok), ...]; store.wait([job, ...]) -> {job: ok}
+    store.take_lost() -> LostBlocks        # blocks deleted or found gone since last asked, or all (new epoch)
     store.stats(); store.measure_read_bandwidth(); store.close()
 
 Writes queue to an asyncio loop on a thread of its own (`connection.py`), which sends them
@@ -41,7 +42,7 @@ from typing import Literal
 
 import torch
 
-from tieredkv.tiers.backend import BlockRef, BlockStore
+from tieredkv.tiers.backend import BlockRef, BlockStore, LostBlocks
 from tieredkv.tiers.nvme.slot_format import byte_view, check_block_bytes
 from tieredkv.tiers.remote.connection import (
     ANY_ERROR,
@@ -171,6 +172,10 @@ class RemoteStore(BlockStore):
         if not self.contains(ref.block_hash):
             return None
         return self._enqueue("read", ref, block)
+
+    def take_lost(self) -> LostBlocks:
+        """The blocks known stored that went since the last call (`Ledger.take_lost`)."""
+        return self.ledger.take_lost()
 
     def poll(self) -> list[tuple[int, bool]]:
         return self.jobs.poll()
