@@ -89,7 +89,7 @@ from tieredkv.policy import CostModel, TierPolicy, needs_cost_model
 from tieredkv.sampling import SamplingParams
 from tieredkv.scheduler import Scheduler, SchedulerOutput
 from tieredkv.sequence import Sequence as Seq
-from tieredkv.tiers.backend import BlockRef, BlockStore, LossLog, LostBlocks
+from tieredkv.tiers.backend import BlockRef, BlockStore
 from tieredkv.tiers.cpu import CPUTier
 from tieredkv.transfer.engine import TransferEngine, TransferJob
 
@@ -162,7 +162,6 @@ class SimDisk(BlockStore):
         self.done: list[int] = []
         self.jobs = itertools.count()
         self.reads = self.writes = 0
-        self.lost = LossLog()  # the blocks it evicted, for `take_lost`, as a store's policy does
 
     def next_finish(self) -> float | None:
         """When the next job on the disk finishes (None: the disk is idle)."""
@@ -203,7 +202,7 @@ class SimDisk(BlockStore):
     def submit_write(self, ref: BlockRef, src: torch.Tensor) -> int | None:
         self.blocks[ref.block_hash] = None
         while len(self.blocks) > self.capacity:
-            self.lost.lose(self.blocks.popitem(last=False)[0])
+            self.blocks.popitem(last=False)
         self.writes += 1
         return self._submit("write", ref.block_hash)
 
@@ -212,9 +211,6 @@ class SimDisk(BlockStore):
             return None
         self.reads += 1
         return self._submit("read", ref.block_hash)
-
-    def take_lost(self) -> LostBlocks:
-        return self.lost.take()
 
     def poll(self) -> list[tuple[int, bool]]:
         self._advance()

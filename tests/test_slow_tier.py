@@ -610,8 +610,8 @@ def test_a_request_planned_again_waits_for_its_old_reads_and_counts_none_of_its_
     lower.forget("r")  # freed (preempted, say) while its four reads are out
     assert lower.plan("r", [ref(1), ref(2)], load_from=0) == 2
     lower.await_loads("r")
-    # it waits for all six of its reads, and none of its new plan's two blocks is in yet
-    assert lower.late("r") == (0, 0, 6, 6)
+    # none of its new plan's two blocks is in yet; it waits for its six reads (the queue)
+    assert lower.late("r") == (0, 0, 2, 6)
     store.finish()
     lower.retire()
     assert lower.late("r") is None and lower.wait_state("r") is LoadWait.LANDED

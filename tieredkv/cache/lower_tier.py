@@ -405,13 +405,14 @@ class LowerTier:
         compute before they land): how many, from which token on (those before them landed,
         in the order they were submitted), and the reads queued up to its last one. A request
         freed and planned again still waits for its old reads (`forget`): they may outnumber
-        what its new plan reads, and then none of the plan's blocks counts as in."""
+        what its new plan reads; then none of the plan's blocks counts as in, and the old reads
+        count only in the queue."""
         left = self._reads_left.get(request_id, 0)
         planned = self._load_from.get(request_id)
         if not left or planned is None or request_id not in self._waiting:
             return None
-        landed = max(0, planned.num_reading - left)
-        return LateReads(planned.load_from, landed, left, self._queue_ends()[request_id])
+        in_flight = min(left, planned.num_reading)
+        return LateReads(planned.load_from, planned.num_reading - in_flight, in_flight, self._queue_ends()[request_id])
 
     def _queue_ends(self) -> dict[str, int]:
         """Each request's reads in flight up to its last one waited for (in submission order),
