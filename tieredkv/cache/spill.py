@@ -1,9 +1,10 @@
 """The lower tier's writes (`cache/lower_tier.py` owns them, and the reads beside them).
 
 What is written: the full prefix blocks the CPU tier lets go, each once, and again if the store
-loses it while the CPU tier still holds it (`store.take_lost()`: evicted, or the store's file or
-server lost them all); which of them to keep is the store's own policy (asking the CPU tier's
-admission as well wrote fewer and found fewer: BENCHMARKS.md, "The spill gate"):
+loses it while the CPU tier still holds it (`store.take_lost()`, booked by `poll`: a read found it
+damaged or gone, or the store's file or server lost them all; not a block the store's policy
+evicted); which of them to keep is the store's own policy (asking the CPU tier's admission as
+well wrote fewer and found fewer: BENCHMARKS.md, "The spill gate"):
 - `spill_ahead(reads_in_flight)`: write the coldest cached CPU blocks in the background, so
   that when the CPU tier evicts them they are safe on disk; a block being written is pinned
   (never evicted meanwhile, so nothing ever waits for a write) and keeps its place in the CPU
@@ -96,7 +97,7 @@ class Spill:
         self._waiting: deque[tuple[Block, BlockRef]] = deque()
         self._writes: dict[int, tuple[Block, int, bool]] = {}  # write job -> (CPU block, hash, staged)
         # hashes of CPU blocks the store holds: spill-ahead skips these without calling into the
-        # store (it scans its window on every step); those the store lost are taken out first
+        # store (it scans its window on every step); `poll` takes out those the store lost
         self._on_disk: set[int] = set()
         # cpu block id -> (hash, when) of content the store refused: spill-ahead passes over it a while
         self._refused: dict[int, tuple[int, float]] = {}
@@ -213,7 +214,6 @@ class Spill:
         """Write those of `blocks` the store lacks, keeping at most `max_writes` writes
         in flight: beyond it (or once writes fail), stop, or when `closing` wait for the oldest
         write (and say how far it got every `CLOSING_PROGRESS_S`)."""
-        self._forget_lost()
         now = said = time.monotonic()
         written = 0
         for block in list(blocks):
@@ -225,7 +225,7 @@ class Spill:
                 return
             self._settle_one_if_full()
             if self.store.contains(block.block_hash):  # e.g. loaded from disk: left where it is
-                self._stored(block.block_hash)
+                self._note_stored(block.block_hash)
                 self.skipped_blocks += 1
             else:
                 self.cpu_pool.pin(block)  # while written: never evicted, never waited for
@@ -235,16 +235,7 @@ class Spill:
                     said = time.monotonic()
                     logger.info("closing: writing the CPU tier's cached blocks to the store, %d so far", written)
 
-    def _forget_lost(self) -> None:
-        """Forget the blocks the store lost since the last spill, so that those the CPU tier
-        still holds are written again."""
-        lost = self.store.take_lost()
-        if lost.everything:
-            self._on_disk.clear()
-        else:
-            self._on_disk -= lost.block_hashes
-
-    def _stored(self, block_hash: int) -> None:
+    def _note_stored(self, block_hash: int) -> None:
         """The store holds the block. Past twice as many hashes as the CPU tier has blocks, those
         it no longer caches are dropped: the set stays small where the store cannot list all it
         drops (a Redis server evicting keys on its own)."""
@@ -288,7 +279,7 @@ class Spill:
             self._staging.append(block)
             return
         if on_disk:
-            self._stored(block_hash)
+            self._note_stored(block_hash)
         self.cpu_pool.unpin(block)
 
     def _count_outcome(self, ok: bool) -> None:
@@ -323,13 +314,20 @@ class Spill:
         return self.num_staging - self._lent + sum(not staged for _, _, staged in self._writes.values())
 
     def poll(self) -> list[tuple[int, bool]]:
-        """Finished reads; finished writes are booked here."""
+        """Finished reads; finished writes are booked here, then the blocks the store lost are
+        forgotten, so that those the CPU tier still holds are written again. The losses are
+        taken before the writes: a block written and then lost is booked, then forgotten."""
+        lost = self.store.take_lost()
         reads = []
         for job, ok in self.store.poll():
             if job in self._writes:
                 self._wrote_job(job, ok)
             else:
                 reads.append((job, ok))
+        if lost.everything:
+            self._on_disk.clear()
+        else:
+            self._on_disk -= lost.block_hashes
         return reads
 
     def _wrote_job(self, job: int, ok: bool) -> None:

@@ -9,16 +9,18 @@
     store.poll() -> [(job, ok), ...]       # jobs finished since the last poll
     store.wait([job, ...]) -> {job: ok}    # blocks the caller
     store.record([h0, h1, ...], n)         # a request asked for these blocks (the first n found above)
-    store.take_lost() -> LostBlocks        # blocks it held and lost since last asked (evicted, all of them)
+    store.take_lost() -> LostBlocks        # blocks it held and lost since last asked (or all of them)
     store.stats(); store.close()
 
 `src` and `dst` are one CPU block each and stay untouched until their job is reported. A read
 that comes back `ok=False` left garbage in `dst`: the caller recomputes. The NVMe store is one
 implementation; a remote store is another. A store subclasses `BlockStore`, which gives it
 `submit_reads` as `submit_read` block by block; the NVMe store hands a batch to the disk at once.
-A store that drops blocks it held (its policy evicts them, a read finds one damaged, its file or
-server loses them all) keeps a `LossLog` and answers `take_lost` from it: the tier above
-remembers which blocks are stored (so as not to write them twice) and forgets these.
+A store that can lose blocks it held, other than by its own policy's choice (a read finds one
+damaged or gone, its file or server loses them all), keeps a `LossLog` and answers `take_lost`
+from it: the tier above remembers which blocks are stored (so as not to write them twice) and
+forgets these. A block the store's policy evicted stays remembered: which blocks to keep is the
+store's choice, and writing each one again would evict another, without end.
 """
 
 from __future__ import annotations
@@ -119,9 +121,9 @@ class BlockStore(ABC):
         return jobs
 
     def take_lost(self) -> LostBlocks:
-        """The blocks the store held and lost since the last call: evicted by its policy,
-        discarded, or all of them (a lost file, a flushed server). This default is for a store
-        that never drops a block it held; one that does overrides it (a `LossLog`)."""
+        """The blocks the store held and lost since the last call, not by its policy's choice:
+        found damaged or gone, or all of them (a lost file, a flushed server). This default is
+        for a store that never loses a block; one that can overrides it (a `LossLog`)."""
         return LostBlocks()
 
     @abstractmethod

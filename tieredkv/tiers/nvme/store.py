@@ -11,7 +11,7 @@ Two-phase API, one CPU block per job (a block is `block_bytes` contiguous bytes,
     store.wait([job, ...]) -> {job: ok}    # blocks; `await store.wait_async(jobs)` under asyncio
     store.contains(block_hash); store.contains_run(hashes) -> leading ones stored; store.stats()
     store.record(hashes, num_hits_above)   # a request: the replacement policy learns from it
-    store.take_lost() -> LostBlocks        # blocks evicted or discarded since last asked, or all (file lost)
+    store.take_lost() -> LostBlocks        # blocks discarded (failed read) since last asked, or all (file lost)
     store.sync() -> ok                     # every job done, file fsynced
     store.close()                          # or `with NVMeStore(...) as store:`
 
@@ -113,7 +113,7 @@ class NVMeStore(BlockStore):
         self._ids = itertools.count(1)
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._said: set[str] = set()  # the kinds of fault logged as a warning already
-        self._lost = LossLog()  # stored blocks evicted, discarded or lost with the file, for `take_lost`
+        self._lost = LossLog()  # stored blocks discarded or lost with the file, for `take_lost`
         self._sequence, self._closed = 0, False
         # time with reads in flight: bytes read over it is the read bandwidth the engine gets
         self._reads_in_flight, self._read_busy_since, self._read_busy_s = 0, 0.0, 0.0
@@ -178,9 +178,7 @@ class NVMeStore(BlockStore):
             if reservation is None or isinstance(reservation, Declined):
                 self._counts["write_rejected" if reservation is None else "write_declined"] += 1
                 return None
-            if reservation.evicted is not None:
-                self._counts["evictions"] += 1
-                self._lost.lose(reservation.evicted)
+            self._counts["evictions"] += reservation.evicted is not None
             self._sequence += 1
             job = self._new_job("write", block_hash, parent_hash, tokens, reservation.slot, payload)
             # the payload checksum is made on the I/O side
@@ -223,8 +221,9 @@ class NVMeStore(BlockStore):
             self.index.record(block_hashes, num_hits_above)
 
     def take_lost(self) -> LostBlocks:
-        """The stored blocks lost since the last call: evicted, discarded after a failed read,
-        or all of them (the file was lost: this looks, as a submit does)."""
+        """The stored blocks lost since the last call: discarded after a failed read, or all of
+        them (the file was lost: this looks, as a submit does). Not those its policy evicted:
+        that was its choice."""
         self._check_file()
         with self._cond:
             return self._lost.take()

@@ -13,7 +13,7 @@ it (thread-safe).
     ledger.failed(write_hashes, num_reads); ledger.error()    # jobs that did not run; a fault
     ledger.first_fault(kind)                     # True once per kind: the store logs it as a warning
     ledger.clear()                               # the server lost its blocks
-    ledger.take_lost() -> LostBlocks             # blocks deleted, found gone, or all (cleared) since last asked
+    ledger.take_lost() -> LostBlocks             # blocks found gone, or all (cleared) since last asked
     ledger.stats() -> {"remote_...": n}; ledger.read_busy_s()
 """
 
@@ -42,7 +42,7 @@ class Ledger:
         self._counts: Counter[str] = Counter(dict.fromkeys(_COUNTERS, 0))
         self._said: set[str] = set()  # the kinds of fault logged as a warning already
         self._index = BlockIndex()
-        self._lost = LossLog()  # blocks known stored that went (deleted, found gone, cleared), for `take_lost`
+        self._lost = LossLog()  # blocks known stored that went (found gone, cleared), for `take_lost`
         self._writing: set[int] = set()
         # time with reads in flight: bytes read over it is the read bandwidth the engine gets
         self._reads_in_flight, self._read_busy_since, self._read_busy_s = 0, 0.0, 0.0
@@ -81,8 +81,6 @@ class Ledger:
                 self._counts["rejected_writes"] += 1
                 return None
             self._counts["evicted_blocks"] += len(doomed)
-            for doomed_hash in doomed:
-                self._lost.lose(doomed_hash)
             self._writing.add(block_hash)
             return doomed
 
@@ -158,8 +156,9 @@ class Ledger:
             self._lost.lose_all()
 
     def take_lost(self) -> LostBlocks:
-        """The blocks known stored that went since the last call: deleted for the budget,
-        found missing or damaged by a read, or all of them (the server lost its blocks)."""
+        """The blocks known stored that went since the last call: found missing or damaged by a
+        read, or all of them (the server lost its blocks). Not those deleted for the budget:
+        that was this engine's choice."""
         with self._lock:
             return self._lost.take()
 

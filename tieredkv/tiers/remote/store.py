@@ -6,7 +6,7 @@
     job = store.submit_write(ref, src)     # None: stored already, over budget, or the tier is down
     job = store.submit_read(ref, dst)      # None: not stored (a miss)
     store.poll() -> [(job, ok), ...]; store.wait([job, ...]) -> {job: ok}
-    store.take_lost() -> LostBlocks        # blocks deleted or found gone since last asked, or all (new epoch)
+    store.take_lost() -> LostBlocks        # blocks found gone since last asked, or all (new epoch)
     store.stats(); store.measure_read_bandwidth(); store.close()
 
 Writes queue to an asyncio loop on a thread of its own (`connection.py`), which sends them
