@@ -8,8 +8,8 @@ transfers wait for) with up to 64 or 8 jobs pending. Then the host time of the s
 job is made of (pinning its block ids, their copy to the GPU, an event, one DMA, a stream
 wait), idle and busy.
 
-Profile (`--profile`): 600 idle jobs of 4 or 16 consecutive blocks under `cProfile`, the
-functions that take the host's time (own time and with what they call).
+Profile (`--profile`): 600 idle jobs of 4 or 16 consecutive blocks, their submits under
+`cProfile`: the functions that take the host's time (own time and with what they call).
 
 Queue depth (`--queue-depth`): a stream waits for a 200 ms GPU sleep while the host queues
 1-row copies (or kernels, or events) on it; prints after how many the host blocked.
@@ -58,7 +58,9 @@ class SubmitCost:
         return TransferJob(kind, gpu, cpu)
 
     def submits(self, label: str, busy: bool, pending_cap: int, fragmented: bool,
-                sizes: tuple[int, ...] = (4, 16, 64), count: int = 120) -> None:
+                sizes: tuple[int, ...] = (4, 16, 64), count: int = 120,
+                profiler: cProfile.Profile | None = None) -> None:
+        """Time `count` jobs (under `profiler` too, if given: the submits only)."""
         engine = self.engine
         times: dict[int, list[float]] = {n: [] for n in sizes}
         for rep in range(count):
@@ -66,9 +68,13 @@ class SubmitCost:
                 torch.cuda._sleep(SLEEP_CYCLES)
             n = sizes[rep % len(sizes)]
             job = self.job("d2h" if rep % 2 else "h2d", n, fragmented)
+            if profiler is not None:
+                profiler.enable()
             start = time.perf_counter()
             engine.submit(job)
             times[n].append(time.perf_counter() - start)
+            if profiler is not None:
+                profiler.disable()
             engine.order_compute()
             if len(engine._pending) > pending_cap:
                 engine.poll()
@@ -78,20 +84,9 @@ class SubmitCost:
             print(f"{label:40s} blocks {n:3d}: {_ms(times[n])}", flush=True)
 
     def profile(self, count: int = 600) -> None:
-        jobs = [self.job("d2h" if rep % 2 else "h2d", (4, 16)[rep % 4 // 2], False) for rep in range(count)]
         profiler = cProfile.Profile()
-        start = time.perf_counter()
-        profiler.enable()
-        for job in jobs:
-            self.engine.submit(job)
-            self.engine.order_compute()
-            if len(self.engine._pending) > 8:
-                self.engine.poll()
-        profiler.disable()
-        took = time.perf_counter() - start
-        torch.cuda.synchronize()
-        self.engine.poll()
-        print(f"profile: {count} jobs, {took / count * 1e3:.3f} ms a job (under cProfile)", flush=True)
+        self.submits("under cProfile, idle, consecutive", False, 8, False, sizes=(4, 16), count=count,
+                     profiler=profiler)
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(25)
         stats.sort_stats("cumulative").print_stats(25)
