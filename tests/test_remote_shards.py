@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.redis_server import wait_until
 from tests.reference import settle_writes
 from tests.remote_link import SlowLink
 from tests.remote_worker import GREEDY, LOAD_WINS, NEW_TOKENS, prompts, remote_llm
@@ -59,7 +60,11 @@ def generate(llm) -> list[list[int]]:
 def test_one_server_killed_mid_run_costs_recomputes_and_no_wrong_token(two_servers, expected):
     urls = [s.url for s in two_servers]
     fcfs = {"cost_model": LOAD_WINS, "scheduling_policy": "fcfs"}
+    for server in two_servers:  # the blocks they hold are this engine's (not an earlier test's)
+        server.client().flushall()
     with remote_llm(urls, scheduler=fcfs) as llm:
+        # under load the first contact can outlast the start's wait: both links up before it runs
+        wait_until(lambda: llm.stats()["remote_servers_up"] == 2, what="both servers reachable")
         assert generate(llm) == expected
         settle_writes(llm)  # idle steps: the spill-ahead writes go out
         assert all(s.block_keys() for s in two_servers), "both servers hold blocks"
@@ -75,7 +80,7 @@ def test_one_server_killed_mid_run_costs_recomputes_and_no_wrong_token(two_serve
         llm.reset_prefix_cache()  # what the engine knows is on the servers, it reads from them
         assert generate(llm) == expected
         stats = llm.stats()
-    assert stats["remote_errors"] > 0  # the killed server's share: each read failed, recomputed
+    assert stats["remote_errors"] > 0, stats  # the killed server's share: each read failed, recomputed
     assert stats["remote_hit_blocks"] > 0  # the other server's share came back
     assert stats["remote_servers_up"] == 1 and not stats["remote_connected"]
 
