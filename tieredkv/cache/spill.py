@@ -96,9 +96,10 @@ class Spill:
         # before spill-ahead; the oldest gives its block up to a new copy when none is free
         self._waiting: deque[tuple[Block, BlockRef]] = deque()
         self._writes: dict[int, tuple[Block, int, bool]] = {}  # write job -> (CPU block, hash, staged)
-        # hashes of CPU blocks the store holds: spill-ahead skips these without calling into the
-        # store (it scans its window on every step); `poll` takes out those the store lost
-        self._on_disk: set[int] = set()
+        # cpu block id -> the hash of the content of it that is on disk: spill-ahead skips these
+        # without calling into the store (it scans its window on every step); `poll` takes out
+        # those the store lost
+        self._on_disk: dict[int, int] = {}
         # cpu block id -> (hash, when) of content the store refused: spill-ahead passes over it a while
         self._refused: dict[int, tuple[int, float]] = {}
         self._failures = 0  # failed writes in a row
@@ -217,7 +218,7 @@ class Spill:
         now = said = time.monotonic()
         written = 0
         for block in list(blocks):
-            if block.block_hash in self._on_disk:
+            if self._on_disk.get(block.block_id) == block.block_hash:
                 continue
             if not closing and self._refused_lately(block, now):
                 continue
@@ -225,7 +226,7 @@ class Spill:
                 return
             self._settle_one_if_full()
             if self.store.contains(block.block_hash):  # e.g. loaded from disk: left where it is
-                self._note_stored(block.block_hash)
+                self._on_disk[block.block_id] = block.block_hash
                 self.skipped_blocks += 1
             else:
                 self.cpu_pool.pin(block)  # while written: never evicted, never waited for
@@ -234,14 +235,6 @@ class Spill:
                 if closing and time.monotonic() - said >= CLOSING_PROGRESS_S:
                     said = time.monotonic()
                     logger.info("closing: writing the CPU tier's cached blocks to the store, %d so far", written)
-
-    def _note_stored(self, block_hash: int) -> None:
-        """The store holds the block. Past twice as many hashes as the CPU tier has blocks, those
-        it no longer caches are dropped: the set stays small where the store cannot list all it
-        drops (a Redis server evicting keys on its own)."""
-        self._on_disk.add(block_hash)
-        if len(self._on_disk) > 2 * len(self.cpu_pool.blocks):
-            self._on_disk = {h for h in self._on_disk if self.cpu_pool.cached_block(h) is not None}
 
     def _refused_lately(self, block: Block, now: float) -> bool:
         """Whether the store refused this content of the block less than REFUSED_RETRY_S ago."""
@@ -279,7 +272,7 @@ class Spill:
             self._staging.append(block)
             return
         if on_disk:
-            self._note_stored(block_hash)
+            self._on_disk[block.block_id] = block_hash
         self.cpu_pool.unpin(block)
 
     def _count_outcome(self, ok: bool) -> None:
@@ -326,8 +319,8 @@ class Spill:
                 reads.append((job, ok))
         if lost.everything:
             self._on_disk.clear()
-        else:
-            self._on_disk -= lost.block_hashes
+        elif lost.block_hashes:  # rare (a damaged or vanished block): one pass over the tier's blocks
+            self._on_disk = {block_id: h for block_id, h in self._on_disk.items() if h not in lost.block_hashes}
         return reads
 
     def _wrote_job(self, job: int, ok: bool) -> None:
