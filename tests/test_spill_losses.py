@@ -19,7 +19,7 @@ from tests.test_nvme_store import BLOCK_BYTES, BLOCK_SIZE, FP, cpu_pool, parent_
 from tieredkv.cache import spill as spill_module
 from tieredkv.cache.block_pool import BlockPool
 from tieredkv.cache.spill import Spill
-from tieredkv.tiers.backend import BlockRef, BlockStore
+from tieredkv.tiers.backend import MAX_LOST_LISTED, BlockRef, BlockStore, LossLog, LostBlocks
 from tieredkv.tiers.nvme.file_keeper import LOOK_EVERY_S
 from tieredkv.tiers.nvme.io_backends import FaultyBackend, SyncBackend
 from tieredkv.tiers.nvme.store import NVMeStore
@@ -169,3 +169,31 @@ def test_a_failed_write_is_not_taken_for_a_stored_block(tmp_path):
         assert stored(store, WINDOW) == WINDOW[1:] and store.stats()["io_errors"] == 1
         step(spill)
         assert stored(store, WINDOW) == WINDOW and store.stats()["writes"] == 8  # WINDOW[0] once more
+
+
+def test_a_block_a_read_found_damaged_is_written_again(tmp_path):
+    faulty = FaultyBackend(SyncBackend(2))
+    with nvme_store(tmp_path, backend=faulty) as store:
+        spill = Spill(store, cpu_tier(), cpu_pool(16))
+        step(spill)
+        assert stored(store, WINDOW) == WINDOW
+        faulty.inject("read", "error")  # a request's read of WINDOW[0] fails: the store discards it
+        job = store.submit_read(ref(WINDOW[0]), cpu_pool(1)[0])
+        assert store.wait([job], 30) == {job: False}
+        assert stored(store, WINDOW) == WINDOW[1:]
+        step(spill)
+        assert stored(store, WINDOW) == WINDOW and store.stats()["writes"] == 9  # WINDOW[0] once more
+
+
+def test_a_loss_log_past_its_listing_says_all_were_lost_and_losses_merge():
+    log = LossLog()
+    for block_hash in range(MAX_LOST_LISTED):
+        log.lose(block_hash)
+    assert log.take() == LostBlocks(block_hashes=frozenset(range(MAX_LOST_LISTED)))
+    assert log.take() == LostBlocks()  # taken: nothing since
+    for block_hash in range(MAX_LOST_LISTED + 1):
+        log.lose(block_hash)
+    assert log.take() == LostBlocks(everything=True)
+    some, other = LostBlocks(block_hashes=frozenset({1, 2})), LostBlocks(block_hashes=frozenset({3}))
+    assert LostBlocks.merge([some, other]) == LostBlocks(block_hashes=frozenset({1, 2, 3}))
+    assert LostBlocks.merge([some, LostBlocks(everything=True)]) == LostBlocks(everything=True)
