@@ -88,12 +88,18 @@ def run_step(sched: Scheduler, sim: SimKV, sample: Callable[[Sequence], int] = n
     copy_blocks(sim, sim.kv.take_block_copies())
     for item in out.scheduled:
         check_kv(sim, item.seq)
-        table = sim.kv.block_table(item.seq)
-        start = item.seq.num_computed_tokens
-        for pos in range(start, start + item.num_new_tokens):
-            sim.gpu[:, :, table[pos // BS], pos % BS] = float(item.seq.token_ids[pos])
+        write_kv(sim, item.seq, item.num_new_tokens)
     sched.update(out, [sample(seq) for seq in out.sampling])
     return out
+
+
+def write_kv(sim: SimKV, seq: Sequence, num_new_tokens: int) -> None:
+    """The forward pass's writes: the KV of each of the sequence's next `num_new_tokens` tokens
+    holds the token."""
+    table = sim.kv.block_table(seq)
+    start = seq.num_computed_tokens
+    for pos in range(start, start + num_new_tokens):
+        sim.gpu[:, :, table[pos // BS], pos % BS] = float(seq.token_ids[pos])
 
 
 def copy_blocks(sim: SimKV, copies: list[tuple[int, int]]) -> None:

@@ -8,7 +8,16 @@ import time
 
 import pytest
 
-from tests.kv_factory import BLOCK_BYTES, BS, check_kv, make_kv, make_scheduler, make_seq, run_step, run_until_done
+from tests.kv_factory import (
+    BLOCK_BYTES,
+    check_kv,
+    make_kv,
+    make_scheduler,
+    make_seq,
+    run_step,
+    run_until_done,
+    write_kv,
+)
 from tests.test_nvme_store import GatedBackend
 from tieredkv.cache.manager import Landed
 from tieredkv.cache.prefix import PrefixMatch
@@ -93,10 +102,8 @@ def test_a_swap_in_that_cannot_start_costs_that_sequence_a_recompute():
 
 
 def compute(sim, seq, n: int) -> None:
-    """The forward pass of `n` more tokens: each token's KV holds the token; full blocks cached."""
-    table = sim.kv.block_table(seq)
-    for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-        sim.gpu[:, :, table[pos // BS], pos % BS] = float(seq.token_ids[pos])
+    """The forward pass of `n` more tokens (`write_kv`); full blocks cached."""
+    write_kv(sim, seq, n)
     seq.num_computed_tokens += n
     sim.kv.commit(seq)
 
