@@ -15,11 +15,12 @@ import time
 import pytest
 
 from tests.redis_server import wait_until
-from tests.test_nvme_store import BLOCK_BYTES, BLOCK_SIZE, FP, cpu_pool, parent_of, slots_capacity, tokens_of
+from tests.test_nvme_store import BLOCK_BYTES, BLOCK_SIZE, FP, cpu_pool, slots_capacity
+from tests.test_slow_tier import ref
 from tieredkv.cache import spill as spill_module
 from tieredkv.cache.block_pool import BlockPool
 from tieredkv.cache.spill import Spill
-from tieredkv.tiers.backend import MAX_LOST_LISTED, BlockRef, BlockStore, LossLog, LostBlocks
+from tieredkv.tiers.backend import MAX_LOST_LISTED, BlockStore, LossLog, LostBlocks
 from tieredkv.tiers.nvme.file_keeper import LOOK_EVERY_S
 from tieredkv.tiers.nvme.io_backends import FaultyBackend, SyncBackend
 from tieredkv.tiers.nvme.store import NVMeStore
@@ -29,10 +30,6 @@ from tieredkv.tiers.remote.value_format import ValueLayout, block_key
 WINDOW = [1000 + i for i in range(8)]  # the coldest cached CPU blocks: those spill-ahead writes
 DEMOTED = [2000, 2001]  # blocks demoted through a staging block, not cached in the CPU tier
 REMOTE_FP = 0x5EED
-
-
-def ref(block_hash: int) -> BlockRef:
-    return BlockRef(block_hash, parent_of(block_hash), tuple(tokens_of(block_hash)))
 
 
 def cpu_tier() -> BlockPool:
