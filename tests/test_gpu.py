@@ -122,6 +122,31 @@ def test_gpu_round_trip_is_bit_identical(monkeypatch):
     tier.close()
 
 
+def test_gpu_submit_leaves_the_callers_stream_current():
+    """A job makes its side streams current in turn: the caller's stream is current again
+    after it, also after a job that failed half-way, and the job read what the caller's stream
+    wrote before it."""
+    from tieredkv.transfer.cuda import CudaTransferEngine
+    from tieredkv.transfer.engine import TransferError
+
+    kv = torch.randn((2, 2, 16, 4, 1, 8), device="cuda")
+    tier = CPUTier(8, (2, 2, 4, 1, 8), torch.float32, pin=True)
+    engine = CudaTransferEngine(kv, tier.data)
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(50_000_000)  # ~25 ms: the gather below must wait for the fill after it
+        kv[:, :, 3].fill_(7.0)
+        out = engine.submit(TransferJob("d2h", (3,), (5,)))
+        assert torch.cuda.current_stream() == caller
+        with pytest.raises(TransferError):
+            engine.submit(TransferJob("h2d", (4,), (99,)))  # the CPU tier has no block 99
+        assert torch.cuda.current_stream() == caller
+        engine.wait([out])
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert bool((tier.data[5] == 7.0).all())
+    tier.close()
+
+
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_gpu_with_and_without_cuda_graphs(enforce_eager, reference_outputs):
     prompts = make_prompts(vocab_size=512)

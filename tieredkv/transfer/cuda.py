@@ -73,15 +73,22 @@ class CudaTransferEngine(TransferEngine):
 
     def _start(self, job_id: int, job: TransferJob) -> None:
         job = _in_cpu_order(job)
+        caller_device = torch.cuda.current_device()
         compute = torch.cuda.current_stream(self.kv_cache.device)
         earlier = self._overlapping(job)
-        if job.kind == "d2h":
-            pending = self._d2h(job, compute, earlier)
-            # a GPU block freed by this job may be rewritten by the next forward pass: that pass
-            # must wait until the gathers have read it (the DMAs to the host may still run on)
-        else:
-            pending = self._h2d(job, compute, earlier)
-            # the next forward pass reads these blocks: it must wait until they have landed
+        try:
+            if job.kind == "d2h":
+                pending = self._d2h(job, compute, earlier)
+                # a GPU block freed by this job may be rewritten by the next forward pass: that
+                # pass must wait until the gathers have read it (the DMAs may still run on)
+            else:
+                pending = self._h2d(job, compute, earlier)
+                # the next forward pass reads these blocks: it must wait until they have landed
+        finally:
+            # the side streams were made current in turn (`set_stream`, a third of the cost of a
+            # `torch.cuda.stream` context each): the caller's stream and device come back
+            torch.cuda.set_stream(compute)
+            torch.cuda.set_device(caller_device)
         self._compute_waits[job_id] = pending.gpu_ready
         self._pending[job_id] = pending
 
@@ -97,10 +104,11 @@ class CudaTransferEngine(TransferEngine):
         return [(slice(i, i + n), job.cpu_block_ids[i : i + n]) for i in range(0, len(job.gpu_block_ids), n)]
 
     def _gpu_ids(self, job: TransferJob, stream: torch.cuda.Stream) -> torch.Tensor:
-        """The job's GPU block ids on the device, allocated on the stream that reads them."""
-        with torch.cuda.stream(stream):
-            host = torch.tensor(job.gpu_block_ids, dtype=torch.int64).pin_memory()
-            return host.to(self.kv_cache.device, non_blocking=True)
+        """The job's GPU block ids on the device, allocated on the stream that reads them, which
+        is left current."""
+        torch.cuda.set_stream(stream)
+        host = torch.tensor(job.gpu_block_ids, dtype=torch.int64, pin_memory=True)
+        return host.to(self.kv_cache.device, non_blocking=True)
 
     def _d2h(self, job: TransferJob, compute: torch.cuda.Stream, earlier: list[_Pending]) -> _Pending:
         ring = self.d2h
@@ -112,12 +120,12 @@ class CudaTransferEngine(TransferEngine):
         gpu_ids = self._gpu_ids(job, ring.first)
         for rows, cpu_ids in self._chunks(job):
             slot = ring.acquire()
-            with torch.cuda.stream(ring.first):
-                gather_blocks(self.kv_cache, gpu_ids[rows], slot[: len(cpu_ids)], self.copy_programs)
+            torch.cuda.set_stream(ring.first)
+            gather_blocks(self.kv_cache, gpu_ids[rows], slot[: len(cpu_ids)], self.copy_programs)
             ring.handoff()
-            with torch.cuda.stream(ring.second):
-                for pos, first, length in consecutive_runs(cpu_ids):
-                    self.cpu_data[first : first + length].copy_(slot[pos : pos + length], non_blocking=True)
+            torch.cuda.set_stream(ring.second)
+            for pos, first, length in consecutive_runs(cpu_ids):
+                self.cpu_data[first : first + length].copy_(slot[pos : pos + length], non_blocking=True)
             ring.release()
         return _Pending(job, ring.first_done(), ring.second_done())
 
@@ -131,12 +139,12 @@ class CudaTransferEngine(TransferEngine):
         gpu_ids = self._gpu_ids(job, ring.second)
         for rows, cpu_ids in self._chunks(job):
             slot = ring.acquire()
-            with torch.cuda.stream(ring.first):
-                for pos, first, length in consecutive_runs(cpu_ids):
-                    slot[pos : pos + length].copy_(self.cpu_data[first : first + length], non_blocking=True)
+            torch.cuda.set_stream(ring.first)
+            for pos, first, length in consecutive_runs(cpu_ids):
+                slot[pos : pos + length].copy_(self.cpu_data[first : first + length], non_blocking=True)
             ring.handoff()
-            with torch.cuda.stream(ring.second):
-                scatter_blocks(slot[: len(cpu_ids)], self.kv_cache, gpu_ids[rows], self.copy_programs)
+            torch.cuda.set_stream(ring.second)
+            scatter_blocks(slot[: len(cpu_ids)], self.kv_cache, gpu_ids[rows], self.copy_programs)
             ring.release()
         done = ring.second_done()
         return _Pending(job, done, ring.first_done())
