@@ -11,13 +11,11 @@ ops/s both ways and its time lost per store job.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import tempfile
 import time
 
 import torch
 
-from tieredkv.host_sections import host_section
 from tieredkv.tiers.backend import BlockRef
 from tieredkv.tiers.nvme import NVMeStore
 from tieredkv.tiers.nvme.slot_format import aligned_empty
@@ -26,42 +24,36 @@ BLOCK_SIZE = 16
 
 
 def engine_ops(count: int, store: NVMeStore | None, refs: list[BlockRef], blocks: torch.Tensor,
-               in_flight: int, every: int, op: str = "read", gpu_wait_s: float = 0.0,
-               mark: bool = False) -> tuple[float, int]:
-    """The engine thread's seconds for `count` small torch ops, in steps of `every` ops (a host
-    section, marked as the engine marks its own if `mark`), each followed by `gpu_wait_s` with
-    the GIL released (the GPU's part of a step; not counted), and the store jobs done meanwhile.
-    With a store, each step first keeps `in_flight` reads of `refs` (or writes of new blocks)
-    going."""
+               in_flight: int, every: int, op: str = "read") -> tuple[float, int]:
+    """Seconds for `count` small torch ops and the store jobs done meanwhile; with a store,
+    keep `in_flight` reads of `refs` (or writes of new blocks) going."""
     x = torch.zeros(8)
     pending: set[int] = set()
-    done = nxt = 0
-    host_s = 0.0
-    for _ in range(count // every):
-        start = time.perf_counter()
-        with host_section() if mark else contextlib.nullcontext():
-            if store is not None:
-                for job, _ok in store.poll():
-                    pending.discard(job)
-                    done += 1
-                want = max(0, in_flight - len(pending))
-                if op == "read":
-                    picked = [(nxt + k) % len(refs) for k in range(want)]
-                    pending.update(store.submit_reads([(refs[k], blocks[k]) for k in picked]))
-                else:
-                    for k in range(nxt + 1, nxt + want + 1):  # new blocks: hashes past the stored ones
-                        ref = BlockRef(len(refs) + k, 0, refs[0].token_ids)
-                        if (job := store.submit_write(ref, blocks[k % len(blocks)])) is not None:
-                            pending.add(job)
-                nxt += want
-            for _ in range(every):
-                x.add_(1)
-        host_s += time.perf_counter() - start
-        if gpu_wait_s:
-            time.sleep(gpu_wait_s)
+    done = 0
+    nxt = 0
+    start = time.perf_counter()
+    for i in range(count):
+        x.add_(1)
+        if store is not None and i % every == 0:
+            for job, _ok in store.poll():
+                pending.discard(job)
+                done += 1
+            want = in_flight - len(pending)
+            if want <= 0:
+                continue
+            if op == "read":
+                picked = [(nxt + k) % len(refs) for k in range(want)]
+                pending.update(store.submit_reads([(refs[k], blocks[k]) for k in picked]))
+            else:
+                for k in range(nxt + 1, nxt + want + 1):  # new blocks: hashes past the stored ones
+                    job = store.submit_write(BlockRef(len(refs) + k, 0, refs[0].token_ids), blocks[k % len(blocks)])
+                    if job is not None:
+                        pending.add(job)
+            nxt += want
+    elapsed = time.perf_counter() - start
     if store is not None:
         store.wait(list(pending))
-    return host_s, done
+    return elapsed, done
 
 
 def main() -> None:
@@ -72,9 +64,6 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=200_000)
     parser.add_argument("--in-flight", type=int, default=32)
     parser.add_argument("--every", type=int, default=50, help="ops between two polls/submits")
-    parser.add_argument("--gpu-wait-us", type=float, default=0.0,
-                        help="after each step's ops, wait this long with the GIL released, as for a GPU")
-    parser.add_argument("--mark", action="store_true", help="mark each step's ops as the engine's host section")
     parser.add_argument("--backend", default="uring")
     parser.add_argument("--dir", default=None, help="where the store file goes (default: a temporary folder)")
     args = parser.parse_args()
@@ -89,11 +78,9 @@ def main() -> None:
             refs = [BlockRef(i + 1, i, tuple(range(BLOCK_SIZE))) for i in range(args.blocks)]
             store.wait([job for ref, block in zip(refs, blocks, strict=True)
                         if (job := store.submit_write(ref, block)) is not None])
-            wait_s = args.gpu_wait_us / 1e6
-            alone, _ = engine_ops(args.ops, None, refs, blocks, args.in_flight, args.every, gpu_wait_s=wait_s)
-            busy, jobs = engine_ops(args.ops, store, refs, blocks, args.in_flight, args.every, args.op,
-                                    wait_s, args.mark)
-            again, _ = engine_ops(args.ops, None, refs, blocks, args.in_flight, args.every, gpu_wait_s=wait_s)
+            alone, _ = engine_ops(args.ops, None, refs, blocks, args.in_flight, args.every)
+            busy, jobs = engine_ops(args.ops, store, refs, blocks, args.in_flight, args.every, args.op)
+            again, _ = engine_ops(args.ops, None, refs, blocks, args.in_flight, args.every)
         finally:
             store.close()
     base = min(alone, again)

@@ -38,7 +38,6 @@ from tieredkv.calibrate import DiskProbe, calibrate
 from tieredkv.config import EXPERIMENT_SECTIONS, RESULTS_VAR, EngineConfig, read_yaml, resolve_paths
 from tieredkv.decode import Decoder
 from tieredkv.gc_pauses import GCPauses
-from tieredkv.host_sections import host_section
 from tieredkv.launched_prefill import LaunchedPrefill
 from tieredkv.limits import RequestLimits
 from tieredkv.model import locate
@@ -110,10 +109,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, policy, self.launched)
         self.limits = RequestLimits(self.runner.hf_config.vocab_size, self.runner.max_model_len, num_blocks,
                                     block_size, config.scheduler.max_num_seqs)
-        # a step's host section holds the GPU back only where a local GPU runs the step (on the
-        # CPU the launch is the forward pass, and the tiers' threads live in the ranks' processes)
-        local_gpu = self.runner.device.type == "cuda" and not parallel
-        self._host_section = host_section if local_gpu else contextlib.nullcontext
         if self.runner.device.type == "cuda" and not config.model.enforce_eager:
             self.runner.capture_graphs(min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH))
         self.decoder = Decoder(self.scheduler, self._decode_token if self.tokenizer is not None else None)
@@ -313,25 +308,23 @@ class LLMEngine:
         beam search: of those that ended)."""
         self._tend_every_s = TEND_EVERY_S
         begun = time.perf_counter()
-        with self._host_section():  # until the launch: background threads keep off the GIL
-            if not self._retired:  # no forward pass since the last step's schedule
-                with self._timed("loop_tiers_s"):
-                    self.kv.retire()
-            self._retired = False
-            with self._timed("loop_schedule_s"):
-                batch = self.scheduler.schedule()
-            if batch.scheduled:
-                with self._timed("loop_tiers_s"):
-                    tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
-                    self.kv.before_forward()
-                start = time.perf_counter()
-                with self._timed("loop_model_s"):
-                    result, prefill = self._launch(batch, tables, begun)
+        if not self._retired:  # no forward pass since the last step's schedule
+            with self._timed("loop_tiers_s"):
+                self.kv.retire()
+        self._retired = False
+        with self._timed("loop_schedule_s"):
+            batch = self.scheduler.schedule()
         if not batch.scheduled:
             if self.has_unfinished():  # everything waits for NVMe reads: let their threads run
                 with self._timed("loop_idle_s"):
                     time.sleep(IO_WAIT_S)
             return []
+        with self._timed("loop_tiers_s"):
+            tables = [self.kv.block_table(s.seq) for s in batch.scheduled]
+            self.kv.before_forward()
+        start = time.perf_counter()
+        with self._timed("loop_model_s"):
+            result, prefill = self._launch(batch, tables, begun)
         # the next step's tier bookkeeping, while the GPU runs this one (nothing between here and
         # the next schedule starts a transfer or a tier job)
         with self._timed("loop_tiers_s"):

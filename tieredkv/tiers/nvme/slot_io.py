@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from tieredkv.host_sections import wait_turn
 from tieredkv.tiers.nvme.block_io import BlockIO, IOOp, IORequest
 from tieredkv.tiers.nvme.slot_format import (
     ALIGN,
@@ -141,7 +140,6 @@ class SlotIO:
 
     def _issue_loop(self) -> None:
         while (job := self._next_job()) is not None:
-            wait_turn()  # its checksum, header and submission: outside the engine's host sections
             self._issue([job])
 
     def _issue(self, jobs: list[SlotJob]) -> None:
@@ -214,7 +212,6 @@ class SlotIO:
             with self._cond:
                 if self._stop and not self._pending():
                     return
-            wait_turn()  # completions that land in an engine host section wait for its end
             completions = self.backend.reap(_POLL_S)
             with self._cond:
                 jobs = [self._issued.get(completion.tag) for completion in completions]
@@ -226,7 +223,6 @@ class SlotIO:
                         completion.tag,
                     )
                     continue
-                wait_turn()  # one job's checks at a time between the engine's host sections
                 try:
                     fault = self._outcome(job, completion.result)
                 except Exception:  # a bug, not a disk fault: counted apart; the job fails so
