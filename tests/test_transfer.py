@@ -23,6 +23,8 @@ def test_round_trip_of_scattered_blocks_is_bit_identical():
     for src, dst in zip(gpu_ids, (1, 4, 19, 8, 0), strict=True):
         assert torch.equal(kv[:, :, dst], original[:, :, src])
     assert engine.bytes_moved == {"d2h": 5 * cpu[0].numel() * 2, "h2d": 5 * cpu[0].numel() * 2}
+    assert engine.jobs_started == {"d2h": 1, "h2d": 1}
+    assert engine.submit_s["d2h"] > 0 and engine.submit_s["h2d"] > 0  # the CPU twin copies inside submit
 
 
 def test_consecutive_runs():
@@ -36,3 +38,4 @@ def test_a_copy_that_fails_to_start_raises_transfer_error():
     with pytest.raises(TransferError, match="d2h transfer of 1 blocks failed: shape mismatch"):
         engine.submit(TransferJob("d2h", (0,), (1,)))
     assert engine.num_failures == 1 and engine.bytes_moved["d2h"] == 0
+    assert engine.jobs_started["d2h"] == 0 and engine.submit_s["d2h"] == 0.0

@@ -260,6 +260,7 @@ def format_summary(s: Summary) -> str:
         ("moved D2H / H2D",
          f"{s.stats.get('bytes_d2h', 0) / 2**20:.1f} / {s.stats.get('bytes_h2d', 0) / 2**20:.1f} MiB"),
         ("compute waited on transfers", f"{s.stats.get('transfer_wait_s', 0.0):.3f} s"),
+        ("transfer jobs D2H / H2D: started, host ms a job", _jobs_row(s.stats)),
         ("CPU demotions: kept / turned down",
          f"{s.stats.get('cpu_demoted_blocks', 0)} / {s.stats.get('cpu_rejected_blocks', 0)} "
          f"({s.stats.get('nvme_staged_blocks', 0)} staged for the tier below, "
@@ -281,6 +282,16 @@ def format_summary(s: Summary) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"== {s.name} =="] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def _jobs_row(stats: dict[str, Any]) -> str:
+    """Each direction's jobs and the engine loop's mean time to submit one."""
+    parts = []
+    for kind in ("d2h", "h2d"):
+        jobs = stats.get(f"transfer_jobs_{kind}", 0)
+        host_ms = 1e3 * stats.get(f"transfer_submit_{kind}_s", 0.0) / max(jobs, 1)
+        parts.append(f"{jobs}, {host_ms:.3f}")
+    return " / ".join(parts)
 
 
 def _split_row(figures: dict[str, Any]) -> tuple[str, str]:

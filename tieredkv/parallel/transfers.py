@@ -35,12 +35,15 @@ class WorkerTransfers:
         self._finished: list[int] = []
         self._wait_s = [0.0] * ranks.world
         self.bytes_moved = {"d2h": 0, "h2d": 0}
+        self.jobs_started = {"d2h": 0, "h2d": 0}
+        self.submit_s = {"d2h": 0.0, "h2d": 0.0}  # only queued here: the ranks start the jobs
         self.num_failures = 0
 
     def submit(self, job: TransferJob) -> int:
         assert len(job.gpu_block_ids) == len(job.cpu_block_ids), "one CPU block per GPU block"
         self._unsent.append(job)
         self._next_id += 1
+        self.jobs_started[job.kind] += 1
         self.bytes_moved[job.kind] += len(job.gpu_block_ids) * self.block_bytes
         return self._next_id - 1
 

@@ -65,6 +65,8 @@ class TransferEngine:
         self._ids = itertools.count()
         self._finished: list[int] = []
         self.bytes_moved = {"d2h": 0, "h2d": 0}
+        self.jobs_started = {"d2h": 0, "h2d": 0}
+        self.submit_s = {"d2h": 0.0, "h2d": 0.0}  # the caller's time in `submit`, jobs that started
         self.num_failures = 0
         self._wait_s = 0.0  # compute time lost to transfers, see `compute_wait_s`
 
@@ -72,11 +74,14 @@ class TransferEngine:
         """Start `job`; raise TransferError if it cannot run (nothing was copied)."""
         assert len(job.gpu_block_ids) == len(job.cpu_block_ids), "one CPU block per GPU block"
         job_id = next(self._ids)
+        start = time.perf_counter()
         try:
             self._start(job_id, job)
         except (RuntimeError, ValueError) as err:
             self.num_failures += 1
             raise TransferError(f"{job.kind} transfer of {len(job.gpu_block_ids)} blocks failed: {err}") from err
+        self.submit_s[job.kind] += time.perf_counter() - start
+        self.jobs_started[job.kind] += 1
         self.bytes_moved[job.kind] += len(job.gpu_block_ids) * self.block_bytes
         return job_id
 
@@ -164,6 +169,14 @@ class FaultyTransfers:
     @property
     def bytes_moved(self) -> dict[str, int]:
         return self.inner.bytes_moved
+
+    @property
+    def jobs_started(self) -> dict[str, int]:
+        return self.inner.jobs_started
+
+    @property
+    def submit_s(self) -> dict[str, float]:
+        return self.inner.submit_s
 
     @property
     def num_failures(self) -> int:
