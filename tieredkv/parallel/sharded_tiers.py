@@ -128,6 +128,7 @@ class _Job:
     kind: str
     left: dict[int, int] = field(default_factory=dict)  # rank -> its store's job
     ok: bool = True
+    reported: bool = True  # False: a write that cannot make the block whole runs on, unreported
 
 
 _SUMMED = (
@@ -160,10 +161,18 @@ class RankStores(BlockStore):
             store.record(block_hashes, num_hits_above)
 
     def submit_write(self, ref: BlockRef, src: Sequence[torch.Tensor]) -> int | None:
-        """Write every rank's slice; None if no rank's store started a write (each holds the
-        block already, or has no room)."""
+        """Write every rank's slice; None if the block will not be whole: no rank's store
+        started a write (each holds the block already, or has no room), or a rank that started
+        none does not hold it (no room there). The writes other ranks started then run on, and
+        are not reported: the block is not stored, and `contains` says so."""
         started = [store.submit_write(ref, part) for store, part in zip(self.stores, src, strict=True)]
-        return self._start("write", started)
+        job = self._start("write", started)
+        refused = any(sub is None and not store.contains(ref.block_hash)
+                      for store, sub in zip(self.stores, started, strict=True))
+        if job is not None and refused:
+            self._jobs[job].reported = False
+            return None
+        return job
 
     def submit_read(self, ref: BlockRef, dst: Sequence[torch.Tensor]) -> int | None:
         """Read every rank's slice; None if no rank holds it. If some rank misses it, the reads
@@ -197,6 +206,8 @@ class RankStores(BlockStore):
         if job.left:
             return None
         del self._jobs[job_id]
+        if not job.reported:
+            return None
         if job.ok:
             self._counts["hits" if job.kind == "read" else "writes"] += 1
         return job_id, job.ok
