@@ -11,10 +11,17 @@ wait), idle and busy.
 Profile (`--profile`): 600 idle jobs of 4 or 16 consecutive blocks, their submits under
 `cProfile`: the functions that take the host's time (own time and with what they call).
 
+Serving (`--serving`): steps as the engine runs them on multi_turn_8b's store variant, where
+a job cost 1.55 ms (D2H) and 1.88 ms (H2D) of host time against 0.3-0.9 ms above: each step
+queues ~7 ms of compute, submits a D2H job of 67 blocks in runs of 6 consecutive CPU blocks and
+an H2D job of 236 blocks in runs of 14 (the mean sizes seen there, and the runs simulated),
+orders the compute after them and waits for the step, as the engine's sampling does. With
+`--profile`, under cProfile.
+
 Queue depth (`--queue-depth`): a stream waits for a 200 ms GPU sleep while the host queues
 1-row copies (or kernels, or events) on it; prints after how many the host blocked.
 
-    python benchmarks/transfer_host_time.py [--long] [--queue-depth] [--profile]
+    python benchmarks/transfer_host_time.py [--long] [--queue-depth] [--serving] [--profile]
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from tieredkv.transfer.engine import TransferJob
 
 POOL_BLOCKS, CPU_BLOCKS = 4096, 2048
 SLEEP_CYCLES = 200_000_000  # ~100 ms of GPU sleep
+STEP_CYCLES = 14_000_000  # ~7 ms: a decode step's forward pass on multi_turn_8b
+SERVING_JOBS = (("d2h", 67, 6), ("h2d", 236, 14))  # kind, blocks, consecutive CPU blocks a run
 
 
 def _ms(xs: list[float]) -> str:
@@ -56,6 +65,37 @@ class SubmitCost:
             start = self.rng.randrange(CPU_BLOCKS - n)
             cpu = tuple(range(start, start + n))
         return TransferJob(kind, gpu, cpu)
+
+    def job_in_runs(self, kind: str, n: int, run: int) -> TransferJob:
+        """A job of `n` random GPU blocks into (or from) runs of `run` consecutive CPU blocks."""
+        gpu = tuple(self.rng.sample(range(POOL_BLOCKS), n))
+        starts = self.rng.sample(range(CPU_BLOCKS // run), -(-n // run))
+        cpu = tuple(start * run + i for start in starts for i in range(run))[:n]
+        return TransferJob(kind, gpu, cpu)
+
+    def serving(self, steps: int = 200, profiler: cProfile.Profile | None = None) -> None:
+        """Time the submits of `steps` engine-like steps (module docstring)."""
+        engine = self.engine
+        times: dict[str, list[float]] = {kind: [] for kind, _, _ in SERVING_JOBS}
+        for _ in range(steps):
+            torch.cuda._sleep(STEP_CYCLES)  # this step's forward pass, launched before the next step's jobs
+            engine.poll()
+            for kind, n, run in SERVING_JOBS:
+                job = self.job_in_runs(kind, n, run)
+                if profiler is not None:
+                    profiler.enable()
+                start = time.perf_counter()
+                engine.submit(job)
+                times[kind].append(time.perf_counter() - start)
+                if profiler is not None:
+                    profiler.disable()
+            engine.order_compute()
+            torch.cuda.current_stream().synchronize()  # the sampling's wait for the step
+        torch.cuda.synchronize()
+        engine.poll()
+        label = "serving" + (", under cProfile" if profiler is not None else "")
+        for kind, n, run in SERVING_JOBS:
+            print(f"{label:28s} {kind} {n:3d} blocks in runs of {run:2d}: {_ms(times[kind])}", flush=True)
 
     def submits(self, label: str, busy: bool, pending_cap: int, fragmented: bool,
                 sizes: tuple[int, ...] = (4, 16, 64), count: int = 120,
@@ -83,10 +123,13 @@ class SubmitCost:
         for n in sizes:
             print(f"{label:40s} blocks {n:3d}: {_ms(times[n])}", flush=True)
 
-    def profile(self, count: int = 600) -> None:
+    def profile(self, count: int = 600, serving: bool = False) -> None:
         profiler = cProfile.Profile()
-        self.submits("under cProfile, idle, consecutive", False, 8, False, sizes=(4, 16), count=count,
-                     profiler=profiler)
+        if serving:
+            self.serving(count // 2, profiler)
+        else:
+            self.submits("under cProfile, idle, consecutive", False, 8, False, sizes=(4, 16), count=count,
+                         profiler=profiler)
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(25)
         stats.sort_stats("cumulative").print_stats(25)
@@ -156,6 +199,7 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="end with 1,200 busy fragmented jobs (to profile)")
     parser.add_argument("--queue-depth", action="store_true", help="only the queue-depth probe")
     parser.add_argument("--profile", action="store_true", help="only the profile of a submit's host time")
+    parser.add_argument("--serving", action="store_true", help="only engine-like steps (with --profile: profiled)")
     args = parser.parse_args()
     require_cuda()
     if args.queue_depth:
@@ -164,7 +208,10 @@ def main() -> None:
     bench = SubmitCost()
     bench.submits("warmup", False, 4, True, count=30)
     if args.profile:
-        bench.profile()
+        bench.profile(serving=args.serving)
+        return
+    if args.serving:
+        bench.serving()
         return
     bench.submits("idle, fragmented", False, 1000, True)
     bench.submits("idle, consecutive", False, 1000, False)
