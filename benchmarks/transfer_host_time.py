@@ -66,6 +66,17 @@ class SubmitCost:
             cpu = tuple(range(start, start + n))
         return TransferJob(kind, gpu, cpu)
 
+    def timed_submit(self, job: TransferJob, profiler: cProfile.Profile | None) -> float:
+        """Submit `job` (under `profiler` too, if given); the seconds the submit took."""
+        if profiler is not None:
+            profiler.enable()
+        start = time.perf_counter()
+        self.engine.submit(job)
+        took = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
+        return took
+
     def job_in_runs(self, kind: str, n: int, run: int) -> TransferJob:
         """A job of `n` random GPU blocks into (or from) runs of `run` consecutive CPU blocks."""
         gpu = tuple(self.rng.sample(range(POOL_BLOCKS), n))
@@ -81,14 +92,7 @@ class SubmitCost:
             torch.cuda._sleep(STEP_CYCLES)  # this step's forward pass, launched before the next step's jobs
             engine.poll()
             for kind, n, run in SERVING_JOBS:
-                job = self.job_in_runs(kind, n, run)
-                if profiler is not None:
-                    profiler.enable()
-                start = time.perf_counter()
-                engine.submit(job)
-                times[kind].append(time.perf_counter() - start)
-                if profiler is not None:
-                    profiler.disable()
+                times[kind].append(self.timed_submit(self.job_in_runs(kind, n, run), profiler))
             engine.order_compute()
             torch.cuda.current_stream().synchronize()  # the sampling's wait for the step
         torch.cuda.synchronize()
@@ -107,14 +111,7 @@ class SubmitCost:
             if busy and rep % 20 == 0:
                 torch.cuda._sleep(SLEEP_CYCLES)
             n = sizes[rep % len(sizes)]
-            job = self.job("d2h" if rep % 2 else "h2d", n, fragmented)
-            if profiler is not None:
-                profiler.enable()
-            start = time.perf_counter()
-            engine.submit(job)
-            times[n].append(time.perf_counter() - start)
-            if profiler is not None:
-                profiler.disable()
+            times[n].append(self.timed_submit(self.job("d2h" if rep % 2 else "h2d", n, fragmented), profiler))
             engine.order_compute()
             if len(engine._pending) > pending_cap:
                 engine.poll()
