@@ -119,6 +119,10 @@ class StepCost:
     # kernels holds the rest (an H200 running llama-3-8b: ~0.3, BENCHMARKS.md "Where the launch
     # time goes"); 0: the queue never fills. Decode steps, one graph each, never wait
     launch_waits: float = 0.0
+    # the loop's time to submit one CPU-tier copy job, by direction (D2H, H2D), before the step's
+    # launch: multi_turn_8b's store variant measured 1.55 / 1.88 ms on an H200 (BENCHMARKS.md,
+    # "fifth sitting"); 0: the copies cost the loop nothing
+    transfer_job_s: tuple[float, float] = (0.0, 0.0)
 
     def seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
         """The step's time for chunks of (tokens computed before, new tokens)."""
@@ -277,11 +281,13 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
             now = wake if wake is not None and wake < requests[i][0] else requests[i][0]
             kv.retire()
             continue
+        jobs_before = _jobs_started(offload)
         start = time.perf_counter()
         kv.retire()
         out = sched.schedule()
         host_s += time.perf_counter() - start
         if not out.scheduled:  # its KV is landing from the CPU tier (by the next step), or from the disk
+            now += _jobs_s(offload, jobs_before, cost)
             wakes = [t for t in (disk.next_finish() if disk is not None else None,
                                  gpu.next_end() if gpu is not None else None) if t is not None]
             idle = 0 if wakes else idle + 1
@@ -289,6 +295,8 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
             now = max(now + cost.step_s, min(wakes, default=0.0))
             continue
         idle = 0
+        kv.before_forward()  # its demotions' copy jobs go before the launch, as the engine's
+        now += _jobs_s(offload, jobs_before, cost)  # the loop's time submitting the step's copies
         step_s = cost.seconds([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
         if gpu is None:
             now += step_s
@@ -297,7 +305,6 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
                           if s.seq.num_computed_tokens < s.seq.num_prompt_tokens)
             end, returned = gpu.launch(out.num_tokens, prefill, step_s)
             now = end if out.sampling else returned
-        kv.before_forward()
         _book(sched, out, records, now)
     stats = {"loop_schedule_s": host_s, **{f"{kind}_preemptions": n for kind, n in sched.num_preemptions.items()},
              "refused": sum(r.error is not None for r in records.values()), "held_back": dict(sched.held_back)}
@@ -312,6 +319,19 @@ def simulate(engine_doc: dict, requests: list[Request], cost: StepCost, disk_byt
     if replayed is not None:
         stats["cpu_tier_replay"] = replayed
     return list(records.values()), now, stats
+
+
+def _jobs_started(offload: CPUOffload | None) -> tuple[int, int]:
+    """The CPU tier's copy jobs started so far: D2H, H2D."""
+    if offload is None:
+        return 0, 0
+    return offload.transfers.jobs_started["d2h"], offload.transfers.jobs_started["h2d"]
+
+
+def _jobs_s(offload: CPUOffload | None, before: tuple[int, int], cost: StepCost) -> float:
+    """The loop's seconds for the copy jobs started since `before` (`StepCost.transfer_job_s`)."""
+    now = _jobs_started(offload)
+    return sum((n - b) * job_s for n, b, job_s in zip(now, before, cost.transfer_job_s, strict=True))
 
 
 class SimLaunched:
@@ -717,6 +737,10 @@ def main() -> None:
                         help="with --sim: each variant's loop takes the launch time (per step and per token) "
                              "that `tieredkv run` measured for it, in one of these result.json files (one a "
                              "variant), and schedules ahead of the GPU as with --host-us-per-token")
+    parser.add_argument("--transfer-host-ms", metavar="D2H,H2D",
+                        help="with --sim: the loop's time to submit one CPU-tier copy job of each direction, "
+                             "charged before the step's launch (1.55,1.88 measured in serving on an H200: "
+                             "BENCHMARKS.md; default: none)")
     parser.add_argument("--perturb", default="1",
                         help="with --sim: scale each step's fixed time by these factors, each a run (e.g. "
                              "1,1.001,1.002): how far a figure moves under a change too small to matter, and "
@@ -736,9 +760,15 @@ def main() -> None:
     if not all(f > 0 for f in factors):
         raise SystemExit(f"--perturb: expected positive factors, got {args.perturb!r}")
     if (args.bound or args.disk_gbps or args.step_ms or args.host_us_per_token is not None or args.launch_from
-            or factors != [1.0] or args.replay_policies) and not args.sim:
-        raise SystemExit("--bound, --disk-gbps, --step-ms, --host-us-per-token, --launch-from, --perturb and "
-                         "--replay-policies take the simulated clock: add --sim")
+            or factors != [1.0] or args.replay_policies or args.transfer_host_ms) and not args.sim:
+        raise SystemExit("--bound, --disk-gbps, --step-ms, --host-us-per-token, --launch-from, --perturb, "
+                         "--replay-policies and --transfer-host-ms take the simulated clock: add --sim")
+    try:
+        job_s = tuple(float(ms) / 1e3 for ms in (args.transfer_host_ms or "0,0").split(","))
+    except ValueError:
+        job_s = ()
+    if len(job_s) != 2 or not all(s >= 0 for s in job_s):
+        raise SystemExit(f"--transfer-host-ms: expected two numbers >= 0 like 1.55,1.88, got {args.transfer_host_ms!r}")
     if args.launch_from and args.host_us_per_token is not None:
         raise SystemExit("--launch-from gives each variant its launch time: drop --host-us-per-token")
     for flag, value in (("--disk-gbps", args.disk_gbps), ("--step-ms", args.step_ms)):
@@ -758,7 +788,7 @@ def main() -> None:
     step_s = args.step_ms / 1e3 if args.step_ms else H200_LLAMA_8B.step_s
     host_s = args.host_us_per_token / 1e6 if args.host_us_per_token is not None else None
     sim_costs = [dataclasses.replace(H200_LLAMA_8B, step_s=step_s * f, host_s_per_token=host_s,
-                                     launch_waits=args.launch_waits) for f in factors]
+                                     launch_waits=args.launch_waits, transfer_job_s=job_s) for f in factors]
     disk_bytes_per_s = args.disk_gbps * 1e9 if args.disk_gbps else None
     doc = read_yaml(args.config)
     workload = doc.get("workload") or {}

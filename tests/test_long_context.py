@@ -182,6 +182,25 @@ def test_the_simulated_benchmark_replays_the_stream_its_cpu_tier_served_under_ev
         bench.main()
 
 
+def test_the_simulated_loop_pays_for_the_copy_jobs_it_submits(bench):
+    """`--transfer-host-ms`: each CPU-tier copy job costs the loop its time before the step's
+    launch. The prompt found in the CPU tier again is copied in by an H2D job: at 0.5 s a job,
+    its first token comes at least 0.5 s later; D2H jobs cost nothing here."""
+    engine = {"model": "llama-3-8b", "cache": {"block_size": 16, "num_gpu_blocks": 256, "cpu_cache_bytes": "1GiB",
+                                               "cpu_policy": "lru"},
+              "scheduler": {"max_num_batched_tokens": 8192}}
+    prompt = list(range(1, 2001))
+    requests = [(0.0, "first", prompt, False, 4)]
+    requests += [(1.0 + i, f"other{i}", [10_000 * (i + 1) + j for j in range(2000)], False, 4) for i in range(3)]
+    requests += [(20.0, "again", [*prompt, 7], False, 4)]
+    ttft = {}
+    for job_s in ((0.0, 0.0), (0.0, 0.5)):
+        cost = dataclasses.replace(bench.H200_LLAMA_8B, transfer_job_s=job_s)
+        records, _, _ = bench.simulate(engine, requests, cost)
+        ttft[job_s] = next(r for r in records if r.tag == "again").ttft
+    assert ttft[0.0, 0.5] >= ttft[0.0, 0.0] + 0.5
+
+
 def test_the_simulated_benchmark_plans_the_questions_about_documents(bench):
     """A `long_doc_qa` workload on the simulated clock: its requests, as `run` sends them."""
     doc = {"workload": {"kind": "long_doc_qa", "documents": 2, "document_tokens": 32, "questions": 2, "rate": 1.0}}
