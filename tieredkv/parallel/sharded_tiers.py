@@ -167,9 +167,8 @@ class RankStores(BlockStore):
         are not reported: the block is not stored, and `contains` says so."""
         started = [store.submit_write(ref, part) for store, part in zip(self.stores, src, strict=True)]
         job = self._start("write", started)
-        refused = any(sub is None and not store.contains(ref.block_hash)
-                      for store, sub in zip(self.stores, started, strict=True))
-        if job is not None and refused:
+        if job is not None and any(sub is None and not store.contains(ref.block_hash)
+                                   for store, sub in zip(self.stores, started, strict=True)):
             self._jobs[job].reported = False
             return None
         return job
