@@ -603,18 +603,24 @@ def test_a_request_that_gives_up_its_late_reads_computes_and_they_still_land_in_
     assert pool.lookup(5, parent_of(5), tuple(tokens_of(5))) is not None
 
 
-def test_a_request_planned_again_waits_for_its_old_reads_and_counts_none_of_its_plan_in():
+def test_a_request_planned_again_holds_the_blocks_its_old_reads_bring_and_waits_for_them():
     store, pool = HungReads(), BlockPool(16)
     lower = LowerTier(store, pool, torch.zeros((16, *BLOCK_SHAPE)), AdmitAll())
+    free = pool.num_free
     assert lower.plan("r", [ref(h) for h in (1, 2, 3, 4)], load_from=0) == 4
     lower.forget("r")  # freed (preempted, say) while its four reads are out
-    assert lower.plan("r", [ref(1), ref(2)], load_from=0) == 2
+    assert lower.plan("r", [ref(1), ref(2), ref(5)], load_from=0) == 3
+    assert store.reads == [1, 2, 3, 4, 5]  # blocks 1 and 2 are not read again: their reads are out
     lower.await_loads("r")
-    # none of its new plan's two blocks is in yet; it waits for its six reads (the queue)
-    assert lower.late("r") == (0, 0, 2, 6)
+    # none of its new plan's three blocks is in yet; it waits for its five reads (the queue)
+    assert lower.late("r") == (0, 0, 3, 5)
     store.finish()
     lower.retire()
     assert lower.late("r") is None and lower.wait_state("r") is LoadWait.LANDED
+    assert lower.loaded_blocks == 5 and pool.num_free == free - 3  # it holds 1, 2 and 5; 3 and 4 are free
+    lower.landed("r")
+    assert pool.num_free == free
+    assert all(pool.lookup(h, parent_of(h), tuple(tokens_of(h))) is not None for h in (1, 2, 3, 4, 5))
 
 
 def cached_block(pool: BlockPool, h: int):

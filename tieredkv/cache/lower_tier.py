@@ -228,7 +228,7 @@ class LowerTier:
         (no CPU block free, or evicted from the store since the lookup); how many. The reads
         go to the store in one `submit_reads`, which stops at the first miss: the CPU blocks
         taken from that one on are let go again."""
-        taken = self._take(refs)
+        taken = self._take(refs, self._let_go(request_id))
         reads = [(ref, block) for block, ref in taken if ref is not None]
         jobs = self.store.submit_reads([(ref, self.cpu_blocks[b.block_id]) for ref, b in reads]) if reads else []
         if len(jobs) < len(reads):  # reads[len(jobs)] missed: it and every block after it are let go
@@ -244,12 +244,26 @@ class LowerTier:
             self._reads_left[request_id] = self._reads_left.get(request_id, 0) + len(jobs)
         return len(taken)
 
-    def _take(self, refs: Sequence[BlockRef]) -> list[tuple[Block, BlockRef | None]]:
-        """A CPU block for each of `refs`, in order, up to the first with none free: the one
-        the CPU tier holds already (touched; no ref: nothing to read), else a new one with the
-        ref to read into it."""
+    def _let_go(self, request_id: str) -> dict[int, int]:
+        """The request's reads in flight whose blocks it let go of (freed while they were out)
+        and still waits for, by block hash: their jobs."""
+        if not self._orphans:
+            return {}
+        return {read.ref.block_hash: job for job, read in self._reads_of(request_id).items()
+                if job in self._orphans and job not in self._given_up}
+
+    def _take(self, refs: Sequence[BlockRef], let_go: dict[int, int]) -> list[tuple[Block, BlockRef | None]]:
+        """A CPU block for each of `refs`, in order, up to the first with none free: the one a
+        read the request let go of still fills (held again; `let_go`: hash -> job), the one
+        the CPU tier holds already (touched), neither with a ref (nothing to read), else a new
+        one with the ref to read into it."""
         taken: list[tuple[Block, BlockRef | None]] = []
         for ref in refs:
+            job = let_go.get(ref.block_hash)
+            if job is not None:
+                self._orphans.discard(job)
+                taken.append((self._reads[job].block, None))
+                continue
             cached = self.cpu_pool.lookup(ref.block_hash, ref.parent_hash, ref.token_ids)
             if cached is not None:
                 self.cpu_pool.touch(cached)
@@ -332,7 +346,8 @@ class LowerTier:
 
     def forget(self, request_id: str) -> None:
         """The request was freed: forget its plan; its reads in flight still finish (planned
-        again before they land, it waits for them too: they bring blocks it asks for)."""
+        again before they land, it waits for them too: they bring blocks it asks for, and its
+        new plan holds those again instead of reading them twice)."""
         self._load_from.pop(request_id, None)
         self._waiting.discard(request_id)
         self._clocks.pop(request_id, None)
