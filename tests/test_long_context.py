@@ -154,10 +154,9 @@ def test_the_simulated_benchmark_reads_back_from_a_simulated_disk(bench):
     assert again.cached_tokens >= 16 * stats["loaded_blocks"] >= 1500  # read back before its turn: its prefix
 
 
-def test_the_simulated_benchmark_replays_the_stream_its_cpu_tier_served_under_every_policy(bench, monkeypatch):
-    """`--replay-policies`: the CPU tier's block trace of a simulated run, replayed under every
-    replacement policy. A 2k-token prompt pushed out of the GPU by three others stays in the
-    1 GiB LRU CPU tier and hits there when it comes again: the replay finds that hit."""
+def a_prompt_back_from_the_cpu_tier() -> tuple[dict, list]:
+    """An engine with a 1 GiB LRU CPU tier, and a 2k-token prompt pushed out of its GPU by three
+    others that comes again (`again`) at 20 s, when the CPU tier still holds it."""
     engine = {"model": "llama-3-8b", "cache": {"block_size": 16, "num_gpu_blocks": 256, "cpu_cache_bytes": "1GiB",
                                                "cpu_policy": "lru"},
               "scheduler": {"max_num_batched_tokens": 8192}}
@@ -165,6 +164,14 @@ def test_the_simulated_benchmark_replays_the_stream_its_cpu_tier_served_under_ev
     requests = [(0.0, "first", prompt, False, 4)]
     requests += [(1.0 + i, f"other{i}", [10_000 * (i + 1) + j for j in range(2000)], False, 4) for i in range(3)]
     requests += [(20.0, "again", [*prompt, 7], False, 4)]
+    return engine, requests
+
+
+def test_the_simulated_benchmark_replays_the_stream_its_cpu_tier_served_under_every_policy(bench, monkeypatch):
+    """`--replay-policies`: the CPU tier's block trace of a simulated run, replayed under every
+    replacement policy. A 2k-token prompt pushed out of the GPU by three others stays in the
+    1 GiB LRU CPU tier and hits there when it comes again: the replay finds that hit."""
+    engine, requests = a_prompt_back_from_the_cpu_tier()
     records, _, stats = bench.simulate(engine, requests, bench.H200_LLAMA_8B)
     assert "cpu_tier_replay" not in stats
     records, _, stats = bench.simulate(engine, requests, bench.H200_LLAMA_8B, replay_policies=True)
@@ -186,13 +193,7 @@ def test_the_simulated_loop_pays_for_the_copy_jobs_it_submits(bench):
     """`--transfer-host-ms`: each CPU-tier copy job costs the loop its time before the step's
     launch. The prompt found in the CPU tier again is copied in by an H2D job: at 0.5 s a job,
     its first token comes at least 0.5 s later; D2H jobs cost nothing here."""
-    engine = {"model": "llama-3-8b", "cache": {"block_size": 16, "num_gpu_blocks": 256, "cpu_cache_bytes": "1GiB",
-                                               "cpu_policy": "lru"},
-              "scheduler": {"max_num_batched_tokens": 8192}}
-    prompt = list(range(1, 2001))
-    requests = [(0.0, "first", prompt, False, 4)]
-    requests += [(1.0 + i, f"other{i}", [10_000 * (i + 1) + j for j in range(2000)], False, 4) for i in range(3)]
-    requests += [(20.0, "again", [*prompt, 7], False, 4)]
+    engine, requests = a_prompt_back_from_the_cpu_tier()
     ttft = {}
     for job_s in ((0.0, 0.0), (0.0, 0.5)):
         cost = dataclasses.replace(bench.H200_LLAMA_8B, transfer_job_s=job_s)
