@@ -109,6 +109,7 @@ def test_a_run_writes_each_split_and_the_engine_loop_in_a_valid_result(tmp_path)
     assert 0 < stats["decode_steps"] < stats["steps"]
     loop_s = stats["loop_model_s"] + stats["loop_schedule_s"] + stats["loop_tiers_s"]
     assert 0 < stats["decode_step_host_s"] < stats["decode_step_s"] <= loop_s
+    assert 0 < stats["decode_step_schedule_s"] < stats["decode_step_host_s"]  # the rest: tier work, tables
     # learned only where steps run behind the loop (a GPU)
     assert stats["launch_s_fixed"] == stats["launch_s_per_token"] == 0.0
     # the collector's pauses, which stop the loop wherever they fall

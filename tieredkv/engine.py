@@ -118,7 +118,8 @@ class LLMEngine:
         self._loop_s = dict.fromkeys(LOOP_STATS, 0.0)
         self._longest_step_s = 0.0  # one step's forward pass and sampling: a stall shows here
         # steps with no prefill token: how many, the loop's time before each launch, each whole step
-        self._decode_steps = {"decode_steps": 0, "decode_step_host_s": 0.0, "decode_step_s": 0.0}
+        self._decode_steps = {"decode_steps": 0, "decode_step_host_s": 0.0, "decode_step_schedule_s": 0.0,
+                              "decode_step_s": 0.0}
         self._tend_every_s = TEND_EVERY_S  # how long the idle loop waits between two tends
         self._retired = False  # the tiers' bookkeeping ran beside the last forward pass
         self._gc = GCPauses()  # the collector's pauses stop the loop too
@@ -312,8 +313,10 @@ class LLMEngine:
             with self._timed("loop_tiers_s"):
                 self.kv.retire()
         self._retired = False
+        scheduling = time.perf_counter()
         with self._timed("loop_schedule_s"):
             batch = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         if not batch.scheduled:
             if self.has_unfinished():  # everything waits for NVMe reads: let their threads run
                 with self._timed("loop_idle_s"):
@@ -337,6 +340,7 @@ class LLMEngine:
         if not prefill:  # the gap between two tokens of a decoding request
             self._decode_steps["decode_steps"] += 1
             self._decode_steps["decode_step_host_s"] += start - begun
+            self._decode_steps["decode_step_schedule_s"] += scheduled - scheduling
             self._decode_steps["decode_step_s"] += ended - begun
         outputs = [self._output(seq) for seq in news]
         for out in outputs:

@@ -316,7 +316,8 @@ def _loop_row(stats: dict[str, Any]) -> tuple[str, str]:
     if stats.get("decode_steps"):  # a decode-only step is the gap between two tokens
         n = stats["decode_steps"]
         longest += (f"; {n} decode-only steps, {stats['decode_step_host_s'] / n * 1e3:.2f} ms before"
-                    f" the launch of {stats['decode_step_s'] / n * 1e3:.2f} ms each")
+                    f" the launch ({stats.get('decode_step_schedule_s', 0.0) / n * 1e3:.2f} scheduling)"
+                    f" of {stats['decode_step_s'] / n * 1e3:.2f} ms each")
     if "gc_pause_s" in stats:
         longest += (f"; GC {stats['gc_pause_s']:.2f} s ({stats['gc_full_collections']} full,"
                     f" longest {stats['gc_longest_pause_s'] * 1e3:,.0f} ms)")
