@@ -4,6 +4,7 @@ content is read as its text parts; the engine keeps giving the tokens it gave be
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tieredkv import LLM, SamplingParams
@@ -74,8 +75,21 @@ def test_list_content_is_its_text_parts(llm):
      "sampling_params: expected a SamplingParams or one per prompt, got int"),
     (lambda llm: llm.add_request([5, 6], SamplingParams(max_tokens=2, logprobs=10**9)),
      r"logprobs: 1000000000 exceeds the vocabulary \(\d+ tokens\)"),
+    (lambda llm: llm.chat(None, GREEDY, use_tqdm=False), "messages: expected a conversation .* got NoneType"),
+    (lambda llm: llm.chat(MESSAGES[0], GREEDY, use_tqdm=False), "messages: expected a conversation .* got dict"),
 ])
 def test_wrong_arguments_are_a_value_error_naming_them(llm, baseline, call, message):
     with pytest.raises(ValueError, match=message):
         call(llm)
     assert_still_serving(llm, baseline)
+
+
+def test_numpy_values_are_taken_as_their_python_values():
+    params = SamplingParams(max_tokens=np.int64(4), min_tokens=np.int64(1), skip_special_tokens=np.bool_(False))
+    assert (params.max_tokens, params.min_tokens, params.skip_special_tokens) == (4, 1, False)
+    assert type(params.min_tokens) is int and type(params.skip_special_tokens) is bool
+
+
+def test_an_engine_key_given_by_position_is_a_type_error_naming_config():
+    with pytest.raises(TypeError, match="config: expected an EngineConfig, got 'cpu'; give the other engine keys"):
+        LLM("tiny-llama", "cpu")

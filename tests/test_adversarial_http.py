@@ -100,6 +100,18 @@ def test_a_value_of_the_wrong_type_is_400_naming_it(server, baseline, field, val
     assert_still_serving(server, baseline)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("stop", [f"{i:040d}" for i in range(20_000)], "stop: at most 256 strings"),
+    ("stop_token_ids", list(range(100_000)), "stop_token_ids: at most 1024 token ids"),
+])
+def test_stop_conditions_past_the_bound_are_400(server, baseline, field, value, message):
+    """Checked at every token of every sample, a request's stop conditions are bounded: such a
+    request (under the body limit) used to slow every other request ~200x while it ran."""
+    error = refused(httpx.post(f"{server.url}/v1/completions", json={**GOOD, "n": 4, field: value}))
+    assert error["param"] == field and error["message"].startswith(message)
+    assert_still_serving(server, baseline)
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}),
     ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}}),

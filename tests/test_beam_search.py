@@ -90,6 +90,9 @@ def test_beam_search_errors():
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError, match="length_penalty: expected a finite number"):
         BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
+    # a score divides by tokens ** length_penalty: past 1.8e308 it used to raise OverflowError mid-search
+    with pytest.raises(ValueError, match=r"length_penalty: expected a number in \[-512.0, 512.0\] with max_tokens=4"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=1000.0)
     with LLM(model="tiny-llama", num_gpu_blocks=16, max_num_seqs=2) as llm:
         fine, too_long = llm.beam_search([[1, 2], list(range(3, 300))], BeamSearchParams(2, 4), use_tqdm=False)
         assert fine.error is None and len(fine.sequences) == 2

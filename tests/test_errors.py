@@ -40,6 +40,8 @@ def test_bad_size_names_the_key(bad):
         ({"preemption": "drop"}, "preemption: 'drop' is not allowed"),
         ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization: expected a fraction in \(0, 1\]"),
         ({"nvme_bytes": "1GiB"}, "set nvme_path"),
+        ({"cpu_cache_bytes": "1e400"}, r"cpu_cache_bytes: '1e400' is more bytes than any machine has"),
+        ({"seed": 2**64}, r"seed: expected an integer in \[0, 18446744073709551615\]"),
     ],
 )
 def test_config_errors(kwargs, message):
@@ -58,6 +60,20 @@ def test_yaml_errors(tmp_path):
         LLM.from_yaml(str(unknown))
     with pytest.raises(ValueError, match="does not exist"):
         LLM.from_yaml(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match=r"cannot read .* \(Is a directory\)"):
+        LLM.from_yaml(str(tmp_path))
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ValueError, match="nests its mappings and lists too deeply"):
+        LLM.from_yaml(str(deep))
+
+
+def test_a_large_engine_seed_still_seeds_every_sampled_request():
+    """The engine's seed derives each request's generator seed: it used to overflow past ~1.8e13
+    and fail every sampled request without a seed of its own."""
+    with LLM(model="tiny-llama", block_size=4, num_gpu_blocks=16, seed=2**64 - 1) as llm:
+        outs = llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=3, temperature=1.0), use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["length", "length"] and all(len(o.token_ids) == 3 for o in outs)
 
 
 def test_unknown_model():
@@ -73,6 +89,12 @@ def test_unknown_model():
         ({"top_p": 0}, r"top_p: expected a number in \(0, 1\]"),
         ({"top_k": 0}, "top_k: expected an integer >= 1"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        # stop conditions are checked at every token: one request may not slow every other's steps
+        ({"stop": ["x"] * 257}, "stop: at most 256 strings of at most 1024 characters each, got 257"),
+        ({"stop": ["x" * 1025]}, "stop: at most 256 strings .* got 1 of up to 1025 characters"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids: at most 1024 token ids, got 1025"),
+        ({"stop": [""] * 10**5}, r"stop: expected a non-empty string .* \(\d+ characters\)"),  # quoted cut short
+        ({"min_tokens": 20}, r"min_tokens: expected an integer in \[0, max_tokens=16\]"),
     ],
 )
 def test_sampling_param_errors(kwargs, message):

@@ -112,6 +112,7 @@ def test_a_missed_slo_is_a_miss(tmp_path):
     [
         ({"slo": {"ttft_p90": 100}}, "slo.ttft_p90: not a target; write <latency>_<statistic>_ms"),
         ({"slo": {"ttft_p90_ms": -1}}, r"slo.ttft_p90_ms: expected milliseconds > 0"),
+        ({"slo": {"ttft_p150_ms": 100}}, r"slo.ttft_p150_ms: a percentile is at most p100, got p150"),
         ({"sweep": {"rate": [1, 1]}}, "sweep.rate: load point listed twice"),
         ({"sweep": {"rate": 2, "users": 3}}, "sweep: expected one workload key"),
         ({"sweep": {"rte": [1, 2]}}, "unknown key 'sweep rte': did you mean 'sweep rate'?"),

@@ -163,8 +163,14 @@ def test_prometheus_port_errors_are_clear():
         ({"kind": "multi_turn", "userz": 3}, "did you mean 'workload.users'"),
         ({"kind": "long_doc_qa", "rate": -1}, "workload.rate: expected requests per second > 0"),
         ({"kind": "replay"}, "a replay needs the JSONL file"),
-        ({"kind": "multi_turn", "think_time_s": -1}, "workload.think_time_s: expected seconds >= 0"),
+        ({"kind": "multi_turn", "think_time_s": -1}, "workload.think_time_s: expected a finite number of seconds >= 0"),
         ({"kind": "multi_turn", "first_message_tokens": 0}, "workload.first_message_tokens"),
+        # values that used to hang a run or end it with a traceback
+        ({"kind": ["multi_turn"]}, r"workload.kind: \['multi_turn'\] is not allowed"),
+        ({"kind": "multi_turn", "think_time_s": float("inf")}, "workload.think_time_s: expected a finite number"),
+        ({"kind": "multi_turn", "rate": float("nan")}, "workload.rate: expected requests per second > 0"),
+        ({"kind": "replay", "path": "t.jsonl", "time_scale": float("inf")}, "workload.time_scale: expected a factor"),
+        ({"kind": "replay", "path": "t.jsonl", "speed": float("nan")}, "workload.speed: expected a factor > 0"),
     ],
 )
 def test_workload_errors(workload, message):

@@ -39,6 +39,8 @@ def test_top_k_one_is_greedy(llm):
     greedy = tokens(llm, SamplingParams(max_tokens=16, temperature=0.0))
     assert tokens(llm, SamplingParams(max_tokens=16, temperature=0.7, top_k=1, seed=3)) == greedy
     assert tokens(llm, SamplingParams(max_tokens=16, temperature=0.7, top_p=1e-6, seed=3)) == greedy
+    # 0 in float32: the most likely token still stays (every token used to be dropped: an error)
+    assert tokens(llm, SamplingParams(max_tokens=16, temperature=0.7, top_p=1e-300, seed=3)) == greedy
 
 
 def test_top_k_restricts_the_choice():
@@ -105,3 +107,7 @@ def test_cli_help_and_errors(tmp_path):
     bad.write_text("model: tiny-llama\ncache:\n  blok_size: 4\n")
     run = subprocess.run([sys.executable, "-m", "tieredkv.cli", "run", str(bad)], capture_output=True, text=True)
     assert run.returncode == 2 and "did you mean 'cache.block_size'" in run.stderr
+    for args, flag in ((["serve", "--model", "tiny-llama", "--port", "99999"], "--port"),
+                       (["run", str(bad), "--prometheus-port", "-5"], "--prometheus-port")):
+        run = subprocess.run([sys.executable, "-m", "tieredkv.cli", *args], capture_output=True, text=True)
+        assert run.returncode == 2 and f"argument {flag}: invalid port_number value" in run.stderr, run.stderr

@@ -25,6 +25,7 @@ A hypothesis's tokens include its EOS token, as `generate`'s output (and `LLM.ge
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -54,6 +55,12 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens: expected an integer >= 1, got {self.max_tokens!r}")
         if not is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty: expected a finite number, got {self.length_penalty!r}")
+        # every score divides by (generated tokens) ** length_penalty: it must stay a float
+        bound = math.log(sys.float_info.max) / math.log(self.max_tokens) if self.max_tokens > 1 else math.inf
+        if abs(self.length_penalty) > bound:
+            raise ValueError(f"length_penalty: expected a number in [-{bound:.1f}, {bound:.1f}] with max_tokens="
+                             f"{self.max_tokens} (tokens ** length_penalty overflows past it), "
+                             f"got {self.length_penalty!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: expected True or False, got {self.ignore_eos!r}")
         object.__setattr__(self, "beam_width", int(self.beam_width))

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run each engine in a thread of this process, beside the clients (default: in a process "
                      "of its own, as `tieredkv serve` runs it; in-process, the clients' event loop and the engine "
                      "take turns on one GIL, which delays each token's delivery by milliseconds)")
-    run.add_argument("--prometheus-port", type=int, metavar="PORT",
+    run.add_argument("--prometheus-port", type=serve.port_number, metavar="PORT",
                      help="serve the engine's stats and the clients' latencies at :PORT/metrics while the run "
                      "lasts (needs prometheus-client)")
     run.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level (same as --log-level debug)")

@@ -39,6 +39,8 @@ __all__ = [
     "ParallelConfig",
 ]
 
+MAX_SEED = 2**64 - 1  # the largest seed torch.manual_seed takes
+MAX_SIZE_BYTES = 2**64
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -57,6 +59,8 @@ def parse_size(value: int | float | str, key: str = "size") -> int:
         )
     if number < 0:
         raise ValueError(f"{key}: a size cannot be negative, got {value!r}")
+    if number > MAX_SIZE_BYTES:
+        raise ValueError(f"{key}: {value!r} is more bytes than any machine has (at most 2**64)")
     if number.denominator != 1:
         raise ValueError(f"{key}: {value!r} is not a whole number of bytes")
     return int(number)
@@ -149,7 +153,7 @@ class ModelConfig:
         _set(self, "model", os.path.expanduser(os.fspath(self.model)))
         check_choice("device", self.device, get_args(Device))
         check_choice("dtype", self.dtype, get_args(DType))
-        _set(self, "seed", as_int("seed", self.seed, 0))
+        _set(self, "seed", as_int("seed", self.seed, 0, MAX_SEED))
         if self.max_model_len is not None:
             _set(self, "max_model_len", as_int("max_model_len", self.max_model_len, 1))
         if not isinstance(self.enforce_eager, bool):
@@ -415,6 +419,10 @@ def read_yaml(path: str) -> dict[str, Any]:
             doc = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader
     except FileNotFoundError:
         raise ValueError(f"config: file {path!r} does not exist") from None
+    except OSError as err:  # a folder, no permission, ...
+        raise ValueError(f"config: cannot read {path!r} ({err.strerror or err})") from None
+    except RecursionError:
+        raise ValueError(f"config: {path} nests its mappings and lists too deeply to be a config") from None
     except DuplicateKeyError as err:
         raise ValueError(
             f"config: {path}, line {err.line}: duplicate key {err.key!r}; give each key once"

@@ -251,7 +251,7 @@ class LLMEngine:
         if params.seed is not None:
             seed = (params.seed + sample) % 2**64
         else:
-            seed = self.config.model.seed * 1_000_003 + next(self._ids)
+            seed = (self.config.model.seed * 1_000_003 + next(self._ids)) % 2**64
         # with workers, rank 0 samples with a generator of its own seeded from this one
         device = "cpu" if isinstance(self.runner, Workers) else self.runner.device
         return torch.Generator(device=device).manual_seed(seed)
@@ -479,6 +479,9 @@ class LLM(LLMEngine):
 
     def __init__(self, model: str = "tiny-llama", config: EngineConfig | None = None, **kwargs: Any) -> None:
         """`LLM(model=..., **keywords)`, or `LLM(config=EngineConfig(...))`."""
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config: expected an EngineConfig, got {config!r}; give the other engine keys by name, "
+                            "e.g. LLM(model, device='cpu')")
         super().__init__(config or EngineConfig.from_kwargs(model=model, **kwargs))
         self._generate_lock = threading.Lock()
         self._scratch: weakref.finalize | None = None  # removes the folder `from_yaml` made for `${results}`
@@ -611,6 +614,9 @@ class LLM(LLMEngine):
     ) -> list[RequestOutput]:
         """Reply to a conversation (`[{"role": "user", "content": "..."}, ...]`), or to each of a
         list of them, through the tokenizer's chat template; outputs in order."""
+        if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+            raise ValueError(f"messages: expected a conversation ([{{'role': ..., 'content': ...}}, ...]) or a list "
+                             f"of them, got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [chat_prompt(self.tokenizer, c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 # Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a subnormal
 # temperature overflows to inf, and the distribution is an argmax long before that anyway.
 SAMPLING_EPS = 1e-5
+# a request's stop conditions are checked at every token it samples: bounded, so that one
+# request cannot slow the step of every other (OpenAI takes 4 stop strings)
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 256, 1024, 1024
 
 
 @dataclass(frozen=True)
@@ -78,16 +81,16 @@ class SamplingParams:
     def _check_text_fields(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop: expected a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(f"stop: expected a non-empty string or a list of them, got {_short(self.stop)}")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters "
+                             f"each, got {len(stop)} of up to {max(map(len, stop))} characters")
         object.__setattr__(self, "stop", tuple(stop))
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not (
-            0 <= self.min_tokens <= self.max_tokens
-        ):
-            raise ValueError(
-                f"min_tokens: expected an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
-            )
-        if not isinstance(self.skip_special_tokens, bool):
+        self._set("min_tokens", _integer("min_tokens", self.min_tokens, f"in [0, max_tokens={self.max_tokens}]",
+                                         0, self.max_tokens + 1))
+        if not isinstance(self.skip_special_tokens, (bool, np.bool_)):
             raise ValueError(f"skip_special_tokens: expected true or false, got {self.skip_special_tokens!r}")
+        self._set("skip_special_tokens", bool(self.skip_special_tokens))
 
     def _check_fork_fields(self) -> None:
         self._set("n", _integer("n", self.n, ">= 1 (samples per request)", 1))
@@ -128,11 +131,19 @@ def _stop_token_ids(value: object) -> tuple[int, ...]:
     if is_int(value):
         value = (value,)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ValueError(f"stop_token_ids: expected a list of non-negative token ids, got {value!r}")
+        raise ValueError(f"stop_token_ids: expected a list of non-negative token ids, got {_short(value)}")
     ids = tuple(value)
     if not all(is_int(t) and t >= 0 for t in ids):
-        raise ValueError(f"stop_token_ids: expected a list of non-negative token ids, got {value!r}")
+        raise ValueError(f"stop_token_ids: expected a list of non-negative token ids, got {_short(value)}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, got {len(ids)}")
     return tuple(int(t) for t in ids)
+
+
+def _short(value: object, limit: int = 200) -> str:
+    """`repr(value)`, cut to `limit` characters (an error message quotes what it refuses)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -195,8 +206,10 @@ def _probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        # keep the smallest prefix whose mass reaches top_p; the first token always stays, also
+        # where top_p rounds to 0 in the probabilities' dtype (1e-46 in float32)
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False
         probs = probs.scatter(0, order[drop], 0.0)
     return probs
 

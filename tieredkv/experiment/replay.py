@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 from tieredkv.config import check_choice
-from tieredkv.experiment.sending import Client, check_fields, clock
+from tieredkv.experiment.sending import Client, check_fields, clock, finite_number
 from tieredkv.experiment.traces import (
     TraceFormat,
     TraceLine,
@@ -61,14 +61,13 @@ class ReplayWorkload:
             raise ValueError("workload.path: a replay needs the JSONL file of requests")
         check_choice("workload.format", self.format, get_args(TraceFormat))
         check_fields(self)
-        if not isinstance(self.time_scale, (int, float)) or isinstance(self.time_scale, bool) or self.time_scale < 0:
+        if not finite_number(self.time_scale, 0.0, inclusive=True):
             raise ValueError(
                 f"workload.time_scale: expected a factor >= 0 (0.5 replays twice as fast), got {self.time_scale!r}"
             )
         if self.rate is not None and self.time_scale != 1.0:
             raise ValueError("workload.rate: set either rate (requests per second) or time_scale, not both")
-        if self.speed is not None and (isinstance(self.speed, bool) or not isinstance(self.speed, (int, float))
-                                       or not 0 < self.speed < float("inf")):
+        if self.speed is not None and not finite_number(self.speed, 0.0, inclusive=False):
             raise ValueError(f"workload.speed: expected a factor > 0 (2 replays twice as fast), got {self.speed!r}")
         if self.speed is not None and (self.rate is not None or self.time_scale != 1.0):
             raise ValueError("workload.speed: set either speed or rate / time_scale, not both "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -40,11 +41,18 @@ def check_fields(workload: Any) -> None:
         value = getattr(workload, f.name)
         if f.type in ("int", int) or (f.type == "int | None" and value is not None):
             check_int(f"workload.{f.name}", value, 0 if f.name == "seed" else 1)
-        elif f.name.endswith("_s") and value is not None and (not isinstance(value, (int, float)) or value < 0):
-            raise ValueError(f"workload.{f.name}: expected seconds >= 0, got {value!r}")
+        elif f.name.endswith("_s") and value is not None and not finite_number(value, 0.0, inclusive=True):
+            raise ValueError(f"workload.{f.name}: expected a finite number of seconds >= 0, got {value!r}")
     rate = getattr(workload, "rate", None)
-    if rate is not None and (not isinstance(rate, (int, float)) or rate <= 0):
+    if rate is not None and not finite_number(rate, 0.0, inclusive=False):
         raise ValueError(f"workload.rate: expected requests per second > 0, or null for all at once, got {rate!r}")
+
+
+def finite_number(value: Any, low: float, inclusive: bool) -> bool:
+    """Whether `value` is a finite number above `low` (or equal, if `inclusive`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value >= low if inclusive else value > low
 
 
 def arrival_times(rng: random.Random, rate: float | None, n: int) -> list[float]:

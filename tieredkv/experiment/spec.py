@@ -274,7 +274,7 @@ def _points(key: str, values: list[float]) -> list[float]:
 
 def _check_sweep_key(key: str, section: dict[str, Any]) -> None:
     kind = section.get("kind", "multi_turn")
-    cls = WORKLOADS.get(kind)
+    cls = WORKLOADS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         return  # make_workload names the bad kind
     allowed = [f for f in cls.__dataclass_fields__ if f not in ("path", "format", "seed")]

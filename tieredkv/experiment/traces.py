@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -120,8 +121,8 @@ class _Where:
 
     def number(self, key: str, default: float | None = None, minimum: float = 0) -> float:
         value = self.row.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
-            raise self.error(f"field {key!r}: expected a number >= {minimum}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value < math.inf:
+            raise self.error(f"field {key!r}: expected a finite number >= {minimum}, got {value!r}")
         return float(value)
 
     def integer(self, key: str, minimum: int) -> int:

@@ -220,7 +220,7 @@ def make_workload(section: dict[str, Any]) -> Workload:
     """Build the workload named by `section["kind"]` from the rest of its keys."""
     section = dict(section)
     kind = section.pop("kind", "multi_turn")
-    if kind not in WORKLOADS:
+    if not isinstance(kind, str) or kind not in WORKLOADS:
         raise ValueError(f"workload.kind: {kind!r} is not allowed; choose one of {', '.join(map(repr, WORKLOADS))}")
     cls = WORKLOADS[kind]
     allowed = [f.name for f in dataclasses.fields(cls)]

@@ -94,7 +94,7 @@ def build_preset_shard(
         return model
     full = preset_config(name)
     layout.check(full)
-    torch.manual_seed(seed * 1_000_003 + layout.rank)  # each rank draws its own shard
+    torch.manual_seed((seed * 1_000_003 + layout.rank) % 2**64)  # each rank draws its own shard
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(
             rank_config(full, layout), dtype=dtype, attn_implementation=attn_implementation

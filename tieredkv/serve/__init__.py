@@ -29,10 +29,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--model", help="preset name or model directory (overrides the file's)")
     serve.add_argument("--served-model-name", help="the name clients use in `model` (default: --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000; 0: any free)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port to listen on (default: 8000; 0: any free)")
     serve.add_argument("--engine-loop", choices=("process", "thread"), default="process",
                        help="where the engine loop runs: a process of its own, so the web server never holds "
                        "the GIL it needs (default), or a thread of the server's process")
+
+
+def port_number(value: str) -> int:
+    """A TCP port from the command line (0: any free one); argparse names the flag on error."""
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise ValueError(value)
+    return port
 
 
 def main(args: argparse.Namespace) -> int:
