@@ -533,6 +533,7 @@ class HungReads(BehindStore):
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[int] = []
+        self.lost: set[int] = set()
 
     def contains(self, block_hash: int) -> bool:
         return True
@@ -544,6 +545,8 @@ class HungReads(BehindStore):
         pass
 
     def submit_read(self, ref: BlockRef, dst: torch.Tensor) -> int | None:
+        if ref.block_hash in self.lost:  # gone since the lookup (the file was deleted, say)
+            return None
         self.reads.append(ref.block_hash)
         return -len(self.reads)
 
@@ -621,6 +624,25 @@ def test_a_request_planned_again_holds_the_blocks_its_old_reads_bring_and_waits_
     lower.landed("r")
     assert pool.num_free == free
     assert all(pool.lookup(h, parent_of(h), tuple(tokens_of(h))) is not None for h in (1, 2, 3, 4, 5))
+
+
+def test_a_plan_whose_first_read_misses_keeps_the_blocks_its_old_reads_still_fill():
+    """Planned again, the request takes back the blocks its reads from before still fill; when
+    the new plan's first read then misses at submit, those blocks stay held until their reads
+    land. (They were released: the CPU tier could give one to another block, which the old
+    read then overwrote: another block's KV served as its own.)"""
+    store, pool = HungReads(), BlockPool(16)
+    lower = LowerTier(store, pool, torch.zeros((16, *BLOCK_SHAPE)), AdmitAll())
+    free = pool.num_free
+    assert lower.plan("r", [ref(3), ref(4)], load_from=32) == 2
+    lower.forget("r")  # freed while its two reads are out
+    store.lost = {1}
+    assert lower.plan("r", [ref(h) for h in (1, 2, 3, 4)], load_from=0) == 0  # block 1 misses: nothing
+    assert pool.num_free == free - 2  # the blocks of the reads of 3 and 4 are still theirs
+    store.finish()
+    lower.retire()
+    assert pool.num_free == free and store.reads == [3, 4]
+    assert all(pool.lookup(h, parent_of(h), tuple(tokens_of(h))) is not None for h in (3, 4))
 
 
 def cached_block(pool: BlockPool, h: int):

@@ -227,15 +227,20 @@ class LowerTier:
         """Hold or read `refs` for the request, in order, up to the first that can be neither
         (no CPU block free, or evicted from the store since the lookup); how many. The reads
         go to the store in one `submit_reads`, which stops at the first miss: the CPU blocks
-        taken from that one on are let go again."""
-        taken = self._take(refs, self._let_go(request_id))
+        taken from that one on are let go again (a block an earlier read still fills stays that
+        read's, released when it lands)."""
+        let_go = self._let_go(request_id)
+        taken = self._take(refs, let_go)
         reads = [(ref, block) for block, ref in taken if ref is not None]
         jobs = self.store.submit_reads([(ref, self.cpu_blocks[b.block_id]) for ref, b in reads]) if reads else []
         if len(jobs) < len(reads):  # reads[len(jobs)] missed: it and every block after it are let go
             missed = reads[len(jobs)][1]
             stop = next(i for i, (block, _) in enumerate(taken) if block is missed)
-            self.cpu_pool.release(block for block, _ in taken[stop:])
+            filling = {self._reads[job].block.block_id for job in let_go.values()}
+            self.cpu_pool.release(block for block, _ in taken[stop:] if block.block_id not in filling)
             del taken[stop:], reads[len(jobs):]
+        held = {block.block_id for block, _ in taken}
+        self._orphans.difference_update(job for job in let_go.values() if self._reads[job].block.block_id in held)
         submitted, self._ends = time.monotonic(), None
         for job, (ref, block) in zip(jobs, reads, strict=True):
             self._reads[job] = _Read(request_id, block, ref, submitted)
@@ -254,14 +259,13 @@ class LowerTier:
 
     def _take(self, refs: Sequence[BlockRef], let_go: dict[int, int]) -> list[tuple[Block, BlockRef | None]]:
         """A CPU block for each of `refs`, in order, up to the first with none free: the one a
-        read the request let go of still fills (held again; `let_go`: hash -> job), the one
-        the CPU tier holds already (touched), neither with a ref (nothing to read), else a new
-        one with the ref to read into it."""
+        read the request let go of still fills (`let_go`: hash -> job; held again by the caller
+        if kept), the one the CPU tier holds already (touched), neither with a ref (nothing to
+        read), else a new one with the ref to read into it."""
         taken: list[tuple[Block, BlockRef | None]] = []
         for ref in refs:
             job = let_go.get(ref.block_hash)
             if job is not None:
-                self._orphans.discard(job)
                 taken.append((self._reads[job].block, None))
                 continue
             cached = self.cpu_pool.lookup(ref.block_hash, ref.parent_hash, ref.token_ids)
