@@ -107,6 +107,12 @@ def test_cli_help_and_errors(tmp_path):
     bad.write_text("model: tiny-llama\ncache:\n  blok_size: 4\n")
     run = subprocess.run([sys.executable, "-m", "tieredkv.cli", "run", str(bad)], capture_output=True, text=True)
     assert run.returncode == 2 and "did you mean 'cache.block_size'" in run.stderr
+    every_request_fails = tmp_path / "too_long.yaml"  # each answer longer than the model: every request fails
+    every_request_fails.write_text("model: tiny-llama\ndevice: cpu\ncache: {num_gpu_blocks: 40}\nworkload:\n"
+                                   "  {kind: multi_turn, users: 1, turns: 1, max_tokens: 100000}\n")
+    run = subprocess.run([sys.executable, "-m", "tieredkv.cli", "run", str(every_request_fails), "--in-process",
+                          "--no-progress", "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert run.returncode == 1 and "all 1 of its requests failed" in run.stderr, run.stderr[-2000:]
     for args, flag in ((["serve", "--model", "tiny-llama", "--port", "99999"], "--port"),
                        (["run", str(bad), "--prometheus-port", "-5"], "--prometheus-port")):
         run = subprocess.run([sys.executable, "-m", "tieredkv.cli", *args], capture_output=True, text=True)

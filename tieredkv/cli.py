@@ -139,13 +139,16 @@ def _run(args: argparse.Namespace) -> int:
         print(format_sweep(outcome.sweep))
     elif len(outcome.summaries) > 1:
         print(format_comparison(outcome.summaries))
-    for failure in outcome.failed:
+    # a run whose every request failed ran nothing: as much a failure as one that stopped
+    refused = [f"{s.name}: all {s.requests} of its requests failed (each one's error is in its result.json)"
+               for s in outcome.summaries if s.requests and s.errors == s.requests]
+    for failure in [*outcome.failed, *refused]:
         print(f"tieredkv: failed: {failure}", file=sys.stderr)
     if outcome.interrupted:
         print(f"interrupted: partial results in {outcome.folder}/", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(f"results in {outcome.folder}/")
-    return EXIT_FAILED_RUNS if outcome.failed else 0
+    return EXIT_FAILED_RUNS if outcome.failed or refused else 0
 
 
 def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
