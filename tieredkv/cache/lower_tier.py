@@ -231,16 +231,16 @@ class LowerTier:
         read's, released when it lands)."""
         let_go = self._let_go(request_id)
         taken = self._take(refs, let_go)
+        filling = {self._reads[job].block.block_id: job for job in let_go.values()}  # block -> its read
         reads = [(ref, block) for block, ref in taken if ref is not None]
         jobs = self.store.submit_reads([(ref, self.cpu_blocks[b.block_id]) for ref, b in reads]) if reads else []
         if len(jobs) < len(reads):  # reads[len(jobs)] missed: it and every block after it are let go
             missed = reads[len(jobs)][1]
             stop = next(i for i, (block, _) in enumerate(taken) if block is missed)
-            filling = {self._reads[job].block.block_id for job in let_go.values()}
             self.cpu_pool.release(block for block, _ in taken[stop:] if block.block_id not in filling)
             del taken[stop:], reads[len(jobs):]
-        held = {block.block_id for block, _ in taken}
-        self._orphans.difference_update(job for job in let_go.values() if self._reads[job].block.block_id in held)
+        if filling:  # the reads let go of whose blocks it kept are its own again
+            self._orphans.difference_update(filling[b.block_id] for b, _ in taken if b.block_id in filling)
         submitted, self._ends = time.monotonic(), None
         for job, (ref, block) in zip(jobs, reads, strict=True):
             self._reads[job] = _Read(request_id, block, ref, submitted)
