@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from tieredkv.config import check_choice
-from tieredkv.experiment.sending import Client, check_fields, clock, finite_number
+from tieredkv.config import check_choice, finite_number
+from tieredkv.experiment.sending import Client, check_fields, clock
 from tieredkv.experiment.traces import (
     TraceFormat,
     TraceLine,

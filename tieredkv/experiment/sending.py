@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from tieredkv.config import check_int
+from tieredkv.config import check_int, finite_number
 
 FIRST_TOKEN_ID = 4  # ids below are often special tokens
 
@@ -46,13 +45,6 @@ def check_fields(workload: Any) -> None:
     rate = getattr(workload, "rate", None)
     if rate is not None and not finite_number(rate, 0.0, inclusive=False):
         raise ValueError(f"workload.rate: expected requests per second > 0, or null for all at once, got {rate!r}")
-
-
-def finite_number(value: Any, low: float, inclusive: bool) -> bool:
-    """Whether `value` is a finite number above `low` (or equal, if `inclusive`)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False
-    return value >= low if inclusive else value > low
 
 
 def arrival_times(rng: random.Random, rate: float | None, n: int) -> list[float]:
