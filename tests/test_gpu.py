@@ -67,6 +67,7 @@ def test_gpu_the_block_copies_compile_when_the_transfer_engine_is_made():
     engine.wait([engine.submit(TransferJob("h2d", (36, 0), (1, 2)))])
     assert compiled() == before + 2
     assert torch.equal(kv[:, :, [36, 0]], kv[:, :, [4, 30]])
+    tier.close()
 
 
 def test_gpu_round_trip_is_bit_identical(monkeypatch):

@@ -10,6 +10,7 @@ Plain storage: which block holds what is the CPU offload's bookkeeping (`cache/o
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -53,23 +54,44 @@ class CPUTier:
         self.data = memory.view(dtype).view(shape)
         self.blocks = BlockViews(self.data)
         self.pinned = pin and _pin(self.data)
+        # a tier dropped without `close` unpins its memory too: pages freed while registered stay
+        # registered, and the next tier the allocator puts there could not be pinned
+        self._unpin = weakref.finalize(self, _unpin, self.data.data_ptr()) if self.pinned else None
+        if self._unpin is not None:
+            self._unpin.atexit = False  # at exit the process's pages go anyway
 
     @property
     def num_blocks(self) -> int:
         return self.data.shape[0]
 
     def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+        if self._unpin is not None:
+            self._unpin()
             self.pinned = False
 
 
 def _pin(tensor: torch.Tensor) -> bool:
-    """Page-lock `tensor` in place. `cudaHostRegister` pins exactly its bytes, where torch's
-    pinned allocator would round a large request up to a power of two."""
+    """Page-lock `tensor` in place; False (with a warning) if it cannot be, and the tier works
+    unpinned. `cudaHostRegister` pins exactly its bytes, where torch's pinned allocator would
+    round a large request up to a power of two."""
     nbytes = tensor.numel() * tensor.element_size()
     err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
     if int(err) != 0:
+        _take_cuda_error()
         logger.warning("could not pin the %d-byte CPU tier (cudaError %s): host copies will be slow", nbytes, err)
         return False
     return True
+
+
+def _unpin(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _take_cuda_error() -> None:
+    """A failed CUDA runtime call leaves its error for CUDA's next kernel launch to report (torch
+    binds no `cudaGetLastError`): one launch here takes it, so that the engine's first does not
+    fail with it."""
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
