@@ -39,6 +39,11 @@ def test_a_lone_surrogate_is_a_value_error_naming_the_prompt(llm, baseline, text
     assert_still_serving(llm, baseline)
 
 
+def test_a_lone_surrogate_in_a_stop_string_is_a_value_error_naming_stop():
+    with pytest.raises(ValueError, match=r"stop: has a lone surrogate \(U\+D800\) at character 4"):
+        SamplingParams(stop=["end", "stop\ud800"])
+
+
 @pytest.mark.parametrize("messages, message", [
     ([{"role": "user", "content": "a \udc00"}], r"messages\[0\].content: has a lone surrogate"),
     ([{"role": "us\ud800er", "content": "hi"}], r"messages\[0\].role: expected one of"),

@@ -142,6 +142,15 @@ def test_a_lone_surrogate_in_a_prompt_is_400(server, baseline, path, body):
     assert_still_serving(server, baseline)
 
 
+@pytest.mark.parametrize("stop", ['"\\ud800"', '["end", "stop \\udfff"]'], ids=["string", "list"])
+def test_a_lone_surrogate_in_a_stop_string_is_400(server, baseline, stop):
+    """A stop string no text can contain would never stop the request: refused, as in a prompt."""
+    body = f'{{"model": "tiny-chat", "prompt": "the cache", "max_tokens": 4, "stop": {stop}}}'
+    error = refused(httpx.post(f"{server.url}/v1/completions", content=body.encode(), headers=JSON))
+    assert error["param"] == "stop" and "lone surrogate" in error["message"]
+    assert_still_serving(server, baseline)
+
+
 @pytest.mark.parametrize("messages, message", [
     ('[{"role": "user", "content": "a \\udc00"}]', "messages[0].content: has a lone surrogate"),
     ('[{"role": "wizard", "content": "hi"}]', "messages[0].role: expected one of"),

@@ -33,8 +33,8 @@ from typing import NamedTuple
 import torch
 
 from tieredkv.outputs import CompletionOutput
-from tieredkv.sampling import is_int, is_real
 from tieredkv.sequence import Sequence, SequenceGroup
+from tieredkv.values import is_int, is_real
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,6 @@ Operations:
   of prompts, or a 2-D array of token ids as a batch).
 - `token_ids(prompt, tokenizer, vocab_size)`: one prompt's token ids as plain ints, or a
   ValueError that says what was wrong with it.
-- `check_text(text, name)`: ValueError naming `name` if `text` is not valid Unicode (a lone
-  surrogate, which no tokenizer can encode).
 
 A prompt is a string (tokenized by the model's tokenizer) or token ids: any sequence of
 integers (a list, a tuple, a `range`; numpy integers too), or a 1-D integer numpy array or torch
@@ -22,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tieredkv.sampling import is_int
+from tieredkv.values import check_text, is_int
 
 Prompt = str | Sequence[int] | np.ndarray | torch.Tensor
 _ARRAYS = (np.ndarray, torch.Tensor)
@@ -66,16 +64,6 @@ def token_ids(prompt: object, tokenizer: Any, vocab_size: int, add_special_token
     if bad:
         raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
     return [int(t) for t in ids]
-
-
-def check_text(text: str, name: str) -> str:
-    """`text`, if it is valid Unicode; ValueError naming `name` and the first lone surrogate."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ValueError(f"{name}: has a lone surrogate (U+{ord(text[err.start]):04X}) at character {err.start}; "
-                         "send valid Unicode text") from None
-    return text
 
 
 def _raw_ids(prompt: object) -> list[Any]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from tieredkv.values import check_text, is_int, is_real
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class SamplingParams:
         if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters "
                              f"each, got {len(stop)} of up to {max(map(len, stop))} characters")
-        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop", tuple(check_text(s, "stop") for s in stop))
         self._set("min_tokens", _integer("min_tokens", self.min_tokens, f"in [0, max_tokens={self.max_tokens}]",
                                          0, self.max_tokens + 1))
         if not isinstance(self.skip_special_tokens, (bool, np.bool_)):
@@ -107,16 +108,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
-
-
-def is_int(value: object) -> bool:
-    """An integer, numpy integers included; not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def is_real(value: object) -> bool:
-    """A real number, numpy scalars included; not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _integer(name: str, value: object, expected: str, low: int, high: int | None = None) -> int:

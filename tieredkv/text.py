@@ -26,8 +26,8 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tieredkv.prompts import check_text
 from tieredkv.sampling import SamplingParams
+from tieredkv.values import check_text
 
 Message = dict[str, Any]
 ROLES = ("system", "developer", "user", "assistant")

@@ -28,7 +28,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tieredkv.async_engine import AsyncLLM
 from tieredkv.experiment.prometheus import ServerMetrics
-from tieredkv.prompts import check_text
 from tieredkv.serve.handlers import OpenAIHandlers
 from tieredkv.serve.protocol import (
     BadRequest,
@@ -41,6 +40,7 @@ from tieredkv.serve.protocol import (
     validation_error,
 )
 from tieredkv.text import chat_prompt
+from tieredkv.values import check_text
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,31 @@
+"""What a value from a caller may be: the checks the API's boundaries share (sampling
+parameters, prompts, chat messages), below all of them.
+
+- `is_int(value)`, `is_real(value)`: a number (numpy scalars included), not a bool.
+- `check_text(text, name)`: `text` if it is valid Unicode; ValueError naming `name` if not (a
+  lone surrogate, which no tokenizer can encode and no text can contain).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+
+def is_int(value: object) -> bool:
+    """An integer, numpy integers included; not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """A real number, numpy scalars included; not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_text(text: str, name: str) -> str:
+    """`text`, if it is valid Unicode; ValueError naming `name` and the first lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{name}: has a lone surrogate (U+{ord(text[err.start]):04X}) at character {err.start}; "
+                         "send valid Unicode text") from None
+    return text
