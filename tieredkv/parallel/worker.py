@@ -35,6 +35,7 @@ from tieredkv.model.runner import ModelRunner, load_hf_config
 from tieredkv.model.sharding import TPLayout
 from tieredkv.parallel.plan import REPORTED_ERROR_EXIT, Drawn, StepPlan, StepReply
 from tieredkv.sampling import Sampler, SamplingParams
+from tieredkv.tiers.cpu import CPUTier
 from tieredkv.transfer.engine import TransferEngine
 
 
@@ -111,6 +112,7 @@ class Worker:
         self.runner = ModelRunner(config.model, TPLayout(rank, world), self.all_reduce)
         self.transfers: TransferEngine | None = None
         self._cpu_memory: mmap.mmap | None = None
+        self._cpu_tier: CPUTier | None = None  # held while the rank lives: a dropped tier unpins its memory
         self._job_ids: dict[int, int] = {}  # this rank's transfer job id -> the driver's
         self.sampler = Sampler()
         # rank 0 samples them: their parameters, each sample's generator
@@ -141,7 +143,7 @@ class Worker:
         finally:
             os.close(fd)
         memory = torch.frombuffer(self._cpu_memory, dtype=torch.uint8)
-        _, self.transfers = self.runner.cpu_tier(num_blocks, memory)
+        self._cpu_tier, self.transfers = self.runner.cpu_tier(num_blocks, memory)
 
     def capture_graphs(self, max_batch: int) -> None:
         self.runner.capture_graphs(max_batch)
