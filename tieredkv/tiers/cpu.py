@@ -54,10 +54,11 @@ class CPUTier:
         self.data = memory.view(dtype).view(shape)
         self.blocks = BlockViews(self.data)
         self.pinned = pin and _pin(self.data)
-        # a tier dropped without `close` unpins its memory too: pages freed while registered stay
-        # registered, and the next tier the allocator puts there could not be pinned
-        self._unpin = weakref.finalize(self, _unpin, self.data.data_ptr()) if self.pinned else None
-        if self._unpin is not None:
+        self._unpin: weakref.finalize | None = None
+        if self.pinned:
+            # a tier dropped without `close` unpins its memory too: pages freed while registered
+            # stay registered, and the next tier the allocator puts there could not be pinned
+            self._unpin = weakref.finalize(self, _unpin, self.data.data_ptr())
             self._unpin.atexit = False  # at exit the process's pages go anyway
 
     @property
