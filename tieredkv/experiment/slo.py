@@ -45,12 +45,12 @@ class Slo:
                     raise ValueError(f"slo.attainment: expected the share of requests that must meet the "
                                      f"per-request targets, in (0, 1], got {value!r}")
                 continue
-            if not _SLO_KEY.match(str(key)) and not _REQUEST_KEY.match(str(key)):
+            statistic = _SLO_KEY.match(str(key))
+            if not statistic and not _REQUEST_KEY.match(str(key)):
                 raise ValueError(
                     f"slo.{key}: not a target; write <latency>_<statistic>_ms with latency ttft, tpot, itl, e2el "
                     "or slow_itl and statistic p<N>, mean or median, e.g. ttft_p90_ms; or <latency>_ms for a bound "
                     "on each request (ttft, tpot, e2el or slow_itl), e.g. ttft_ms: 30000")
-            statistic = _SLO_KEY.match(str(key))
             if statistic and statistic[2].startswith("p") and float(statistic[2][1:]) > 100:
                 raise ValueError(f"slo.{key}: a percentile is at most p100, got {statistic[2]}")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
