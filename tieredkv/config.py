@@ -92,13 +92,6 @@ def check_int(key: str, value: Any, minimum: int, maximum: int | None = None) ->
         raise ValueError(f"{key}: expected an integer {bound}, got {value!r}")
 
 
-def finite_number(value: Any, low: float, inclusive: bool) -> bool:
-    """Whether `value` is a finite number above `low` (or equal, if `inclusive`)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False
-    return value >= low if inclusive else value > low
-
-
 def _real(value: Any) -> float | int | None:
     """A finite number from a number or a numeric string (YAML 1.1 reads `5.0e10` as a string)."""
     if isinstance(value, bool):

@@ -2,12 +2,15 @@
 parameters, prompts, chat messages), below all of them.
 
 - `is_int(value)`, `is_real(value)`: a number (numpy scalars included), not a bool.
+- `finite_number(value, low, inclusive)`: a finite int or float above `low` (a config's times,
+  rates and factors).
 - `check_text(text, name)`: `text` if it is valid Unicode; ValueError naming `name` if not (a
   lone surrogate, which no tokenizer can encode and no text can contain).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 
 
@@ -19,6 +22,13 @@ def is_int(value: object) -> bool:
 def is_real(value: object) -> bool:
     """A real number, numpy scalars included; not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def finite_number(value: object, low: float, inclusive: bool) -> bool:
+    """Whether `value` is a finite number above `low` (or equal, if `inclusive`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value >= low if inclusive else value > low
 
 
 def check_text(text: str, name: str) -> str:

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from tieredkv.config import check_choice, finite_number
+from tieredkv.config import check_choice
 from tieredkv.experiment.sending import Client, check_fields, clock
 from tieredkv.experiment.traces import (
     TraceFormat,
@@ -26,6 +26,7 @@ from tieredkv.experiment.traces import (
     read_trace,
     select,
 )
+from tieredkv.values import finite_number
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from tieredkv.config import check_int, finite_number
+from tieredkv.config import check_int
+from tieredkv.values import finite_number
 
 FIRST_TOKEN_ID = 4  # ids below are often special tokens
 
