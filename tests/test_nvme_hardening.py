@@ -58,7 +58,8 @@ def make_store(path, num_slots: int = 8, backend="sync", **kw) -> NVMeStore:
 def tiered_llm(path, nvme_bytes="4MiB", **kw) -> LLM:
     kw.setdefault("preemption", "recompute")
     kw.setdefault("scheduler", {"cost_model": LOAD_WINS})
-    return LLM(model="tiny-llama", block_size=4, num_gpu_blocks=30, cpu_cache_bytes=24 * TINY_BLOCK_BYTES,
+    kw.setdefault("block_size", 4)
+    return LLM(model="tiny-llama", num_gpu_blocks=30, cpu_cache_bytes=24 * TINY_BLOCK_BYTES,
                nvme_path=str(path), nvme_bytes=nvme_bytes, io_backend="sync", **kw)
 
 
@@ -211,6 +212,21 @@ def test_the_engine_reports_what_the_store_found_at_start_up(tmp_path):
     restored = stats["nvme_slots_used"]
     assert restored > 0
     assert (stats["nvme_restored"], stats["nvme_scan_discarded"], stats["nvme_reformatted"]) == (restored, 0, 0)
+
+
+def test_another_models_blocks_of_another_block_size_are_skipped_not_counted_as_damage(tmp_path, caplog):
+    """bfloat16 blocks of 8 tokens and float32 blocks of 4 have the same size: the store file's
+    layout fits both, and the second engine finds the first one's slots, which hold more tokens
+    than its blocks. They are another model's, not damage."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(40)] for i in range(6)]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    with tiered_llm(tmp_path / "kv", block_size=8, dtype="bfloat16") as llm:
+        llm.generate(prompts, params, use_tqdm=False)
+        assert settle_writes(llm)["nvme_spilled_blocks"] > 0
+    with caplog.at_level(logging.WARNING, logger="tieredkv"), tiered_llm(tmp_path / "kv") as llm:
+        stats = llm.stats()
+    assert (stats["nvme_restored"], stats["nvme_scan_discarded"], stats["nvme_reformatted"]) == (0, 0, 0)
+    assert not caplog.records
 
 
 # ------------------------------------------------------------------ 11: a missing path

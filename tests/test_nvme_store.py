@@ -530,8 +530,10 @@ def assert_still_works(store: NVMeStore, h: int = 999) -> None:
     "fault, err, counter",
     [
         ("raise", errno.ENOSPC, "enospc"),
+        ("raise", errno.EFBIG, "enospc"),  # a file-size limit fills the store as a full disk does
         ("raise", errno.EIO, "io_errors"),
         ("error", errno.ENOSPC, "enospc"),
+        ("error", errno.EDQUOT, "enospc"),  # so does a quota
         ("error", errno.EIO, "io_errors"),
         ("short", 0, "short_writes"),
     ],

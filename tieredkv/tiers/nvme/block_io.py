@@ -12,12 +12,22 @@ buffers alone until then. Several threads may submit; one thread reaps.
 
 from __future__ import annotations
 
+import errno
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 IOOp = Literal["read", "write"]
+
+# the errors of a disk or a file that is full: a file-size or quota limit fills it as a full
+# disk does (the stats count them as `enospc`, the rest of the OS errors as `io_errors`)
+FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
+
+def fault_of(err: int) -> str:
+    """The stats counter of an I/O that failed with errno `err`."""
+    return "enospc" if err in FULL_DISK_ERRNOS else "io_errors"
 
 
 @dataclass(frozen=True)

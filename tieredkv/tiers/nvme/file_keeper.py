@@ -29,13 +29,12 @@ never calls back into the store.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import threading
 import time
 
-from tieredkv.tiers.nvme.block_io import BlockIO
+from tieredkv.tiers.nvme.block_io import BlockIO, fault_of
 from tieredkv.tiers.nvme.slot_file import STORE_FILE_NAME, ScanResult, SlotFile, remove_empty_dirs, store_file
 from tieredkv.tiers.nvme.slot_format import SlotGeometry
 from tieredkv.tiers.nvme.slot_io import SlotJob
@@ -171,8 +170,7 @@ class FileKeeper:
                 logger.error("NVMe store cannot make a new file %s: %s; blocks are not stored until it can "
                              "(retrying after %.0f s, then up to every %.0f s)", self.path, exc, REOPEN_FIRST_S,
                              REOPEN_MAX_S)
-            full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-            self._reopen_fault = "enospc" if full else "io_errors"
+            self._reopen_fault = fault_of(exc.errno) if isinstance(exc, OSError) else "io_errors"
             self._reopen_at = time.monotonic() + self._reopen_wait
             self._reopen_wait = min(2 * self._reopen_wait, REOPEN_MAX_S)
 

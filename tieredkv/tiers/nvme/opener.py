@@ -3,9 +3,8 @@ went wrong in terms of the config keys (`nvme_path`, `nvme_bytes`)."""
 
 from __future__ import annotations
 
-import errno
-
 from tieredkv.replacement import ReplacementPolicy
+from tieredkv.tiers.nvme.block_io import FULL_DISK_ERRNOS
 from tieredkv.tiers.nvme.io_backends import IOBackend
 from tieredkv.tiers.nvme.slot_file import StoreInUseError
 from tieredkv.tiers.nvme.slot_format import SlotGeometry
@@ -39,7 +38,7 @@ def open_store(
             "close that engine first, or give this one another nvme_path"
         ) from None
     except OSError as err:
-        if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        if err.errno in FULL_DISK_ERRNOS:
             raise ValueError(
                 f"nvme_bytes: {nvme_bytes} bytes do not fit at {nvme_path!r}: {err.strerror}; "
                 "lower nvme_bytes or free some space"

@@ -174,7 +174,8 @@ class SlotFile:
 
     def scan(self, backend: BlockIO, fingerprint: bytes, batch: int = 64) -> ScanResult:
         """The slots whose header verifies for `fingerprint` (oldest write first; of two slots
-        with one hash, the newer wins), and how many held a header that verifies for no model."""
+        with one hash, the newer wins), and how many held a header that verifies for no model
+        (another model's block, of another block size too, is skipped, not counted)."""
         g, found, damaged = self.geometry, {}, 0
         bufs = [aligned_empty(g.header_bytes) for _ in range(min(batch, g.num_slots))]
         for start in range(0, g.num_slots, batch):
@@ -195,11 +196,12 @@ class SlotFile:
                 results.update((c.tag, c.result) for c in backend.reap(1.0))
             for slot in (s for s in slots if results[s] == g.header_bytes):
                 buf = bufs[slot - start]
-                header = parse_header(byte_view(buf), g.block_size)
+                header = parse_header(byte_view(buf))
                 if header is None:
                     damaged += bool(buf.any())  # never written slots read as zeros
                 elif (
                     header.fingerprint == fingerprint
+                    and len(header.token_ids) == g.block_size
                     and header.payload_bytes == g.block_bytes
                     and header.sequence > found.get(header.block_hash, (-1, -1))[0]
                 ):

@@ -150,12 +150,13 @@ def pack_header(buf: memoryview, header: SlotHeader) -> None:
     struct.pack_into("<Q", buf, 8, xxhash.xxh3_64_intdigest(buf[_CHECKED_FROM:end]))
 
 
-def parse_header(buf: memoryview, max_tokens: int) -> SlotHeader | None:
-    """The header in `buf`, or None if it is not a valid header of this format version."""
+def parse_header(buf: memoryview, max_tokens: int | None = None) -> SlotHeader | None:
+    """The header in `buf`, or None if it is not a valid header of this format version (with
+    at most `max_tokens` tokens; None: as many as `buf` holds)."""
     magic, checksum, version, n, bhash, parent, nbytes, pcheck, seq, fp = _SLOT_FIXED.unpack_from(
         buf
     )
-    if magic != SLOT_MAGIC or version != FORMAT_VERSION or n > max_tokens:
+    if magic != SLOT_MAGIC or version != FORMAT_VERSION or (max_tokens is not None and n > max_tokens):
         return None
     end = _SLOT_FIXED.size + 4 * n
     if end > len(buf) or xxhash.xxh3_64_intdigest(buf[_CHECKED_FROM:end]) != checksum:

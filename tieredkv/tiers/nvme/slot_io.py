@@ -20,7 +20,6 @@ Operations: `SlotJob`, `SlotIO.start`, `SlotIO.start_all`, `SlotIO.in_flight`, `
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import threading
 from collections import deque
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from tieredkv.tiers.nvme.block_io import BlockIO, IOOp, IORequest
+from tieredkv.tiers.nvme.block_io import BlockIO, IOOp, IORequest, fault_of
 from tieredkv.tiers.nvme.slot_format import (
     ALIGN,
     AlignedBufferPool,
@@ -202,8 +201,7 @@ class SlotIO:
         try:
             self.backend.submit(requests)
         except OSError as exc:
-            fault = "enospc" if exc.errno == errno.ENOSPC else "io_errors"
-            self._done([(job, fault) for job in jobs])
+            self._done([(job, fault_of(exc.errno)) for job in jobs])
 
     # ---------------------------------------------------------------- completing
 
@@ -251,7 +249,7 @@ class SlotIO:
     def _outcome(self, job: SlotJob, result: int) -> str | None:
         """None if the job succeeded, else the stats counter of its fault (verifies reads)."""
         if result < 0:
-            return "enospc" if result == -errno.ENOSPC else "io_errors"
+            return fault_of(-result)
         if result != job.nbytes:
             return "short_reads" if job.op == "read" else "short_writes"
         if job.op == "write":
