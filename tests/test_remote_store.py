@@ -175,6 +175,19 @@ def test_a_flushed_server_is_noticed_by_its_epoch(redis_server):
         assert all(read(store, i)[0] for i in range(4))
 
 
+def test_an_epoch_key_of_another_type_is_replaced_by_a_new_epoch(redis_server):
+    with open_store(redis_server.url) as store:
+        write_all(store, range(2))
+        client = redis_server.client()
+        key = next(k for k in client.scan_iter(match="tieredkv:*") if k.endswith(b":epoch"))
+        client.delete(key)
+        client.rpush(key, b"not an epoch")
+        wait_until(lambda: client.type(key) == b"string", what="a new epoch named")
+        wait_until(lambda: store.stats()["remote_connected"], what="the tier up")
+        assert all(write_all(store, range(2)).values())
+        assert all(read(store, i)[0] for i in range(2))
+
+
 def test_a_hung_server_times_out_and_comes_back(redis_server):
     with open_store(redis_server.url + "?socket_timeout=0.5") as store:
         write_all(store, range(2))

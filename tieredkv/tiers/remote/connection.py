@@ -12,7 +12,8 @@ and no retries inside the client (a fault is reported at once; the store fails t
 caller recomputes). A health task checks the server every `health_s` seconds: it brings a down
 tier back up, and reads the epoch key, a random token the first engine to find the server empty
 writes there. A new epoch means the server lost its blocks (restarted empty, flushed): the store
-forgets what it knew was stored. Each change of state (down, back up) is logged once.
+forgets what it knew was stored. An epoch key holding something other than a string (damaged)
+is replaced by a new epoch. Each change of state (down, back up) is logged once.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -120,10 +121,7 @@ class ServerLink:
     async def check(self) -> None:
         """Ping the server through its epoch key; bring the tier up (or down) accordingly."""
         try:
-            epoch = await self.client.get(self._epoch_key)
-            if epoch is None:  # an empty server: the first engine to see it names the new epoch
-                await self.client.set(self._epoch_key, os.urandom(8).hex(), nx=True)
-                epoch = await self.client.get(self._epoch_key)
+            epoch = await self._epoch()
         except ANY_ERROR as err:
             self.failed(err)
             return
@@ -139,6 +137,24 @@ class ServerLink:
             else:
                 logger.info("remote tier %s: connected", redacted(self.url))
             self._said_down = False
+
+    async def _epoch(self) -> bytes | str:
+        """The server's epoch. An empty server gets one from the first engine to see it; so does
+        a server whose epoch key holds something other than a string (damaged: its blocks were
+        written in no epoch an engine can name)."""
+        try:
+            epoch = await self.client.get(self._epoch_key)
+        except ResponseError as err:
+            if not str(err).startswith("WRONGTYPE"):
+                raise
+            logger.warning("remote tier %s: the epoch key %s is not a string; naming a new epoch",
+                           redacted(self.url), self._epoch_key)
+            await self.client.delete(self._epoch_key)
+            epoch = None
+        if epoch is None:
+            await self.client.set(self._epoch_key, os.urandom(8).hex(), nx=True)
+            epoch = await self.client.get(self._epoch_key)
+        return epoch
 
     async def _check_forever(self) -> None:
         while True:
