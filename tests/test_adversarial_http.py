@@ -1,8 +1,8 @@
 """Adversarial requests against the real server (one per module, on a free loopback port): bodies
-that are not JSON objects, too large, of the wrong types, with lone surrogates, chat messages the
-engine cannot take, too many prompts, clients that leave. Each is refused with an OpenAI error
-object (a 400 naming the field, or a 413), and afterwards the server still serves the good
-request made at the start with the same tokens, holding nothing."""
+that are not JSON objects, too large, of the wrong types, long lists of bad items, with lone
+surrogates, chat messages the engine cannot take, too many prompts, clients that leave. Each is
+refused with an OpenAI error object (a 400 naming the field, or a 413), and afterwards the server
+still serves the good request made at the start with the same tokens, holding nothing."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import threading
 import time
 
 import httpx
+import pydantic
 import pytest
 
 from tests.http_server import running_server
 from tieredkv import AsyncLLM
 from tieredkv.serve.app import MAX_BODY_BYTES
-from tieredkv.serve.protocol import MAX_PROMPTS
+from tieredkv.serve.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 
 NAME = "tiny-chat"
 ENGINE = dict(block_size=16, num_gpu_blocks=128, max_num_seqs=32, max_num_batched_tokens=256)
@@ -125,6 +126,26 @@ def test_stream_options_without_stream_is_400(server, baseline, path, body):
 def test_too_many_prompts_is_400_naming_the_prompt(server, baseline):
     error = refused(httpx.post(f"{server.url}/v1/completions", json={**GOOD, "prompt": [[5, 6]] * (MAX_PROMPTS + 1)}))
     assert error["param"] == "prompt" and f"at most {MAX_PROMPTS}" in error["message"]
+    assert_still_serving(server, baseline)
+
+
+@pytest.mark.parametrize("path, request_type, field, value", [
+    ("/v1/completions", CompletionRequest, "prompt", [1] * 200_000 + ["x"]),
+    ("/v1/completions", CompletionRequest, "stop", [1] * 200_000),
+    ("/v1/completions", CompletionRequest, "stop_token_ids", ["x"] * 200_000),
+    ("/v1/chat/completions", ChatCompletionRequest, "messages", [1] * 200_000),
+    ("/detokenize", DetokenizeRequest, "tokens", ["x"] * 200_000),
+])
+def test_a_long_list_of_bad_items_is_400_at_its_first(server, baseline, path, request_type, field, value):
+    """Validation stops at a list's first bad item: pydantic used to record an error for every
+    bad item in every branch of a union, and a body of millions of them (under the body limit)
+    held the event loop for a minute."""
+    body = {"prompt": "the cache", "messages": MESSAGES, "tokens": [5], field: value}
+    with pytest.raises(pydantic.ValidationError) as err:
+        request_type.model_validate(body)
+    assert err.value.error_count() <= 4  # one a branch of the field's union
+    error = refused(httpx.post(f"{server.url}{path}", json=body))
+    assert error["param"] == field and error["message"].startswith(field)
     assert_still_serving(server, baseline)
 
 

@@ -6,7 +6,7 @@ Operations:
   boolean; an integer is a number). A field of OpenAI's or vLLM's API that the engine does not
   do (`REFUSED`) is a 400 naming it unless it holds its neutral value; a field neither API has is
   ignored with a warning in the server's log (as vLLM does). A completion holds at most
-  `MAX_PROMPTS` prompts.
+  `MAX_PROMPTS` prompts. A list field's validation stops at its first bad item.
 - `refuse_unsupported(request)`: a `BadRequest` naming a field the engine does not do.
 - `sampling_params(request, max_tokens)`: the engine's parameters, or `BadRequest`.
 - `BadRequest(param, message)` / `error_body(...)`: the OpenAI error object a 400 carries.
@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from tieredkv.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-TokenIds = list[StrictInt]
+# list fields stop at their first bad item (`fail_fast`): pydantic would record an error for every
+# bad item in every branch of a union, and a body of millions of them held the event loop a minute
+TokenIds = Annotated[list[StrictInt], Field(fail_fast=True)]
+Texts = Annotated[list[str], Field(fail_fast=True)]
+Batch = Annotated[list[TokenIds], Field(fail_fast=True)]
+Messages = Annotated[list[dict[str, Any]], Field(fail_fast=True)]
 MAX_LOGPROBS = 20  # top tokens per position, OpenAI's (and vLLM's default) limit
 # prompts in one completion request: each is an engine request, validated on arrival and queued
 # ahead of later requests, so one body may not hold an unbounded number of them
@@ -86,7 +91,7 @@ class SamplingFields(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Texts | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -115,7 +120,7 @@ class CompletionRequest(SamplingFields):
     """`POST /v1/completions`: a prompt is a string, a list of token ids, or a list of either;
     `add_special_tokens`: a string prompt is encoded with the tokenizer's special tokens (BOS)."""
 
-    prompt: str | TokenIds | list[str] | list[TokenIds]
+    prompt: str | TokenIds | Texts | Batch
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -174,7 +179,7 @@ TEMPLATE_ARGUMENTS = frozenset({
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """`POST /v1/chat/completions`: messages through the tokenizer's chat template."""
 
-    messages: list[dict[str, Any]]
+    messages: Messages
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -195,7 +200,7 @@ class TokenizeRequest(ChatTemplateFields):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
 
 
