@@ -19,6 +19,7 @@ from tests.http_server import running_server
 from tieredkv import AsyncLLM
 from tieredkv.serve.app import MAX_BODY_BYTES
 from tieredkv.serve.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from tieredkv.text import chars_per_token
 
 NAME = "tiny-chat"
 ENGINE = dict(block_size=16, num_gpu_blocks=128, max_num_seqs=32, max_num_batched_tokens=256)
@@ -207,14 +208,14 @@ def test_chat_content_parts_are_the_text_they_hold(server):
 
 def test_a_long_prompt_being_tokenized_does_not_stall_other_requests(server, baseline):
     """Tokenizing runs off the event loop: a short request is answered while a long prompt is
-    still being tokenized (for its 400)."""
+    still being tokenized (at /tokenize, which counts any text; a completion refuses one that
+    long as it arrives)."""
     done: dict[str, float] = {}
 
     def long_prompt() -> None:
-        response = httpx.post(f"{server.url}/v1/completions", json={**GOOD, "prompt": "the cache " * 300_000},
-                              timeout=120)
+        response = httpx.post(f"{server.url}/tokenize", json={"prompt": "the cache " * 300_000}, timeout=120)
         done["long"] = time.monotonic()
-        assert response.status_code == 400
+        assert response.status_code == 200
 
     thread = threading.Thread(target=long_prompt)
     thread.start()
@@ -223,6 +224,30 @@ def test_a_long_prompt_being_tokenized_does_not_stall_other_requests(server, bas
     done["short"] = time.monotonic()
     thread.join(timeout=120)
     assert done["short"] < done["long"]
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/completions", {**GOOD, "prompt": "the cache " * 600}, "prompt: 6000 characters"),
+    ("/v1/completions", {**GOOD, "prompt": ["the cache " * 600, "swap"]}, "prompt[0]: 6000 characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the cache " * 600}]}, "messages: 60"),
+], ids=["prompt", "batch", "messages"])
+def test_a_text_too_long_for_any_request_is_400_without_tokenizing_it(server, baseline, monkeypatch, path, body,
+                                                                     message):
+    """A text with more characters than the longest request's tokens can stand for is refused
+    as it arrives: tokenized first (to be refused then), a few long ones held the worker threads
+    for seconds and every other request waited. No token stands for more characters than the
+    bound allows, so no text that fits is refused."""
+    tokenizer = server.allm.tokenizer
+    assert max(len(tokenizer.decode([i])) for i in range(len(tokenizer))) <= chars_per_token(tokenizer)
+
+    def encode(*args, **kwargs):
+        raise AssertionError("the text was tokenized")
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+    error = refused(httpx.post(f"{server.url}{path}", json=body))
+    assert error["message"].startswith(message) and "maximum length of 256 tokens" in error["message"]
+    monkeypatch.undo()
+    assert_still_serving(server, baseline)
 
 
 # ---------------------------------------------------------------- clients that leave

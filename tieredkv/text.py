@@ -2,7 +2,10 @@
 
 Operations:
 - `chat_prompt(tokenizer, messages, ...)`: token ids of a conversation through the tokenizer's
-  chat template, ready for the assistant's reply (or as the options of OpenAI's chat API say).
+  chat template, ready for the assistant's reply (or as the options of OpenAI's chat API say);
+  `chat_text(...)`: the text the template writes, and `chat_ids(tokenizer, text)` its ids.
+- `chars_per_token(tokenizer)`: the most characters one token stands for (a token limit as a
+  character limit, to refuse a text too long for it without encoding it).
 - `chat_messages(messages)`: the messages as the template takes them (list content as its text),
   or a ValueError naming the message and field at fault.
 - `IncrementalDetokenizer(tokenizer, prompt_token_ids, params)`: a request's output text, one
@@ -42,19 +45,42 @@ def chat_prompt(tokenizer: Any, messages: Sequence[Message], *, add_generation_p
     template, ending with the prompt of the assistant's turn (unless not `add_generation_prompt`;
     `continue_final_message`: ending in the last message, left open to be continued), the
     template given `template_kwargs` as variables of its own (e.g. `enable_thinking`)."""
+    text = chat_text(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                     continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+    return chat_ids(tokenizer, text)
+
+
+def chat_text(tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+              continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+    """The text `chat_prompt` encodes: `messages` as the tokenizer's chat template writes them."""
     if tokenizer is None:
         raise ValueError("messages: chat needs a tokenizer with a chat template in the model directory")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("messages: the model's tokenizer has no chat template; send a completion prompt instead")
     conversation = chat_messages(messages)
     try:
-        ids = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            tokenize=True, return_dict=False, **(template_kwargs or {}),
+            tokenize=False, **(template_kwargs or {}),
         )
     except Exception as err:  # the template is user code (jinja): its errors are the request's
         raise ValueError(f"messages: the chat template failed on them: {err}") from err
-    return list(ids)
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a chat template's text: the template wrote the special tokens, so the
+    encoding adds none (as `apply_chat_template` encodes it)."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chars_per_token(tokenizer: Any) -> int:
+    """The most characters of text one token of `tokenizer` stands for: its longest vocabulary
+    entry (each symbol of an entry stands for a character or more: a byte in byte-level BPE, a
+    character or `<0x..>` byte in SentencePiece), times 4 unless the tokenizer is known to have
+    no normalizer, as one that composes characters (NFC) joins up to 4 into one first."""
+    longest = max(map(len, tokenizer.get_vocab()))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return longest if backend is not None and backend.normalizer is None else 4 * longest
 
 
 def chat_messages(messages: Sequence[Message]) -> list[Message]:

@@ -3,7 +3,8 @@
 Operations:
 - `OpenAIHandlers(allm, model, metrics)`: the server's state.
 - `.completion_job(request)` / `.chat_job(request)`: tokenize and validate (`BadRequest`), before
-  any byte of the response is sent.
+  any byte of the response is sent; a text longer than the longest request's tokens can stand for
+  is refused without being tokenized.
 - `.respond(job)`: the whole response body; `.stream(job)`: its SSE lines, one chunk per choice
   that got tokens (its text delta, under its index), then a usage chunk (with
   `stream_options.include_usage`), then `[DONE]`.
@@ -40,7 +41,7 @@ from tieredkv.serve.protocol import (
     sampling_params,
 )
 from tieredkv.serve.responses import Cursor, Job, choice, chunk, id_text, usage
-from tieredkv.text import chat_prompt
+from tieredkv.text import chars_per_token, chat_ids, chat_text
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class OpenAIHandlers:
 
     def __init__(self, allm: AsyncLLM, model: str, metrics: ServerMetrics) -> None:
         self.allm, self.model, self.metrics = allm, model, metrics
+        # the characters the longest request's tokens can stand for: a longer text is refused as
+        # it arrives (tokenizing it, to refuse it then, held a worker thread for seconds)
+        tokenizer = allm.tokenizer
+        self.max_chars = None if tokenizer is None else allm.info.limits.max_request_tokens * chars_per_token(tokenizer)
 
     # ------------------------------------------------------------------ requests
 
@@ -84,9 +89,10 @@ class OpenAIHandlers:
         refuse_unsupported(request)
         options = request.template_options()
         try:
-            ids = chat_prompt(self.allm.tokenizer, request.messages, **options)
+            text = chat_text(self.allm.tokenizer, request.messages, **options)
         except ValueError as err:
             raise BadRequest("messages", str(err)) from None
+        ids = chat_ids(self.allm.tokenizer, self._fits(text, "messages"))
         field_name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         limit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self._params(request, ids, limit, field_name, prompt_field="messages")
@@ -106,10 +112,20 @@ class OpenAIHandlers:
         return "".join(map(id_text, ids)) if tokenizer is None else tokenizer.decode(ids)
 
     def _tokenize(self, prompt: str | list[int], field_name: str, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            self._fits(prompt, field_name)
         try:
             return self.allm.tokenize(prompt, add_special_tokens)
         except ValueError as err:
             raise BadRequest(field_name, str(err)) from None
+
+    def _fits(self, text: str, field_name: str) -> str:
+        """`text`, unless it has more characters than the longest request's tokens can stand for."""
+        if self.max_chars is not None and len(text) > self.max_chars:
+            longest = self.allm.info.limits.max_request_tokens
+            raise BadRequest(field_name, f"{field_name}: {len(text)} characters are more than the maximum length of "
+                             f"{longest} tokens can hold (at most {self.max_chars}); shorten it")
+        return text
 
     def _params(self, request: SamplingFields, ids: list[int], limit: int | None, field_name: str,
                 prompt_field: str = "prompt") -> SamplingParams:
