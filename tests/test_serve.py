@@ -152,6 +152,23 @@ def test_tokenize_and_detokenize(server, reference):
         assert error.status_code == 400 and error.json()["error"]["param"] == "tokens"
 
 
+def test_detokenize_decodes_off_the_event_loop(server, monkeypatch):
+    """Decoding a long list of tokens would hold up every stream the event loop sends."""
+    tokenizer, on_loop = server.allm.tokenizer, []
+    decode = tokenizer.decode
+
+    def spy(*args, **kwargs):
+        try:
+            on_loop.append(asyncio.get_running_loop() is not None)
+        except RuntimeError:  # no loop runs in this thread
+            on_loop.append(False)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "decode", spy)
+    response = httpx.post(f"{server.url}/detokenize", json={"tokens": tokenizer.encode(PROMPTS[3])})
+    assert response.json() == {"prompt": PROMPTS[3]} and on_loop == [False]
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -5,8 +5,8 @@ Routes (following vLLM's OpenAI server): `GET /v1/models`, `POST /v1/completions
 A bad request is a 400 with an OpenAI error object whose `param` names the field (a body over
 `MAX_BODY_BYTES`: a 413, refused before it is read); an engine failure is a 500 for the requests
 it touched, and the server keeps serving. Once an engine process has died, /health and every
-generation answer 503. Prompts are tokenized in worker threads, so a long one
-does not hold up the streams the event loop sends.
+generation answer 503. Prompts are tokenized (and /detokenize's tokens decoded) in worker threads,
+so a long one does not hold up the streams the event loop sends.
 """
 
 from __future__ import annotations
@@ -94,13 +94,7 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         handlers.check_model(body.model)
-        tokenizer = _tokenizer(allm, "tokens")
-        if body.tokens:
-            try:
-                allm.tokenize(body.tokens)
-            except ValueError as err:
-                raise BadRequest("tokens", str(err).replace("prompt:", "tokens:", 1)) from None
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(_detokenize, allm, body.tokens)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -169,6 +163,16 @@ def _tokenize(allm: AsyncLLM, body: TokenizeRequest) -> list[int]:
         return tokenizer.encode(check_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens)
     except ValueError as err:
         raise BadRequest("prompt", str(err)) from None
+
+
+def _detokenize(allm: AsyncLLM, tokens: list[int]) -> str:
+    tokenizer = _tokenizer(allm, "tokens")
+    if tokens:
+        try:
+            allm.tokenize(tokens)
+        except ValueError as err:
+            raise BadRequest("tokens", str(err).replace("prompt:", "tokens:", 1)) from None
+    return tokenizer.decode(tokens)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
