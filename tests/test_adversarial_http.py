@@ -102,6 +102,22 @@ def test_a_value_of_the_wrong_type_is_400_naming_it(server, baseline, field, val
     assert_still_serving(server, baseline)
 
 
+@pytest.mark.parametrize("path, field, value, neutral", [
+    ("/v1/completions", "repetition_penalty", True, 1), ("/v1/completions", "length_penalty", True, 1),
+    ("/v1/completions", "frequency_penalty", False, 0), ("/v1/completions", "min_p", False, 0),
+    ("/v1/completions", "use_beam_search", 0, False), ("/v1/completions", "include_stop_str_in_output", 0, False),
+    ("/v1/chat/completions", "echo", 0, False), ("/v1/chat/completions", "add_special_tokens", 0, False),
+])
+def test_a_refused_field_is_neutral_only_of_its_type(server, baseline, path, field, value, neutral):
+    """A field the engine does not do is accepted at its neutral value only: `true` is not
+    `1.0` (Python's `==` says it is), `0` is not `false`; an integer stands for a float."""
+    body = GOOD if path == "/v1/completions" else {"messages": MESSAGES, "max_tokens": 4}
+    error = refused(httpx.post(f"{server.url}{path}", json={**body, field: value}))
+    assert error["param"] == field and error["message"].startswith(f"{field}: not supported")
+    assert httpx.post(f"{server.url}{path}", json={**body, field: neutral}).status_code == 200
+    assert_still_serving(server, baseline)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("stop", [f"{i:040d}" for i in range(20_000)], "stop: at most 256 strings"),
     ("stop_token_ids", list(range(100_000)), "stop_token_ids: at most 1024 token ids"),

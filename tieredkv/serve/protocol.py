@@ -4,9 +4,10 @@ Operations:
 - `CompletionRequest`, `ChatCompletionRequest`, `TokenizeRequest`, `DetokenizeRequest`:
   validated bodies, strictly typed (`"5"` or `true` is not a number, `"yes"` or `1` not a
   boolean; an integer is a number). A field of OpenAI's or vLLM's API that the engine does not
-  do (`REFUSED`) is a 400 naming it unless it holds its neutral value; a field neither API has is
-  ignored with a warning in the server's log (as vLLM does). A completion holds at most
-  `MAX_PROMPTS` prompts. A list field's validation stops at its first bad item.
+  do (`REFUSED`) is a 400 naming it unless it holds its neutral value (of its type: `true` is not
+  `1.0`, nor `0` `false`); a field neither API has is ignored with a warning in the server's log
+  (as vLLM does). A completion holds at most `MAX_PROMPTS` prompts. A list field's validation
+  stops at its first bad item.
 - `refuse_unsupported(request)`: a `BadRequest` naming a field the engine does not do.
 - `sampling_params(request, max_tokens)`: the engine's parameters, or `BadRequest`.
 - `BadRequest(param, message)` / `error_body(...)`: the OpenAI error object a 400 carries.
@@ -256,11 +257,19 @@ def refuse_unsupported(request: BaseModel) -> None:
     extra = request.model_extra or {}
     for name, value in extra.items():
         neutral = REFUSED.get(name)
-        if neutral is not None and not any(value == v for v in neutral):
+        if neutral is not None and not any(_is_neutral(value, v) for v in neutral):
             raise BadRequest(name, f"{name}: not supported (only {_neutral(neutral)} is accepted), got {value!r}")
     unknown = sorted(k for k in extra if k not in REFUSED and k not in ACCEPTED)
     if unknown:
         logger.warning("ignored fields neither OpenAI's nor vLLM's API has: %s", ", ".join(unknown))
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    """Whether `value` is `neutral`, of its type too: an integer stands for a float (`1` for
+    `1.0`), a boolean never for a number (`true == 1.0` in Python), a number never for a boolean."""
+    if isinstance(neutral, float) and type(value) is int:
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
 
 
 def _neutral(values: tuple[Any, ...]) -> str:
