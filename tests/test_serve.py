@@ -201,6 +201,7 @@ def test_bad_completion_is_400_naming_the_field(server, kwargs, param):
 
 @pytest.mark.parametrize("body, param", [
     ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": MESSAGES, "max_tokens": -5, "max_completion_tokens": 2}, "max_tokens"),  # not ignored
     ({"messages": [{"role": "user", "content": "the cache " * 200}]}, "messages"),
     ({"messages": "hello"}, "messages"),
     ({"messages": MESSAGES, "model": "other"}, "model"),

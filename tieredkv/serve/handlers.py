@@ -93,6 +93,7 @@ class OpenAIHandlers:
         except ValueError as err:
             raise BadRequest("messages", str(err)) from None
         ids = chat_ids(self.allm.tokenizer, self._fits(text, "messages"))
+        _check_limit(request.max_tokens, "max_tokens")  # a bad value is refused though max_completion_tokens wins
         field_name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         limit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self._params(request, ids, limit, field_name, prompt_field="messages")
@@ -130,8 +131,7 @@ class OpenAIHandlers:
     def _params(self, request: SamplingFields, ids: list[int], limit: int | None, field_name: str,
                 prompt_field: str = "prompt") -> SamplingParams:
         """Parameters for one prompt; no limit means all the room the model and the cache leave."""
-        if limit is not None and limit < 1:
-            raise BadRequest(field_name, f"{field_name}: expected an integer >= 1, got {limit}")
+        _check_limit(limit, field_name)
         longest = self.allm.info.limits.max_request_tokens
         room = longest - len(ids)
         if room < 1:
@@ -224,6 +224,12 @@ class OpenAIHandlers:
         generated = 0 if final is None else sum(len(c.token_ids) for c in final.outputs)
         reason = "abort" if final is None or not final.finished else final.finish_reason
         self.metrics.observe(self.model, record, generated, None if failed or reason == "error" else reason)
+
+
+def _check_limit(limit: int | None, field_name: str) -> None:
+    """A `BadRequest` unless the token limit `limit` is unset or at least 1."""
+    if limit is not None and limit < 1:
+        raise BadRequest(field_name, f"{field_name}: expected an integer >= 1, got {limit}")
 
 
 def _in_batch(err: BadRequest, index: int) -> BadRequest:
