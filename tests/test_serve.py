@@ -64,6 +64,19 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_a_model_is_retrieved_by_name_and_probes_may_send_head(server):
+    """`client.models.retrieve` (OpenAI's `GET /v1/models/{id}`): the served model's card, a 404
+    naming `model` for any other; `HEAD /health` and `HEAD /v1/models`, as load balancers probe."""
+    client = server.client()
+    assert client.models.retrieve(NAME) == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4")
+    assert err.value.body["param"] == "model" and "'gpt-4' is not served here" in err.value.body["message"]
+    for path in ("/health", "/v1/models"):
+        response = httpx.head(f"{server.url}{path}")
+        assert response.status_code == 200 and response.content == b""
+
+
 def test_completions_equal_generate(server, reference):
     expected = reference.generate(PROMPTS, greedy(), use_tqdm=False)
     ids = reference.tokenizer.encode(PROMPTS[0])

@@ -1,7 +1,8 @@
 """The FastAPI application: routes, error objects, Prometheus metrics.
 
-Routes (following vLLM's OpenAI server): `GET /v1/models`, `POST /v1/completions`,
-`POST /v1/chat/completions`, `GET /health`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`.
+Routes (following vLLM's OpenAI server): `GET /v1/models` (and `GET /v1/models/{id}`, OpenAI's),
+`POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`, `GET /metrics`,
+`POST /tokenize`, `POST /detokenize`; `HEAD` too where a probe sends it (/health, /v1/models).
 A bad request is a 400 with an OpenAI error object whose `param` names the field (a body over
 `MAX_BODY_BYTES`: a 413, refused before it is read); an engine failure is a 500 for the requests
 it touched, and the server keeps serving. Once an engine process has died, /health and every
@@ -54,7 +55,8 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
     application (uvicorn's shutdown) closes the engine."""
     metrics = ServerMetrics()
     handlers = OpenAIHandlers(allm, model, metrics)
-    started = int(time.time())
+    card = {"id": model, "object": "model", "created": int(time.time()), "owned_by": "tieredkv",
+            "root": allm.info.config.model.model, "parent": None, "max_model_len": allm.info.limits.max_request_tokens}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -65,16 +67,20 @@ def build_app(allm: AsyncLLM, model: str) -> FastAPI:
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     _install_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200 if allm.healthy else 503)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict[str, Any]:
-        card = {"id": model, "object": "model", "created": started, "owned_by": "tieredkv",
-                "root": allm.info.config.model.model, "parent": None,
-                "max_model_len": allm.info.limits.max_request_tokens}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_card(name: str) -> Response:
+        if name != model:
+            message = f"model: {name!r} is not served here; this server serves {model!r}"
+            return JSONResponse(error_body(message, "NotFoundError", 404, "model"), status_code=404)
+        return JSONResponse(card)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
