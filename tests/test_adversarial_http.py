@@ -102,6 +102,19 @@ def test_a_value_of_the_wrong_type_is_400_naming_it(server, baseline, field, val
     assert_still_serving(server, baseline)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("stop", 5, "stop: Input should be a valid string"),
+    ("stop", ["end", 5], "stop[1]: Input should be a valid string"),
+    ("prompt", 5, "prompt: expected a string, a list of token ids (integers), or a list of either; "
+                  "prompt: Input should be a valid string"),
+])
+def test_a_union_field_at_fault_is_named_without_its_type_tags(server, baseline, field, value, message):
+    """The error names the place in the body, not pydantic's tag of a union's branch ("stop.str")."""
+    error = refused(httpx.post(f"{server.url}/v1/completions", json={**GOOD, field: value}))
+    assert error["param"] == field and error["message"] == message
+    assert_still_serving(server, baseline)
+
+
 @pytest.mark.parametrize("path, field, value, neutral", [
     ("/v1/completions", "repetition_penalty", True, 1), ("/v1/completions", "length_penalty", True, 1),
     ("/v1/completions", "frequency_penalty", False, 0), ("/v1/completions", "min_p", False, 0),

@@ -50,6 +50,8 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),  # the model's own template only: a request's would be code run here
     "add_special_tokens": (None, False),  # in chat: the template places the special tokens itself
 }
+# the type tags of union branches that read as names (no field has one of them)
+UNION_TAGS = frozenset({"str", "int", "float", "bool"})
 # fields of the APIs that change nothing the engine computes (bookkeeping, or options of features
 # above that are off): accepted without a warning
 ACCEPTED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -225,12 +227,18 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> BadRequest:
     _, first = max(((len(f), e) for f, e in zip(fields, errors, strict=True) if f and str(f[0]) == param),
                    key=lambda pair: pair[0], default=(0, errors[0]))
     where = param or "body"
-    for part in first["loc"][2:]:  # type tags of a union ("list[int]") are not places
-        where += f"[{part}]" if isinstance(part, int) else f".{part}" if part.isidentifier() else ""
+    for part in first["loc"][2:]:  # type tags of a union ("str", "list[int]") are not places
+        where += f"[{part}]" if isinstance(part, int) else f".{part}" if _is_place(part) else ""
     message = f"{where}: {first['msg']}"
     if param == "prompt":
         message = f"prompt: expected a string, a list of token ids (integers), or a list of either; {message}"
     return BadRequest(param, message)
+
+
+def _is_place(part: str) -> bool:
+    """Whether a part of an error's location is a field's name, not the type tag pydantic gives a
+    branch of a union ("str", "list[int]", "function-after[...]")."""
+    return part.isidentifier() and part not in UNION_TAGS
 
 
 def _body_error(error: Mapping[str, Any]) -> BadRequest | None:
