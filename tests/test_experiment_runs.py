@@ -123,6 +123,15 @@ def test_sweep_and_slo_errors_name_the_key(tmp_path, change, message):
         run_experiment(write_config(tmp_path, **change), str(tmp_path / "out"), use_tqdm=False)
 
 
+def test_a_load_point_past_the_bound_fails_when_the_file_loads(tmp_path):
+    """`--sweep users=1e20` used to draw every prompt before the first was sent, until the
+    process was killed for memory."""
+    from tieredkv.experiment.spec import load_experiment
+
+    with pytest.raises(ValueError, match=r"workload.users: expected an integer in \[1, 1000000\], got 10+$"):
+        load_experiment(write_config(tmp_path), str(tmp_path / "out"), sweep="users=2,1e20")
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_the_commit_is_named_inside_a_git_checkout_and_none_outside(tmp_path):
     from tieredkv.experiment.results import _git_commit

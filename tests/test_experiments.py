@@ -171,6 +171,10 @@ def test_prometheus_port_errors_are_clear():
         ({"kind": "multi_turn", "rate": float("nan")}, "workload.rate: expected requests per second > 0"),
         ({"kind": "replay", "path": "t.jsonl", "time_scale": float("inf")}, "workload.time_scale: expected a factor"),
         ({"kind": "replay", "path": "t.jsonl", "speed": float("nan")}, "workload.speed: expected a factor > 0"),
+        # sizes that would fill the memory with prompts drawn before the first is sent
+        ({"kind": "preemption_storm", "requests": 10**11}, r"workload.requests: expected an integer in \[1, 1000000\]"),
+        ({"kind": "long_doc_qa", "document_tokens": 10**9}, r"workload.document_tokens: .* in \[1, 100000000\]"),
+        ({"kind": "replay", "path": "t.jsonl", "max_requests": 10**7}, r"workload.max_requests: .* in \[1, 1000000\]"),
     ],
 )
 def test_workload_errors(workload, message):

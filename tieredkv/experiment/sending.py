@@ -8,7 +8,8 @@ Operations:
   `send_all(client, prompts, max_tokens, rng, rate)`: send prompts at such times;
   `send_at(client, plan, max_tokens)`: send each request of a plan at its own second.
 - `random_tokens(rng, n, vocab_size)`: seeded token ids (none of the low, often special, ones).
-- `check_fields(workload)`: a workload's counts, seconds and rate, checked.
+- `check_fields(workload)`: a workload's counts (at most `MAX_COUNT`), token counts (at most
+  `MAX_TOKENS`), seconds and rate, checked.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from tieredkv.config import check_int
 from tieredkv.values import finite_number
 
 FIRST_TOKEN_ID = 4  # ids below are often special tokens
+# Prompts are drawn before the first is sent: bounds far above any real workload, so that a typo
+# fails when the file loads rather than filling the memory.
+MAX_COUNT = 10**6  # requests, users, turns, documents, questions
+MAX_TOKENS = 10**8  # a `*_tokens` field
 
 
 class Client(Protocol):
@@ -39,8 +44,10 @@ def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
 def check_fields(workload: Any) -> None:
     for f in dataclasses.fields(workload):
         value = getattr(workload, f.name)
-        if f.type in ("int", int) or (f.type == "int | None" and value is not None):
-            check_int(f"workload.{f.name}", value, 0 if f.name == "seed" else 1)
+        if f.name == "seed":
+            check_int("workload.seed", value, 0)
+        elif f.type in ("int", int) or (f.type == "int | None" and value is not None):
+            check_int(f"workload.{f.name}", value, 1, MAX_TOKENS if f.name.endswith("_tokens") else MAX_COUNT)
         elif f.name.endswith("_s") and value is not None and not finite_number(value, 0.0, inclusive=True):
             raise ValueError(f"workload.{f.name}: expected a finite number of seconds >= 0, got {value!r}")
     rate = getattr(workload, "rate", None)
