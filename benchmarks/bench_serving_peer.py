@@ -40,12 +40,12 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from tieredkv.config import EngineConfig, ModelConfig
+from tieredkv.config import EngineConfig, ModelConfig, find_config
 from tieredkv.engine_core.info import device_name
 from tieredkv.experiment.metrics import RequestRecord, Summary, format_summary, summarize
 from tieredkv.experiment.replay import ReplayWorkload
 from tieredkv.experiment.results import result_document
-from tieredkv.experiment.spec import find_config, load_experiment
+from tieredkv.experiment.spec import load_experiment
 from tieredkv.experiment.workloads import (
     LongDocQAWorkload,
     MultiTurnWorkload,

@@ -344,3 +344,28 @@ def test_cli_serve_prints_the_tiers_then_the_url(chat_model_dir, tmp_path):
 def test_cli_serve_needs_a_model(capsys):
     assert main(["serve"]) == 2
     assert "tieredkv: error: serve: give a CONFIG.yaml, --model, or both" in capsys.readouterr().err
+
+
+def test_cli_serve_reads_the_config_as_from_yaml(tmp_path, monkeypatch):
+    """Paths are taken from the config's folder, `${results}` is a folder of the server's own
+    (removed when it stops), and a shipped config is found by name, as `tieredkv run` finds it."""
+    served = []
+
+    def serve(config, *args, **kwargs):
+        path = config.cache.nvme_path
+        served.append((config.model.model, path, os.path.isdir(os.path.dirname(path))))
+
+    monkeypatch.setattr("tieredkv.serve.server.serve", serve)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exp").mkdir()
+    for name, store in (("results", "'${results}/nvme'"), ("store", "store")):
+        (tmp_path / "exp" / f"{name}.yaml").write_text(
+            f"model: tiny-llama\ncache: {{nvme_path: {store}, nvme_bytes: 1MiB, cpu_cache_bytes: 64KiB}}\n")
+    for config in ("exp/results.yaml", "exp/store.yaml", "demo"):
+        assert main(["serve", config]) == 0
+    (_, scratch, existed), store, (model, demo_store, _) = served
+    assert existed and scratch.endswith("/nvme") and not scratch.startswith(str(tmp_path))
+    assert not os.path.exists(os.path.dirname(scratch))  # removed when the server stopped
+    assert store == ("tiny-llama", str(tmp_path / "exp" / "store"), True)
+    assert model == "tiny-llama" and demo_store.endswith("/nvme") and not os.path.exists(os.path.dirname(demo_store))
+    assert os.listdir(tmp_path) == ["exp"]  # no `${results}` folder in the working directory

@@ -112,6 +112,7 @@ def _logging(level: str) -> Iterator[None]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from tieredkv.config import find_config
     from tieredkv.experiment.harness import (
         format_comparison,
         format_summary,
@@ -119,7 +120,6 @@ def _run(args: argparse.Namespace) -> int:
         run_experiment,
     )
     from tieredkv.experiment.prometheus import PrometheusExporter
-    from tieredkv.experiment.spec import find_config
 
     exporter = None
     try:
@@ -171,9 +171,9 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     """`tieredkv bench`: 2 and one `tieredkv: error:` line on a bad config or an unreachable server."""
+    from tieredkv.config import find_config
     from tieredkv.experiment.client import bench
     from tieredkv.experiment.harness import format_summary
-    from tieredkv.experiment.spec import find_config
 
     try:
         done = bench(find_config(args.config), args.base_url, args.out, args.model, args.tokenizer,

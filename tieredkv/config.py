@@ -5,6 +5,8 @@ Operations:
 - `EngineConfig.from_kwargs(**flat)` builds a config from `LLM(...)` keywords.
 - `EngineConfig.from_dict(nested)` builds it from a YAML document (sections `cache`,
   `scheduler`, `workload`, ...).
+- `find_config(path)`: a config named on the command line, also one shipped with the package;
+  `read_engine_config(path)`: its engine config, paths resolved (`LLM.from_yaml`, `tieredkv serve`).
 
 Every invalid value raises `ValueError` naming the key, the bad value and what is allowed;
 an unknown key names the closest valid one.
@@ -19,10 +21,13 @@ import math
 import numbers
 import os
 import re
+import shutil
+import tempfile
 import urllib.parse
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from tieredkv.policy import CostModel, Preemption
@@ -478,3 +483,41 @@ def resolve_paths(doc: dict[str, Any], folder: str, results_dir: str) -> dict[st
         path = os.path.expanduser(cache["nvme_path"].replace(RESULTS_VAR, os.path.abspath(results_dir)))
         doc["cache"] = {**cache, "nvme_path": os.path.normpath(os.path.join(folder, path))}
     return doc
+
+
+def find_config(path: str) -> str:
+    """`path` as given if it exists; else the config of that name shipped with tieredkv
+    (`demo`, `configs/demo.yaml` and `demo.yaml` all find the demo)."""
+    if os.path.exists(path):
+        return path
+    name = Path(path).name if Path(path).suffix else f"{Path(path).name}.yaml"
+    for folder in shipped_config_dirs():
+        if (folder / name).is_file():
+            return str(folder / name)
+    return path  # read_yaml says it does not exist
+
+
+def shipped_config_dirs() -> list[Path]:
+    """Where configs ship: `configs/` of a checkout, and the copy installed with the package."""
+    package = Path(__file__).resolve().parent
+    return [package.parent / "configs", package / "configs"]
+
+
+def read_engine_config(path: str) -> tuple[EngineConfig, str | None]:
+    """The engine config of the YAML file `find_config(path)` finds (its experiment sections
+    ignored), relative paths taken from the file's folder; and the temporary folder made to stand
+    for `${results}` in `nvme_path` (None if there is none), which the caller removes when its
+    engine closes, so that such a store starts empty and leaves nothing behind."""
+    path = find_config(path)
+    doc = read_yaml(path)
+    cache = doc.get("cache")
+    scratch = None
+    if isinstance(cache, dict) and RESULTS_VAR in str(cache.get("nvme_path")):
+        scratch = tempfile.mkdtemp(prefix="tieredkv-results-")
+    try:
+        doc = resolve_paths(doc, os.path.dirname(os.path.abspath(path)), scratch or "results")  # results: unused
+        return EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS), scratch
+    except BaseException:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise

@@ -19,7 +19,6 @@ import math
 import numbers
 import os
 import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -35,7 +34,7 @@ from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.tier_chain import OneRankStores, build_tiers
 from tieredkv.cache.trace import BlockTrace
 from tieredkv.calibrate import DiskProbe, calibrate
-from tieredkv.config import EXPERIMENT_SECTIONS, RESULTS_VAR, EngineConfig, read_yaml, resolve_paths
+from tieredkv.config import EngineConfig, read_engine_config
 from tieredkv.decode import Decoder
 from tieredkv.gc_pauses import GCPauses
 from tieredkv.launched_prefill import LaunchedPrefill
@@ -488,18 +487,14 @@ class LLM(LLMEngine):
 
     @classmethod
     def from_yaml(cls, path: str) -> LLM:
-        """An engine built from a YAML experiment file (its experiment sections are ignored);
-        relative paths are taken from the file's folder. `${results}` (the run's results folder
-        under `tieredkv run`) is a temporary folder of this engine's own, removed by `close()` (or
-        when the engine is collected): a store there starts empty and leaves nothing behind."""
-        doc = read_yaml(path)
-        cache = doc.get("cache")
-        scratch = None
-        if isinstance(cache, dict) and RESULTS_VAR in str(cache.get("nvme_path")):
-            scratch = tempfile.mkdtemp(prefix="tieredkv-results-")
+        """An engine built from a YAML experiment file, or a config shipped with tieredkv
+        (`demo`); its experiment sections are ignored and relative paths are taken from the
+        file's folder. `${results}` (the run's results folder under `tieredkv run`) is a temporary
+        folder of this engine's own, removed by `close()` (or when the engine is collected): a
+        store there starts empty and leaves nothing behind."""
+        config, scratch = read_engine_config(path)
         try:
-            doc = resolve_paths(doc, os.path.dirname(os.path.abspath(path)), scratch or "results")  # results: unused
-            llm = cls(config=EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS))
+            llm = cls(config=config)
         except BaseException:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)

@@ -9,7 +9,6 @@ Operations:
 - `preflight(experiment)`: what would otherwise fail after the workload ran: the results
   folder must be writable (it is emptied: it holds only the last run's files), a store must
   not be locked by another process.
-- `find_config(path)`: a config named on the command line, also one shipped with the package.
 
 Relative paths in the file (`model` directories, `cache.nvme_path`, `workload.path`) are taken
 from the file's folder; `${results}` in `nvme_path` stands for the run's results folder, so that
@@ -78,24 +77,6 @@ class Experiment:
     slo: Slo | None
     sweep: tuple[str, list[float]] | None
     compare: bool
-
-
-def find_config(path: str) -> str:
-    """`path` as given if it exists; else the config of that name shipped with tieredkv
-    (`demo`, `configs/demo.yaml` and `demo.yaml` all find the demo)."""
-    if os.path.exists(path):
-        return path
-    name = Path(path).name if Path(path).suffix else f"{Path(path).name}.yaml"
-    for folder in shipped_config_dirs():
-        if (folder / name).is_file():
-            return str(folder / name)
-    return path  # read_yaml says it does not exist
-
-
-def shipped_config_dirs() -> list[Path]:
-    """Where configs ship: `configs/` of a checkout, and the copy installed with the package."""
-    package = Path(__file__).resolve().parents[1]
-    return [package.parent / "configs", package / "configs"]
 
 
 def load_experiment(path: str, out_dir: str = "results", compare: bool = False,

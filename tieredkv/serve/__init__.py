@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import sys
 from typing import TYPE_CHECKING
 
@@ -55,21 +56,27 @@ def main(args: argparse.Namespace) -> int:
     from tieredkv.serve.server import serve
 
     try:
-        serve(engine_config(args.config, args.model), args.host, args.port, args.served_model_name,
-              engine_process=args.engine_loop == "process")
+        config, scratch = engine_config(args.config, args.model)
+        try:
+            serve(config, args.host, args.port, args.served_model_name, engine_process=args.engine_loop == "process")
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
     except ValueError as err:
         print(f"tieredkv: error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def engine_config(path: str | None, model: str | None) -> EngineConfig:
-    """The engine keys of the YAML file at `path` (if any), with `model` over its model."""
-    from tieredkv.config import EXPERIMENT_SECTIONS, EngineConfig, read_yaml
+def engine_config(path: str | None, model: str | None) -> tuple[EngineConfig, str | None]:
+    """The engine keys of the YAML file at `path` (if any; read as `LLM.from_yaml` reads it),
+    with `model` over its model; and the temporary folder standing for `${results}` (None if
+    none), to remove when the server stops."""
+    from tieredkv.config import EngineConfig, read_engine_config
 
     if path is None and model is None:
         raise ValueError("serve: give a CONFIG.yaml, --model, or both")
-    config = EngineConfig.from_dict(read_yaml(path), extra_sections=EXPERIMENT_SECTIONS) if path else EngineConfig()
+    config, scratch = read_engine_config(path) if path else (EngineConfig(), None)
     if model is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=model))
-    return config
+    return config, scratch
