@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tieredkv import LLM, SamplingParams
+from tieredkv import LLM, AsyncLLM, SamplingParams
+from tieredkv.config import EngineConfig
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 MESSAGES = [{"role": "user", "content": "swap or recompute?"}]
@@ -96,5 +97,18 @@ def test_numpy_values_are_taken_as_their_python_values():
 
 
 def test_an_engine_key_given_by_position_is_a_type_error_naming_config():
-    with pytest.raises(TypeError, match="config: expected an EngineConfig, got 'cpu'; give the other engine keys"):
-        LLM("tiny-llama", "cpu")
+    for engine in (LLM, AsyncLLM):
+        with pytest.raises(TypeError, match="config: expected an EngineConfig, got 'cpu'; give the other engine keys"):
+            engine("tiny-llama", "cpu")
+    with pytest.raises(TypeError, match="config: expected an EngineConfig, got {'model': 'x'}"):
+        AsyncLLM(config={"model": "x"})
+
+
+@pytest.mark.parametrize("engine", [LLM, AsyncLLM])
+def test_a_config_beside_keywords_or_another_model_is_a_value_error(engine):
+    """They used to be ignored: the engine ran the config's model and sizes."""
+    config = EngineConfig.from_kwargs(model="tiny-llama", device="cpu")
+    with pytest.raises(ValueError, match="config: given with num_gpu_blocks, blok_size; set them in the config"):
+        engine(config=config, num_gpu_blocks=99, blok_size=3)
+    with pytest.raises(ValueError, match="model: 'tiny-qwen3' given with a config of model 'tiny-llama'"):
+        engine("tiny-qwen3", config=config)

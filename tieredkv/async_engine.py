@@ -41,7 +41,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tieredkv.config import EngineConfig
+from tieredkv.config import EngineConfig, api_config
 from tieredkv.engine import LLMEngine, Prompt
 from tieredkv.engine_core import NewRequest
 from tieredkv.engine_core.info import EngineInfo
@@ -99,7 +99,7 @@ class AsyncLLM:
 
     def __init__(self, model: str = "tiny-llama", config: EngineConfig | None = None, engine_process: bool = False,
                  **kwargs: Any) -> None:
-        config = config or EngineConfig.from_kwargs(model=model, **kwargs)
+        config = api_config(model, config, kwargs)
         self._streams = _Streams()
         self._core: ThreadCore | ProcessCore
         if engine_process:

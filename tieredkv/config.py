@@ -2,7 +2,8 @@
 
 Operations:
 - `parse_size("4GiB")` turns a size string or int into bytes.
-- `EngineConfig.from_kwargs(**flat)` builds a config from `LLM(...)` keywords.
+- `EngineConfig.from_kwargs(**flat)` builds a config from `LLM(...)` keywords;
+  `api_config(model, config, keywords)`: the config of `LLM(...)` / `AsyncLLM(...)`, either way.
 - `EngineConfig.from_dict(nested)` builds it from a YAML document (sections `cache`,
   `scheduler`, `workload`, ...).
 - `find_config(path)`: a config named on the command line, also one shipped with the package;
@@ -413,6 +414,22 @@ def unknown_key(key: str, allowed: list[str]) -> str:
     hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(allowed)}"
     return f"unknown key {key!r}: {hint}"
 
+
+def api_config(model: str, config: EngineConfig | None, keywords: dict[str, Any]) -> EngineConfig:
+    """The config of `LLM(model, **keywords)`, or `config` for `LLM(config=...)`; a config given
+    beside keywords or another model is an error, not keywords silently ignored."""
+    if config is None:
+        return EngineConfig.from_kwargs(model=model, **keywords)
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config: expected an EngineConfig, got {config!r}; give the other engine keys by name, "
+                        "e.g. LLM(model, device='cpu')")
+    if keywords:
+        raise ValueError(f"config: given with {', '.join(keywords)}; set them in the config "
+                         "(dataclasses.replace) or give keywords without a config")
+    if model not in (ModelConfig.model, config.model.model):
+        raise ValueError(f"model: {model!r} given with a config of model {config.model.model!r}; "
+                         "set the model in the config")
+    return config
 
 def read_yaml(path: str) -> dict[str, Any]:
     """Parse a YAML experiment file; errors name the file and what is wrong (a key given twice

@@ -34,7 +34,7 @@ from tieredkv.cache.manager import KVCacheManager
 from tieredkv.cache.tier_chain import OneRankStores, build_tiers
 from tieredkv.cache.trace import BlockTrace
 from tieredkv.calibrate import DiskProbe, calibrate
-from tieredkv.config import EngineConfig, read_engine_config
+from tieredkv.config import EngineConfig, api_config, read_engine_config
 from tieredkv.decode import Decoder
 from tieredkv.gc_pauses import GCPauses
 from tieredkv.launched_prefill import LaunchedPrefill
@@ -477,11 +477,8 @@ class LLM(LLMEngine):
     is for one caller at a time, and is not mixed with `generate` (see there)."""
 
     def __init__(self, model: str = "tiny-llama", config: EngineConfig | None = None, **kwargs: Any) -> None:
-        """`LLM(model=..., **keywords)`, or `LLM(config=EngineConfig(...))`."""
-        if config is not None and not isinstance(config, EngineConfig):
-            raise TypeError(f"config: expected an EngineConfig, got {config!r}; give the other engine keys by name, "
-                            "e.g. LLM(model, device='cpu')")
-        super().__init__(config or EngineConfig.from_kwargs(model=model, **kwargs))
+        """`LLM(model=..., **keywords)`, or `LLM(config=EngineConfig(...))` (alone)."""
+        super().__init__(api_config(model, config, kwargs))
         self._generate_lock = threading.Lock()
         self._scratch: weakref.finalize | None = None  # removes the folder `from_yaml` made for `${results}`
 
