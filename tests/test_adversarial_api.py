@@ -63,6 +63,17 @@ def test_chat_messages_the_engine_cannot_take_are_a_value_error(llm, baseline, m
     assert_still_serving(llm, baseline)
 
 
+def test_a_bad_conversation_in_a_list_is_that_requests_error(llm, baseline):
+    """It used to end the whole call, saying `messages[0]` for the second conversation."""
+    [plain] = llm.chat(MESSAGES, GREEDY, use_tqdm=False)
+    outs = llm.chat([MESSAGES, [{"role": "wizard", "content": "hi"}], [], "hi", MESSAGES], GREEDY, use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
+    assert outs[0].token_ids == outs[4].token_ids == plain.token_ids
+    assert outs[1].error.startswith("conversation 1: messages[0].role: expected one of")
+    assert outs[2].error.startswith("conversation 2: messages: expected a non-empty list")
+    assert outs[3].error.startswith("conversation 3: messages: expected a non-empty list")
+    assert_still_serving(llm, baseline)
+
 def test_list_content_is_its_text_parts(llm):
     text = [{"type": "text", "text": "swap or "}, {"type": "text", "text": "recompute?"}]
     parts = [{"role": "user", "content": text}]

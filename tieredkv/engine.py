@@ -521,10 +521,17 @@ class LLM(LLMEngine):
         steps the engine until its own prompts finish, so it would run theirs too and have
         nowhere to hand their outputs. Step them to completion (or `abort()` them) first."""
         prompts = prompt_list(prompts)
+        return self._generate(len(prompts), lambda i: prompts[i], sampling_params, use_tqdm)
+
+    def _generate(self, num_prompts: int, prompt: Callable[[int], Prompt],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  use_tqdm: bool) -> list[RequestOutput]:
+        """`generate` of the prompts `prompt(i)`, each made when it is queued (a ValueError is
+        that request's error)."""
         with self._generate_lock:
             self._check_idle("generate")
             if sampling_params is None or isinstance(sampling_params, SamplingParams):
-                params = [sampling_params] * len(prompts)
+                params = [sampling_params] * num_prompts
             elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
                 params = list(sampling_params)
             else:
@@ -533,11 +540,11 @@ class LLM(LLMEngine):
             if wrong is not None:
                 raise ValueError("sampling_params: expected a SamplingParams or one per prompt, "
                                  f"got {type(wrong).__name__}")
-            if len(params) != len(prompts):
+            if len(params) != num_prompts:
                 raise ValueError(
-                    f"sampling_params: got {len(params)} for {len(prompts)} prompts; give one or one per prompt"
+                    f"sampling_params: got {len(params)} for {num_prompts} prompts; give one or one per prompt"
                 )
-            return self._run_batch(len(prompts), lambda i: self.add_request(prompts[i], params[i]), use_tqdm)
+            return self._run_batch(num_prompts, lambda i: self.add_request(prompt(i), params[i]), use_tqdm)
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
@@ -605,10 +612,20 @@ class LLM(LLMEngine):
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Reply to a conversation (`[{"role": "user", "content": "..."}, ...]`), or to each of a
-        list of them, through the tokenizer's chat template; outputs in order."""
+        list of them, through the tokenizer's chat template; outputs in order. A conversation the
+        engine cannot take raises ValueError; in a list, it gets an output with `error` set
+        (beginning `conversation <i>:`) and the others still complete."""
         if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
             raise ValueError(f"messages: expected a conversation ([{{'role': ..., 'content': ...}}, ...]) or a list "
                              f"of them, got {type(messages).__name__}")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [chat_prompt(self.tokenizer, c) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        if messages and isinstance(messages[0], dict):
+            return self.generate([chat_prompt(self.tokenizer, messages)], sampling_params, use_tqdm)
+        conversations = list(messages)
+
+        def prompt(i: int) -> list[int]:
+            try:
+                return chat_prompt(self.tokenizer, conversations[i])
+            except ValueError as err:
+                raise ValueError(f"conversation {i}: {err}") from None
+
+        return self._generate(len(conversations), prompt, sampling_params, use_tqdm)
