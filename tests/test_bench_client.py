@@ -87,3 +87,21 @@ def test_bench_names_an_unreachable_server(tmp_path, capsys):
     assert main(["bench", str(config), "--base-url", "http://127.0.0.1:9", "--out", str(tmp_path),
                  "--no-progress"]) == 2
     assert "tieredkv: error: --base-url: cannot list the server's models" in capsys.readouterr().err
+
+
+def test_bench_of_requests_that_all_failed_exits_1(tmp_path, capsys):
+    """As `tieredkv run` does; it exited 0 when no request reached the server."""
+    config = tmp_path / "config.yaml"
+    config.write_text(MULTI_TURN)
+    assert main(["bench", str(config), "--base-url", "http://127.0.0.1:9", "--model", "m", "--out", str(tmp_path),
+                 "--no-progress"]) == 1
+    assert "tieredkv: failed: bench_turns-bench: all 9 of its requests failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("vocab_size", ["-5", "0", "4"])
+def test_bench_names_a_vocab_size_too_small(tmp_path, capsys, vocab_size):
+    config = tmp_path / "config.yaml"
+    config.write_text(MULTI_TURN)
+    assert main(["bench", str(config), "--base-url", "http://127.0.0.1:9", "--model", "m", "--vocab-size", vocab_size,
+                 "--out", str(tmp_path), "--no-progress"]) == 2
+    assert f"tieredkv: error: --vocab-size: expected an integer >= 5, got {vocab_size}" in capsys.readouterr().err

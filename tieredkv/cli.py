@@ -6,7 +6,8 @@ that `tieredkv --help` starts without torch.
 
 Every error `tieredkv run` finds before the workload runs (the config, the trace, the results folder, a locked
 store, a busy port) is one `tieredkv: error: ...` line and exit status 2; Ctrl-C writes the partial
-results and exits with status 130.
+results and exits with status 130. A run that failed, or whose every request failed (`tieredkv bench`
+too), exits with status 1.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import logging
 import sys
 import traceback
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from tieredkv import __version__, serve
+
+if TYPE_CHECKING:
+    from tieredkv.experiment.metrics import Summary
 
 DEFAULT_CONFIG = "configs/demo.yaml"
 EXIT_FAILED_RUNS, EXIT_ERROR, EXIT_INTERRUPTED = 1, 2, 130
@@ -139,9 +144,7 @@ def _run(args: argparse.Namespace) -> int:
         print(format_sweep(outcome.sweep))
     elif len(outcome.summaries) > 1:
         print(format_comparison(outcome.summaries))
-    # a run whose every request failed ran nothing: as much a failure as one that stopped
-    refused = [f"{s.name}: all {s.requests} of its requests failed (each one's error is in its result.json)"
-               for s in outcome.summaries if s.requests and s.errors == s.requests]
+    refused = [failure for s in outcome.summaries if (failure := _all_failed(s))]
     for failure in [*outcome.failed, *refused]:
         print(f"tieredkv: failed: {failure}", file=sys.stderr)
     if outcome.interrupted:
@@ -149,6 +152,14 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     print(f"results in {outcome.folder}/")
     return EXIT_FAILED_RUNS if outcome.failed or refused else 0
+
+
+def _all_failed(summary: Summary) -> str | None:
+    """What to say of a run whose every request failed: it ran nothing, as much a failure as a
+    run that stopped; None if some request went through."""
+    if summary.requests and summary.errors == summary.requests:
+        return f"{summary.name}: all {summary.requests} of its requests failed (each one's error is in its result.json)"
+    return None
 
 
 def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -170,7 +181,8 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """`tieredkv bench`: 2 and one `tieredkv: error:` line on a bad config or an unreachable server."""
+    """`tieredkv bench`: 2 and one `tieredkv: error:` line on a bad config or an unreachable server;
+    1 if every request failed."""
     from tieredkv.config import find_config
     from tieredkv.experiment.client import bench
     from tieredkv.experiment.harness import format_summary
@@ -182,8 +194,10 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"tieredkv: error: {err}", file=sys.stderr)
         return EXIT_ERROR
     print(format_summary(done.summary))
+    if failure := _all_failed(done.summary):
+        print(f"tieredkv: failed: {failure}", file=sys.stderr)
     print(f"results in {done.folder}/")
-    return 0
+    return EXIT_FAILED_RUNS if failure else 0
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"run": _run_command, "serve": serve.main, "bench": _bench}

@@ -27,10 +27,12 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
+from tieredkv.config import check_int
 from tieredkv.experiment.harness import TIMELINE_KEYS
 from tieredkv.experiment.metrics import RequestRecord, Summary, summarize
 from tieredkv.experiment.plots import write_plots
 from tieredkv.experiment.results import result_document, write_json
+from tieredkv.experiment.sending import FIRST_TOKEN_ID
 from tieredkv.experiment.spec import load_experiment, prepare_results
 from tieredkv.experiment.workloads import describe_workload
 
@@ -129,6 +131,8 @@ def bench(config: str, base_url: str, out_dir: str = "results", model: str | Non
     """Replay `config`'s workload against the server at `base_url` (module docstring); `model`:
     the served name (default: the server's first model); `vocab_size`: the range of the random
     token ids (default: the tokenizer's, else the config's model's)."""
+    if vocab_size is not None:
+        check_int("--vocab-size", vocab_size, FIRST_TOKEN_ID + 1)  # ids are drawn from FIRST_TOKEN_ID up
     experiment = load_experiment(config, out_dir, base_only=True)
     run = experiment.runs[0]
     folder = os.path.join(out_dir, f"{experiment.name}-bench")
