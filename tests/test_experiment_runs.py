@@ -333,6 +333,23 @@ def test_config_errors_are_one_line(tmp_path, capsys):
     assert "--sweep: expected KEY=V1,V2,..." in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("variant, message", [
+    ({"name": "b", "cahce": {"block_size": 4}}, "variants[1]: unknown key 'cahce': did you mean 'cache'?"),
+    ({"name": "b", "restart_afterwards": 1}, "variants[1]: unknown key 'restart_afterwards': did you mean "
+                                             "'restart_after_s'?"),
+    ({"name": "b", "cache": {"blok_size": 4}}, "variants[1]: unknown key 'cache.blok_size'"),
+    ({"name": "b", "model": "no-such-model"}, "variants[1]: model: 'no-such-model' is neither a preset"),
+])
+def test_a_variant_error_names_the_variant_before_anything_runs(tmp_path, variant, message):
+    """The second variant's model used to be found missing only after the first variant ran."""
+    from tieredkv.experiment.spec import load_experiment
+
+    config = write_config(tmp_path, variants=[VARIANTS[0], variant])
+    with pytest.raises(ValueError) as err:
+        load_experiment(config, str(tmp_path / "out"), compare=True)
+    assert str(err.value).startswith(message)
+
+
 # ---------------------------------------------------------------------------- paths, logging, defaults
 
 

@@ -5,7 +5,7 @@ Operations:
   `variants:` (each a partial config over the base one), `workload:`, load points (`sweep:` or
   `--sweep rate=0.5,1,2`), `slo:` and a warm restart (`restart_after_s`, `restart_store`, in
   the base or a variant); its `runs`, one per variant and load point. Every error names the key
-  (or the trace line) and the fix.
+  (or the trace line, or the variant) and the fix; a variant's model must be found.
 - `preflight(experiment)`: what would otherwise fail after the workload ran: the results
   folder must be writable (it is emptied: it holds only the last run's files), a store must
   not be locked by another process.
@@ -36,6 +36,7 @@ from tieredkv.config import (
 )
 from tieredkv.experiment.slo import Slo
 from tieredkv.experiment.workloads import WORKLOADS, Workload, make_workload
+from tieredkv.model.locate import locate_model
 
 RESULTS_MARK = ".tieredkv-results"  # a results folder `tieredkv run` made (and may empty)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -113,14 +114,28 @@ def load_experiment(path: str, out_dir: str = "results", compare: bool = False,
             run_name = "/".join([name, *([variant] if variant else []),
                                  *([f"{points[0]}={value:g}"] if value is not None else [])])
             engine_doc = resolve_paths(_merge(_base(doc), _engine_keys(override)), base_dir, run_folder)
-            EngineConfig.from_dict(engine_doc)
-            restart = parse_restart({**_run_keys(doc), **_run_keys(override)}, engine_doc,
-                                    *[variant_key(listed, variant)] if variant else [])
+            where = variant_key(listed, variant) if variant else ""
+            _check_engine(engine_doc, where)
+            restart = parse_restart({**_run_keys(doc), **_run_keys(override)}, engine_doc, where)
             workload = make_workload({**section, points[0]: value} if value is not None else section)
             workload.num_requests  # noqa: B018 -- reads and checks a trace now, not after a run
             point = (points[0], value) if value is not None else None
             runs.append(Run(run_name, run_folder, variant, point, engine_doc, workload, restart))
     return Experiment(path, name, folder, runs, slo, points, len(listed) > 1 or listed[0][0] is not None)
+
+
+def _check_engine(engine_doc: dict[str, Any], where: str) -> None:
+    """ValueError if the run's engine config is not valid; a variant's (`where`: its key, which
+    the error names) must also name a model that can be found, so that a typo fails now rather
+    than after the variants before it ran."""
+    try:
+        config = EngineConfig.from_dict(engine_doc, extra_sections=RESTART_KEYS)  # keys a variant may set
+        if where:
+            locate_model(config.model.model)
+    except ValueError as err:
+        if not where:
+            raise
+        raise ValueError(f"{where}: {err}") from None
 
 
 def _base(doc: dict[str, Any]) -> dict[str, Any]:
