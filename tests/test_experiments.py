@@ -67,17 +67,17 @@ def test_long_doc_qa_returns_to_documents(tmp_path):
 
 def test_replay(tmp_path):
     lines = [{"time": 0.0, "prompt": [5, 6, 7], "max_tokens": 3}, {"time": 0.05, "prompt": [8, 9]},
-             {"time": 0.02, "prompt": []}]
+             {"time": 0.02, "prompt": [10**6]}]
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps(x) for x in lines))
     [summary] = run_experiment(write_config(tmp_path, {"kind": "replay", "path": str(trace), "max_tokens": 2}),
                                str(tmp_path / "out"), use_tqdm=False).summaries
-    assert summary.requests == 3 and summary.errors == 1  # the empty prompt, reported alone
+    assert summary.requests == 3 and summary.errors == 1  # the token id past the vocabulary, reported alone
     result = json.loads((tmp_path / "out" / "exp" / "result.json").read_text())
     by_tag = {r["tag"]: r for r in result["requests"]}
     assert len(by_tag["line1"]["token_times"]) == 3 and len(by_tag["line2"]["token_times"]) == 2
     assert by_tag["line2"]["arrival"] >= 0.05
-    assert "empty" in by_tag["line3"]["error"]
+    assert "token ids must be integers in [0, " in by_tag["line3"]["error"]
 
 
 def test_same_seed_same_requests():

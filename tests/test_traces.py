@@ -194,13 +194,22 @@ def test_a_malformed_mooncake_line_names_line_and_field(tmp_path, line, message)
         ({"time": 0.5}, "line 2: give one of the fields 'prompt' .* or 'text'"),
         ({"time": "soon", "prompt": [5]}, "line 2: field 'time': expected a finite number >= 0"),
         ({"time": float("inf"), "prompt": [5]}, "line 2: field 'time': expected a finite number >= 0, got inf"),
-        ({"prompt": [5, 6.5]}, "line 2: field 'prompt': expected a list of token ids"),
+        ({"prompt": [5, 6.5]}, "line 2: field 'prompt': expected a non-empty list of token ids"),
+        # loaded, these failed only when sent, or with an error naming no line
+        ({"prompt": [-1, 2]}, r"line 2: field 'prompt': expected a non-empty list of token ids >= 0, got \[-1, 2\]"),
+        ({"prompt": []}, r"line 2: field 'prompt': expected a non-empty list of token ids >= 0, got \[\]"),
+        ({"text": ""}, "line 2: field 'text': expected a non-empty string, got ''"),
+        pytest.param('{"time": 1' + "0" * 400 + ', "prompt": [5]}',
+                     "line 2: field 'time': expected a finite number >= 0, got 10", id="past-the-largest-float"),
+        pytest.param('{"time": 1' + "0" * 5000 + ', "prompt": [5]}', "line 2: not a JSON object: Exceeds the limit",
+                     id="past-the-digits-python-converts"),
     ],
 )
 def test_a_malformed_prompts_line_names_line_and_field(tmp_path, line, message):
     path = tmp_path / "trace.jsonl"
-    path.write_text(json.dumps({"time": 0.0, "prompt": [5, 6, 7]}) + "\n" + json.dumps(line) + "\n")
-    with pytest.raises(ValueError, match=message):
+    path.write_text(json.dumps({"time": 0.0, "prompt": [5, 6, 7]}) + "\n"
+                    + (line if isinstance(line, str) else json.dumps(line)) + "\n")
+    with pytest.raises(ValueError, match=f"{path} {message}"):
         make_workload({"kind": "replay", "path": str(path)}).num_requests  # noqa: B018
 
 

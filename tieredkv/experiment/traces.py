@@ -92,7 +92,7 @@ def read_trace(path: str, fmt: TraceFormat = "auto", block_tokens: int = 512) ->
 def _json_object(path: str, n: int, text: str) -> dict[str, Any]:
     try:
         row = json.loads(text)
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # not JSON, or an integer of more digits than Python converts
         raise ValueError(f"workload.path: {path} line {n}: not a JSON object: {err}") from None
     if not isinstance(row, dict):
         raise ValueError(f"workload.path: {path} line {n}: expected a JSON object, got {type(row).__name__}")
@@ -121,9 +121,13 @@ class _Where:
 
     def number(self, key: str, default: float | None = None, minimum: float = 0) -> float:
         value = self.row.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value < math.inf:
-            raise self.error(f"field {key!r}: expected a finite number >= {minimum}, got {value!r}")
-        return float(value)
+        try:
+            number = None if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
+        except OverflowError:  # an integer past the largest float
+            number = None
+        if number is None or not minimum <= number < math.inf:
+            raise self.error(f"field {key!r}: expected a finite number >= {minimum}, got {value!r:.60}")
+        return number
 
     def integer(self, key: str, minimum: int) -> int:
         value = self.row.get(key)
@@ -139,11 +143,12 @@ def _prompts_line(where: _Where, block_tokens: int) -> TraceLine:
         raise where.error("give one of the fields 'prompt' (token ids) or 'text'")
     prompt = row.get("prompt", row.get("text"))
     if "prompt" in row:
-        if not isinstance(prompt, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise where.error(f"field 'prompt': expected a list of token ids, got {prompt!r:.60}")
+        if not isinstance(prompt, list) or not prompt or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt):
+            raise where.error(f"field 'prompt': expected a non-empty list of token ids >= 0, got {prompt!r:.60}")
         prompt = tuple(prompt)
-    elif not isinstance(prompt, str):
-        raise where.error(f"field 'text': expected a string, got {prompt!r:.60}")
+    elif not isinstance(prompt, str) or not prompt:
+        raise where.error(f"field 'text': expected a non-empty string, got {prompt!r:.60}")
     output = where.integer("max_tokens", 1) if "max_tokens" in row else None
     return TraceLine(where.line, where.number("time", 0.0), output, prompt=prompt)
 
