@@ -84,6 +84,7 @@ def test_list_content_is_its_text_parts(llm):
 
 @pytest.mark.parametrize("call, message", [
     (lambda llm: llm.add_request([5, 6], GREEDY, request_id=5), "request_id: expected a string, got int"),
+    (lambda llm: llm.abort([1]), "request_id: expected a string, got list"),
     (lambda llm: llm.generate("hi", "greedy", use_tqdm=False),
      "sampling_params: expected a SamplingParams or one per prompt, got str"),
     (lambda llm: llm.generate(["a", "b"], [GREEDY, {"temperature": 0}], use_tqdm=False),

@@ -224,6 +224,18 @@ async def test_a_live_request_id_is_rejected_until_it_ends():
     await allm.close()
 
 
+@pytest.mark.parametrize("request_id", [[1], 5])
+async def test_a_request_id_that_is_not_a_string_is_a_value_error(request_id):
+    """As in `LLM.add_request`; a list raised TypeError, a number was taken (and named another id)."""
+    allm = AsyncLLM(model="tiny-llama", block_size=4, num_gpu_blocks=64)
+    message = f"request_id: expected a string, got {type(request_id).__name__}"
+    with pytest.raises(ValueError, match=message):
+        await allm.generate_stream([5], GREEDY, request_id).__anext__()
+    with pytest.raises(ValueError, match=message):
+        allm.abort(request_id)
+    assert len((await allm.generate([5, 6], SamplingParams(max_tokens=3))).token_ids) == 3
+    await allm.close()
+
 def test_engine_rejects_a_duplicate_request_id_at_enqueue():
     engine = LLMEngine(EngineConfig.from_kwargs(model="tiny-llama", block_size=4, num_gpu_blocks=16))
     one = engine.make_sequence([5, 6, 7], request_id="x")

@@ -51,6 +51,7 @@ from tieredkv.model.runner import load_tokenizer
 from tieredkv.outputs import RequestOutput
 from tieredkv.prompts import token_ids
 from tieredkv.sampling import SamplingParams
+from tieredkv.values import check_request_id
 
 
 @dataclasses.dataclass(eq=False)
@@ -183,6 +184,8 @@ class AsyncLLM:
         if self._closed:
             raise RuntimeError("AsyncLLM is closed; create a new one to generate")
         arrival_time = time.monotonic()
+        if request_id is not None:
+            check_request_id(request_id)
         n = next(self._ids)
         request_id = request_id if request_id is not None else f"req-{n}"
         if request_id in self._streams.open:
@@ -205,6 +208,7 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Stop a request; everything it holds in every tier is freed before the next step, and
         its stream ends with an output whose `finish_reason` is "abort". Unknown ids are ignored."""
+        check_request_id(request_id)
         stream = self._streams.open.get(request_id)
         if stream is not None:
             self._abort(stream)

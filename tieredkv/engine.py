@@ -53,6 +53,7 @@ from tieredkv.sequence import Sequence as Seq
 from tieredkv.text import IncrementalDetokenizer, Message, chat_prompt
 from tieredkv.tiers.nvme.store import DEFAULT_QUEUE_DEPTH
 from tieredkv.tiers.remote import NVME_STORE_STATS
+from tieredkv.values import check_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +209,8 @@ class LLMEngine:
         """A request's token ids and id, checked: its id is free (the caller then checks it
         against `RequestLimits`)."""
         self._check_open()
-        if request_id is not None and not isinstance(request_id, str):
-            raise ValueError(f"request_id: expected a string, got {type(request_id).__name__}")
+        if request_id is not None:
+            check_request_id(request_id)
         token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
@@ -258,6 +259,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free everything it holds; its last output (`finish_reason` "abort"),
         or None if no such request is unfinished."""
+        check_request_id(request_id)
         seq = self.seqs.pop(request_id, None)
         if seq is None or _finished(seq):
             return None
