@@ -431,6 +431,7 @@ def api_config(model: str, config: EngineConfig | None, keywords: dict[str, Any]
                          "set the model in the config")
     return config
 
+
 def read_yaml(path: str) -> dict[str, Any]:
     """Parse a YAML experiment file; errors name the file and what is wrong (a key given twice
     in one mapping is an error, not last-one-wins)."""
