@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 import yaml
@@ -110,6 +111,29 @@ def test_variants_selects_and_orders_a_comparison(tmp_path):
         load_experiment(config, str(tmp_path), only=["a", "d"])
     with pytest.raises(ValueError, match="named twice"):
         load_experiment(config, str(tmp_path), only=["a", "a"])
+
+
+def test_an_empty_variants_flag_is_an_error_not_the_base_alone(tmp_path, capsys):
+    variants = [{"name": "a", "scheduler": {"max_num_seqs": 4}}]
+    config = write_config(tmp_path, {"kind": "multi_turn", "users": 1, "turns": 1}, variants=variants)
+    assert main(["run", config, "--variants", "", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "--variants: no variant named ''" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["name", "variants[0].name"])
+@pytest.mark.parametrize("name", [True, None, 1.5])
+def test_a_name_that_yaml_reads_as_no_string_is_an_error(tmp_path, where, name):
+    """`name: yes` is true in YAML, `name: null` None: no results folder is named "True"."""
+    from tieredkv.experiment.spec import load_experiment
+
+    variants = [{"name": name if where != "name" else "a", "scheduler": {"max_num_seqs": 4}}]
+    path = tmp_path / "exp.yaml"
+    doc = {"name": name if where == "name" else "exp", **ENGINE,
+           "workload": {"kind": "multi_turn", "users": 1, "turns": 1}, "variants": variants}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match=rf"^{re.escape(where)}: expected a string naming a results folder"):
+        load_experiment(str(path), str(tmp_path), compare=True)
 
 
 def test_prometheus_exposes_every_variant_while_it_runs(tmp_path):

@@ -134,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
         outcome = run_experiment(
             find_config(args.config), args.out, args.compare, use_tqdm=not args.no_progress,
             on_summary=lambda s: print(format_summary(s), flush=True), exporter=exporter, sweep=args.sweep,
-            keep_prompt_ids=args.prompt_ids, only=args.variants.split(",") if args.variants else None,
+            keep_prompt_ids=args.prompt_ids, only=args.variants.split(",") if args.variants is not None else None,
             engine_process=not args.in_process,
         )
     finally:

@@ -88,7 +88,7 @@ def load_experiment(path: str, out_dir: str = "results", compare: bool = False,
     (a compare; run it again reversed to see what the order did)."""
     doc = read_yaml(path)
     EngineConfig.from_dict(doc, extra_sections=EXPERIMENT_SECTIONS)  # the base must be valid on its own
-    name = _folder_name("name", str(doc.get("name", Path(path).stem)))
+    name = _folder_name("name", doc.get("name", Path(path).stem))
     base_dir = os.path.dirname(os.path.abspath(path))
     if not isinstance(doc.get("workload") or {}, dict):
         raise ValueError("workload: expected a mapping with a kind and its keys")
@@ -152,7 +152,13 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _folder_name(key: str, name: str) -> str:
+def _folder_name(key: str, name: Any) -> str:
+    """`name`, the name of a results folder, checked (a number names one; YAML reads `yes` as
+    true and `null` as None, which do not)."""
+    if isinstance(name, int) and not isinstance(name, bool):
+        name = str(name)
+    if not isinstance(name, str):
+        raise ValueError(f"{key}: expected a string naming a results folder, got {name!r}; quote it")
     if not _NAME.match(name) or name in (".", ".."):
         raise ValueError(f"{key}: {name!r} names a results folder; use letters, digits and . _ + - only")
     return name
@@ -169,7 +175,7 @@ def _variants(doc: dict[str, Any], compare: bool) -> list[tuple[str | None, dict
     for i, variant in enumerate(listed):
         if not isinstance(variant, dict) or "name" not in variant:
             raise ValueError(f"variants[{i}]: expected a mapping with a 'name' and the keys it changes")
-        name = _folder_name(f"variants[{i}].name", str(variant["name"]))
+        name = _folder_name(f"variants[{i}].name", variant["name"])
         if name in {n for n, _ in runs}:
             raise ValueError(f"variants[{i}].name: {name!r} is used twice")
         runs.append((name, {k: v for k, v in variant.items() if k != "name"}))
