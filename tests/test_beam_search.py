@@ -97,6 +97,9 @@ def test_beam_search_errors():
         fine, too_long = llm.beam_search([[1, 2], list(range(3, 300))], BeamSearchParams(2, 4), use_tqdm=False)
         assert fine.error is None and len(fine.sequences) == 2
         assert too_long.sequences == [] and "need 19 KV blocks but the GPU tier has 16" in too_long.error
+        for params in (None, SamplingParams(max_tokens=4)):  # the call's fault: raised, as by generate
+            with pytest.raises(ValueError, match="params: expected a BeamSearchParams"):
+                llm.beam_search([[1, 2], [3]], params, use_tqdm=False)
         out = llm.beam_search([[1, 2]], BeamSearchParams(3, 4), use_tqdm=False)[0]
         assert out.sequences == [] and "beam_width: 3 sequences per request exceed max_num_seqs (2)" in out.error
         llm.add_request([1, 2], SamplingParams(max_tokens=2))

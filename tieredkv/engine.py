@@ -194,8 +194,7 @@ class LLMEngine:
     def make_beam_sequence(self, prompt: Prompt, params: BeamSearchParams, request_id: str | None = None) -> Seq:
         """Validate a beam-search request (ValueError if it can never run) without queueing it;
         its result is `seq.group.result(...)` once it has finished."""
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
+        _check_beam_params(params)
         token_ids, request_id = self._new_request(prompt, request_id)
         self.limits.check_request(len(token_ids), params.max_tokens, "beam_width", params.beam_width)
         # beams never stop by themselves: the beam search ends them
@@ -466,6 +465,11 @@ class LLMEngine:
         self.close()
 
 
+def _check_beam_params(params: object) -> None:
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
+
+
 def _finished(seq: Seq) -> bool:
     """Whether the request `seq` started has finished (all its samples, or its beam search)."""
     return seq.group.finished if seq.group is not None else seq.is_finished
@@ -554,6 +558,7 @@ class LLM(LLMEngine):
         """Beam search of every prompt (its beams share their blocks, copied on write); for each
         prompt its finished candidates, best first. A prompt that can never run gets an output
         with `error` set and no candidates. Same calling rules as `generate`."""
+        _check_beam_params(params)  # the call's fault, not any one prompt's
         prompts = prompt_list(prompts)
         groups: dict[str, BeamGroup] = {}
 
