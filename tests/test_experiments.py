@@ -199,6 +199,12 @@ def test_prometheus_port_errors_are_clear():
         ({"kind": "preemption_storm", "requests": 10**11}, r"workload.requests: expected an integer in \[1, 1000000\]"),
         ({"kind": "long_doc_qa", "document_tokens": 10**9}, r"workload.document_tokens: .* in \[1, 100000000\]"),
         ({"kind": "replay", "path": "t.jsonl", "max_requests": 10**7}, r"workload.max_requests: .* in \[1, 1000000\]"),
+        # each in range, together too many
+        ({"kind": "preemption_storm", "requests": 10**6, "prompt_tokens": 10**4},
+         r"workload: 10,000,000,000 prompt tokens to draw before the first request is sent, more than 100,000,000"),
+        ({"kind": "multi_turn", "users": 10**4, "turns": 100, "message_tokens": 1000}, "prompt tokens to draw"),
+        ({"kind": "long_doc_qa", "documents": 1000, "questions": 100, "document_tokens": 10**4}, "tokens to draw"),
+        ({"kind": "long_context", "requests": 10**4, "max_prompt_tokens": 128000}, "prompt tokens to draw"),
     ],
 )
 def test_workload_errors(workload, message):

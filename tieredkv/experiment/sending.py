@@ -9,7 +9,8 @@ Operations:
   `send_at(client, plan, max_tokens)`: send each request of a plan at its own second.
 - `random_tokens(rng, n, vocab_size)`: seeded token ids (none of the low, often special, ones).
 - `check_fields(workload)`: a workload's counts (at most `MAX_COUNT`), token counts (at most
-  `MAX_TOKENS`), seconds and rate, checked.
+  `MAX_TOKENS`), seconds and rate, checked, and the prompt tokens it draws up front
+  (`drawn_tokens`, at most `MAX_DRAWN_TOKENS`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ FIRST_TOKEN_ID = 4  # ids below are often special tokens
 # fails when the file loads rather than filling the memory.
 MAX_COUNT = 10**6  # requests, users, turns, documents, questions
 MAX_TOKENS = 10**8  # a `*_tokens` field
+MAX_DRAWN_TOKENS = 10**8  # all the prompt tokens a workload draws before sending (`drawn_tokens`)
 
 
 class Client(Protocol):
@@ -53,6 +55,10 @@ def check_fields(workload: Any) -> None:
     rate = getattr(workload, "rate", None)
     if rate is not None and not finite_number(rate, 0.0, inclusive=False):
         raise ValueError(f"workload.rate: expected requests per second > 0, or null for all at once, got {rate!r}")
+    drawn = getattr(workload, "drawn_tokens", None)  # (a replay's are its file's)
+    if drawn is not None and drawn > MAX_DRAWN_TOKENS:
+        raise ValueError(f"workload: {drawn:,} prompt tokens to draw before the first request is sent, more than "
+                         f"{MAX_DRAWN_TOKENS:,}; make fewer requests or shorter prompts")
 
 
 def arrival_times(rng: random.Random, rate: float | None, n: int) -> list[float]:

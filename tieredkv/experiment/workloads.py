@@ -15,7 +15,9 @@ requests through `client.request(prompt, max_tokens, tag)` at the times it choos
   "max_tokens": n}` lines, or the Mooncake FAST'25 format (`traces.py`), with a time window,
   sampling and time scaling.
 `make_workload(section)` builds one from its YAML keys; `describe_workload(workload)` says what it
-was, for result.json. What they share (the client, the clock, arrivals) is `sending.py`'s.
+was, for result.json. A generated workload draws its prompts before it sends the first
+(`drawn_tokens`: how many tokens, at most; bounded by `sending.check_fields`). What they share
+(the client, the clock, arrivals) is `sending.py`'s.
 
 Arrivals (`rate`): None sends requests at once, a number draws Poisson arrivals at that many
 requests (for `multi_turn`: users) per second. The same seed sends the same requests.
@@ -57,6 +59,11 @@ class MultiTurnWorkload:
     @property
     def num_requests(self) -> int:
         return self.users * self.turns
+
+    @property
+    def drawn_tokens(self) -> int:
+        first = self.message_tokens if self.first_message_tokens is None else self.first_message_tokens
+        return self.system_prompt_tokens + self.users * (first + (self.turns - 1) * self.message_tokens)
 
     def messages(self, rng: random.Random, vocab_size: int) -> tuple[list[int], list[list[list[int]]]]:
         """The system prompt, and each user's messages turn by turn, drawn from `rng`."""
@@ -102,6 +109,10 @@ class LongDocQAWorkload:
     def num_requests(self) -> int:
         return self.documents * self.questions
 
+    @property
+    def drawn_tokens(self) -> int:
+        return self.num_requests * (self.document_tokens + self.question_tokens)
+
     def plan(self, vocab_size: int) -> list[tuple[float, str, list[int], bool]]:
         """Every request as (arrival second, tag, prompt, returning: its document was asked
         about before), in arrival order."""
@@ -132,6 +143,10 @@ class PreemptionStormWorkload:
     @property
     def num_requests(self) -> int:
         return self.requests
+
+    @property
+    def drawn_tokens(self) -> int:
+        return self.requests * self.prompt_tokens
 
     async def run(self, client: Client, vocab_size: int) -> None:
         rng = random.Random(self.seed)
@@ -178,6 +193,11 @@ class LongContextWorkload:
     @property
     def num_requests(self) -> int:
         return self.requests
+
+    @property
+    def drawn_tokens(self) -> int:
+        """At most (prompt lengths are drawn with the requests)."""
+        return self.requests * self.max_prompt_tokens
 
     def plan(self, vocab_size: int) -> list[tuple[float, str, list[int], bool]]:
         """Every request as (arrival second, tag, prompt, returning: its document was sent
