@@ -59,11 +59,11 @@ def test_requests_on_one_document_share_its_first_tokens():
     "keys, message",
     [
         ({"median_prompt_tokens": 10}, "workload.median_prompt_tokens: 10 is outside"),
-        ({"min_prompt_tokens": 0}, "workload.min_prompt_tokens: expected an integer >= 1"),
+        ({"min_prompt_tokens": 0}, "workload.min_prompt_tokens: expected an integer in \\[1, 100000000\\], got 0"),
         ({"question_tokens": 20}, "workload.question_tokens: 20 leaves no document"),
         ({"sigma": -1}, r"workload.sigma: expected a number in \[0, 4\]"),
         ({"shared_fraction": 1.5}, r"workload.shared_fraction: expected a number in \[0, 1\]"),
-        ({"documents": 0}, "workload.documents: expected an integer >= 1"),
+        ({"documents": 0}, "workload.documents: expected an integer in \\[1, 1000000\\], got 0"),
         ({"rate": 0}, "workload.rate: expected requests per second > 0"),
         ({"median_prompt_token": 5}, "did you mean 'workload.median_prompt_tokens'"),
     ],
