@@ -9,6 +9,8 @@ import pytest
 
 from tests.reference import make_prompts
 from tieredkv import AsyncLLM, EngineConfig, LLMEngine, SamplingParams
+from tieredkv.async_engine import MAX_UNREAD_OUTPUTS, Mailbox
+from tieredkv.outputs import RequestOutput
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -283,4 +285,35 @@ async def test_a_requests_ttft_starts_when_the_front_end_takes_it(engine_process
     assert sum(split.values()) == pytest.approx(metrics.ttft, abs=1e-9) and split["queued"] > 0
     async for _ in busy:
         pass
+    await allm.close()
+
+
+async def test_a_mailbox_joins_a_streams_outputs_once_too_many_wait_unread():
+    box = Mailbox()
+    for t in range(1, 200):  # cumulative outputs of stream "a", a text delta each
+        box.put(RequestOutput("a", [1], list(range(t)), t == 199, text_delta=f"<{t}>"), "a")
+        if t == 100:
+            box.put(RequestOutput("b", [1], [7], True, text_delta="b"), "b")
+    box.put(ValueError("failed"), "c")
+    items = [await box.get() for _ in range(MAX_UNREAD_OUTPUTS + 2)]
+    a = [out for key, out in items if key == "a"]
+    assert [len(out.token_ids) for out in a[:-1]] == list(range(1, MAX_UNREAD_OUTPUTS))
+    last = a[-1]  # stands for every output after the first 63: all the tokens, every text delta
+    assert last.finished and last.token_ids == list(range(199))
+    assert last.text_delta == "".join(f"<{t}>" for t in range(MAX_UNREAD_OUTPUTS, 200))
+    assert [key for key, _ in items][-2:] == ["b", "c"] and isinstance(items[-1][1], ValueError)
+
+
+async def test_a_stream_nobody_reads_holds_a_bounded_number_of_outputs():
+    """A client that stops reading: its stream keeps the newest outputs, not one per token (each
+    a copy of all the tokens so far)."""
+    allm = AsyncLLM(model="tiny-llama", num_gpu_blocks=64)
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    expected = (await allm.generate([5, 6, 7], params)).token_ids
+    stream = allm.generate_stream([5, 6, 7], params)
+    first = await stream.__anext__()
+    await allm.drained()  # every token generated, none read
+    rest = [out async for out in stream]
+    assert len(rest) <= MAX_UNREAD_OUTPUTS and len(first.token_ids) + len(rest) < 300
+    assert rest[-1].finished and rest[-1].token_ids == expected
     await allm.close()

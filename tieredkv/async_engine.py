@@ -23,6 +23,11 @@ Operations:
 - `tokenize(prompt)`, `check_request(prompt, params)`, `decode_token(id)`: the engine's checks
   and its tokenizer, for a server validating a request before it answers.
 
+A consumer that falls far behind its stream holds at most `MAX_UNREAD_OUTPUTS` unread outputs,
+not one a token (`Mailbox`: outputs are cumulative, so the newest stands for those it
+replaces): a client that stops reading does not make its stream's memory grow with the square
+of its length.
+
 A caller's `request_id` names one open stream at a time. Inside the engine every submission gets
 an id of its own (`<request_id>#<n>`), and outputs are routed by it: a request cancelled and
 retried under the same id never sees, or steals, the other one's tokens.
@@ -38,7 +43,8 @@ import asyncio
 import dataclasses
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 from tieredkv.config import EngineConfig, api_config
@@ -48,20 +54,60 @@ from tieredkv.engine_core.info import EngineInfo
 from tieredkv.engine_core.process import ProcessCore
 from tieredkv.engine_core.thread import ThreadCore
 from tieredkv.model.runner import load_tokenizer
-from tieredkv.outputs import RequestOutput
+from tieredkv.outputs import RequestOutput, later_output
 from tieredkv.prompts import token_ids
 from tieredkv.sampling import SamplingParams
 from tieredkv.values import check_request_id
 
+MAX_UNREAD_OUTPUTS = 64  # a stream's outputs a consumer may leave unread before they are joined
+
+
+class Mailbox:
+    """What one or more streams (by `key`) delivered and their consumer has not read, in the
+    order it came (the event loop's alone). Once `MAX_UNREAD_OUTPUTS` of a stream's outputs wait,
+    its newest one is replaced by the next, which holds all of it (`later_output`); anything
+    else (an error, an end) waits in line as it came."""
+
+    def __init__(self) -> None:
+        self._order: deque[list[Any]] = deque()  # [key, item], oldest first
+        self._newest: dict[Hashable, list[Any]] = {}  # a stream's newest unread output, its entry in `_order`
+        self._unread: dict[Hashable, int] = {}  # a stream's unread outputs
+        self._arrived = asyncio.Event()
+
+    def put(self, item: object, key: Hashable = None) -> None:
+        if not isinstance(item, RequestOutput):
+            self._order.append([key, item])
+        elif self._unread.get(key, 0) >= MAX_UNREAD_OUTPUTS:
+            newest = self._newest[key]
+            newest[1] = later_output(newest[1], item)
+        else:
+            self._newest[key] = [key, item]
+            self._order.append(self._newest[key])
+            self._unread[key] = self._unread.get(key, 0) + 1
+        self._arrived.set()
+
+    async def get(self) -> tuple[Hashable, object]:
+        """The oldest unread item, and its key."""
+        while not self._order:
+            self._arrived.clear()
+            await self._arrived.wait()
+        entry = self._order.popleft()
+        key, item = entry
+        if isinstance(item, RequestOutput):
+            self._unread[key] -= 1
+            if self._newest[key] is entry:
+                del self._newest[key], self._unread[key]
+        return key, item
+
 
 @dataclasses.dataclass(eq=False)
 class _Stream:
-    """One submitted request: the caller's id, the engine's id for it, and the queue its
+    """One submitted request: the caller's id, the engine's id for it, and the mailbox its
     consumer reads."""
 
     request_id: str
     engine_id: str
-    queue: asyncio.Queue[RequestOutput | BaseException] = dataclasses.field(default_factory=asyncio.Queue)
+    mailbox: Mailbox = dataclasses.field(default_factory=Mailbox)
     aborted: bool = False  # its abort was handed to the engine loop
 
 
@@ -80,7 +126,7 @@ class _Streams:
                 continue
             if out.finished:
                 del self.live[out.request_id]
-            stream.queue.put_nowait(dataclasses.replace(out, request_id=stream.request_id))
+            stream.mailbox.put(dataclasses.replace(out, request_id=stream.request_id))
 
     def fail(self, request_id: str | None, err: BaseException) -> None:
         """End one request's stream with `err` (the engine refused it: it holds nothing), or
@@ -88,10 +134,10 @@ class _Streams:
         if request_id is not None:
             stream = self.live.pop(request_id, None)
             if stream is not None:
-                stream.queue.put_nowait(err)
+                stream.mailbox.put(err)
             return
         for stream in self.live.values():
-            stream.queue.put_nowait(err)
+            stream.mailbox.put(err)
 
 
 class AsyncLLM:
@@ -162,14 +208,16 @@ class AsyncLLM:
     async def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every new token; the last one has `finished`
-        (`finish_reason="abort"` if `abort()` or `close()` ended it). Raises ValueError at once
-        for a request that can never run or a `request_id` another open stream uses."""
+        """Yield the request's output after every new token (a consumer `MAX_UNREAD_OUTPUTS` behind
+        gets the newest, which holds all the tokens so far; its `text_delta` joins those it stands
+        for); the last one has `finished` (`finish_reason="abort"` if `abort()` or `close()` ended it). Raises
+        ValueError at once for a request that can never run or a `request_id` another open
+        stream uses."""
         stream = self._submit(prompt, params, request_id)
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                _, item = await stream.mailbox.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

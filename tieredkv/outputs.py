@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tieredkv.logprobs import TokenLogprobs
 
@@ -65,3 +65,11 @@ class RequestOutput:
         if not self.outputs:  # one sample: its output is the request's
             only = CompletionOutput(0, self.token_ids, self.text, self.finish_reason)
             object.__setattr__(self, "outputs", [only])
+
+
+def later_output(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """`later` standing for both of a request's outputs (they are cumulative: the later holds
+    every token of the earlier), its `text_delta` what the two added."""
+    if earlier.text_delta is None:
+        return later
+    return replace(later, text_delta=earlier.text_delta + (later.text_delta or ""))

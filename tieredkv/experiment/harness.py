@@ -110,8 +110,10 @@ class _Client:
             record.restart_wait = time.monotonic() - record.arrival
         try:
             async for out in llm.generate_stream(prompt, params):
-                record.token_times.append(time.monotonic())
-                self.output_tokens += 1
+                # an output read late holds the tokens of those it stands for: seen now, all of them
+                new = len(out.token_ids) - len(record.output_token_ids)
+                record.token_times.extend([time.monotonic()] * new)
+                self.output_tokens += new
                 record.output_token_ids = out.token_ids
                 record.prompt_tokens = len(out.prompt_token_ids)
                 record.cached_tokens = out.metrics.num_cached_tokens if out.metrics else 0

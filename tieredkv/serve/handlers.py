@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from tieredkv.async_engine import AsyncLLM
+from tieredkv.async_engine import AsyncLLM, Mailbox
 from tieredkv.experiment.metrics import RequestRecord
 from tieredkv.experiment.prometheus import ServerMetrics
 from tieredkv.outputs import RequestOutput
@@ -246,29 +246,30 @@ async def _single(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[i
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several output streams as their items arrive; leaving early cancels them all
-    (each aborts its request)."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+    """Interleave several output streams as their items arrive (outputs not sent yet are joined
+    past `MAX_UNREAD_OUTPUTS` a stream, as in `AsyncLLM`'s streams); leaving early cancels them
+    all (each aborts its request)."""
+    mailbox = Mailbox()
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in stream:
-                queue.put_nowait((i, out))
-            queue.put_nowait(None)
+                mailbox.put(out, i)
+            mailbox.put(None, i)
         except Exception as err:
-            queue.put_nowait(err)
+            mailbox.put(err, i)
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:
-            item = await queue.get()
+            i, item = await mailbox.get()
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield item
+                yield i, item
     finally:
         for task in tasks:
             task.cancel()
