@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -339,6 +340,28 @@ def test_cli_serve_prints_the_tiers_then_the_url(chat_model_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_cli_serve_stops_on_ctrl_c_without_a_traceback():
+    """Ctrl-C (SIGINT to the terminal's process group: the server and its engine process) shuts
+    the server down and exits 130, as `tieredkv run` does."""
+    command = [sys.executable, "-m", "tieredkv.cli", "serve", "demo", "--port", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("serving"):
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        url = re.search(r"at (http://\S+)/v1", lines[-1]).group(1)
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in rest, rest
 
 
 def test_cli_serve_needs_a_model(capsys):

@@ -65,6 +65,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"tieredkv: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut the server down, then raised it again
+        return 130  # as `tieredkv run` (128 + SIGINT)
     return 0
 
 
