@@ -317,20 +317,30 @@ async def test_200_concurrent_streams_complete_in_order(server, reference):
 # ---------------------------------------------------------------- the command line
 
 
+def cli_serve(*args: str) -> list[str]:
+    """The command line of `tieredkv serve ARGS` on a free port."""
+    return [sys.executable, "-m", "tieredkv.cli", "serve", *args, "--port", "0"]
+
+
+def lines_until_serving(proc: subprocess.Popen) -> list[str]:
+    """What the server printed up to its "serving ... at URL" line."""
+    lines = []
+    while not lines or not lines[-1].startswith("serving"):
+        line = proc.stdout.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+    return lines
+
+
 def test_cli_serve_prints_the_tiers_then_the_url(chat_model_dir, tmp_path):
     config = tmp_path / "serve.yaml"
     config.write_text("model: tiny-llama\ncache: {num_gpu_blocks: 32, block_size: 8}\n"
                       "scheduler: {preemption: recompute}\nworkload: {kind: multi_turn}\n")
-    command = [sys.executable, "-m", "tieredkv.cli", "serve", str(config), "--model", chat_model_dir,
-               "--port", "0", "--served-model-name", NAME]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cli_serve(str(config), "--model", chat_model_dir, "--served-model-name", NAME),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        lines = []
-        while not lines or not lines[-1].startswith("serving"):
-            line = proc.stdout.readline()
-            assert line, "".join(lines)
-            lines.append(line)
+        lines = lines_until_serving(proc)
         report = "".join(lines)
         assert re.search(r"GPU tier +32 blocks x 8 tokens = 256 tokens", report)
         assert "CPU tier     none" in report and "cost model" in report and "I/O backend" in report
@@ -345,15 +355,10 @@ def test_cli_serve_prints_the_tiers_then_the_url(chat_model_dir, tmp_path):
 def test_cli_serve_stops_on_ctrl_c_without_a_traceback():
     """Ctrl-C (SIGINT to the terminal's process group: the server and its engine process) shuts
     the server down and exits 130, as `tieredkv run` does."""
-    command = [sys.executable, "-m", "tieredkv.cli", "serve", "demo", "--port", "0"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cli_serve("demo"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
-        lines = []
-        while not lines or not lines[-1].startswith("serving"):
-            line = proc.stdout.readline()
-            assert line, "".join(lines)
-            lines.append(line)
+        lines = lines_until_serving(proc)
         url = re.search(r"at (http://\S+)/v1", lines[-1]).group(1)
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         os.killpg(proc.pid, signal.SIGINT)
